@@ -1,0 +1,383 @@
+"""The public entry points: :func:`attention` and :func:`context_parallel`.
+
+Legend: ``B`` batch, ``L`` local (this rank's) length, ``H`` query heads, ``K`` K/V heads,
+``D`` head dim, ``N`` documents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from . import layout as layout_mod
+from .backends import BACKENDS, select_backend
+from .comm import Comm
+from .masks import MaskSpec, SequenceMeta, doc_starts_from_cu_seqlens, doc_starts_from_position_ids
+from .plan import PlanStats, RankPlan, build_plan
+from .ring import ring_attention
+
+__all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats"]
+
+_ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar("cp_attention_ctx", default=None)
+_LAST_STATS: list[PlanStats | None] = [None]
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PLAN_CACHE_SIZE = 16
+
+
+def last_plan_stats() -> PlanStats | None:
+    """Statistics of the plan used by the most recent :func:`attention` call in this process."""
+    return _LAST_STATS[0]
+
+
+class ContextParallel:
+    """A context-parallel group: how sequences are sharded over its ranks, plus a plan cache.
+
+    Plans depend on the batch's sequence metadata and the mask; they are cached here (keyed by the
+    ``position_ids`` tensor object and its version, shapes and mask) so every layer of one forward
+    that shares a mask reuses one plan and the metadata is exchanged once.
+    """
+
+    def __init__(self, group=None, layout: str = "zigzag"):
+        self.comm = Comm(group)
+        self.group = group
+        self.layout = layout_mod.check_layout(layout)
+        self._plans: dict = {}
+        self._metas: dict = {}
+        self._seq_len: int | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(rank={self.rank}, world_size={self.world_size}, layout={self.layout!r})"
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's shard of a full-length tensor along ``dim`` (differentiable).
+
+        The context remembers the full length, so that :func:`attention` can reuse cached plans
+        for this sequence length without asking the other ranks."""
+        self._seq_len = x.shape[dim]
+        return layout_mod.shard(x, dim, self.world_size, self.layout, self.rank)
+
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Every rank's shard along ``dim``, reassembled in original token order, on every rank.
+
+        Not differentiable (a collective on detached data)."""
+        if self.world_size == 1:
+            return x
+        x = x.detach()
+        dim = dim % x.dim()
+        lengths = self.comm.all_gather(torch.tensor([x.shape[dim]], device=self.comm.device))
+        lengths = [int(n) for n in lengths]
+        longest = max(lengths)
+        pad_shape = list(x.shape)
+        pad_shape[dim] = longest - x.shape[dim]
+        padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim).to(self.comm.device)
+        parts = self.comm.all_gather(padded)
+        parts = [p.narrow(dim, 0, n).to(x.device) for p, n in zip(parts, lengths)]
+        return layout_mod.unshard(parts, dim, self.layout)
+
+    def _cached(self, store: dict, key, make, keep_alive=()):
+        """LRU lookup. ``keep_alive`` holds the tensors whose ``id`` is part of ``key`` so an id
+        cannot be reused by another tensor while the entry lives."""
+        if key in store:
+            entry = store.pop(key)
+        else:
+            entry = (make(), keep_alive)
+        store[key] = entry  # most recent last
+        while len(store) > _PLAN_CACHE_SIZE:
+            store.pop(next(iter(store)))
+        return entry[0]
+
+
+@contextlib.contextmanager
+def context_parallel(group=None, layout: str = "zigzag"):
+    """Make ``group`` (None: the default WORLD group) the context-parallel group of the block.
+
+    Inside, :func:`attention` with ``group=None`` shards over this group with this layout::
+
+        with cp_attention.context_parallel(layout="zigzag") as cp:
+            q, k, v = (cp.shard(t, dim=1) for t in (q_full, k_full, v_full))
+            out = cp_attention.attention(q, k, v, window=4096)
+            out_full = cp.gather(out, dim=1)
+
+    Without an initialised torch.distributed and with ``group=None`` the context has world size 1.
+    """
+    cp = ContextParallel(group, layout)
+    token = _ACTIVE.set(cp)
+    try:
+        yield cp
+    finally:
+        _ACTIVE.reset(token)
+
+
+# ----------------------------------------------------------------------------------------------
+# input checks
+
+
+def _check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape (B, L_local, heads, head_dim), "
+                            f"got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (B, L_local, heads, head_dim), got {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[:2] != k.shape[:2]:
+        raise ValueError(f"q and k must agree on (B, L_local), got {tuple(q.shape[:2])} and "
+                         f"{tuple(k.shape[:2])}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads "
+                         f"({k.shape[2]}) for GQA/MQA")
+    B, L = q.shape[:2]
+    if L == 0:
+        raise ValueError("q has no tokens on this rank: the sequence length must be >= the world size")
+    if position_ids is not None and cu_seqlens is not None:
+        raise ValueError("pass either position_ids or cu_seqlens to describe documents, not both")
+    if position_ids is not None:
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype.is_floating_point or \
+                position_ids.dtype == torch.bool:
+            raise TypeError("position_ids must be an integer tensor of shape (B, L_local)")
+        if tuple(position_ids.shape) != (B, L):
+            raise ValueError(f"position_ids must have shape (B, L_local) = {(B, L)}, got "
+                             f"{tuple(position_ids.shape)}")
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError("cu_seqlens must be an int32 (or int64) tensor of shape (N+1,)")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must have shape (N+1,) with N >= 1, got {tuple(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens describes one packed row, but B = {B}; use position_ids "
+                             f"(B, L_local) for batches with several rows")
+        cu = cu_seqlens.detach().cpu()
+        if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:16]}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+            raise TypeError("sinks must be a float tensor of shape (heads,)")
+        if tuple(sinks.shape) != (q.shape[2],):
+            raise ValueError(f"sinks must have shape (heads,) = ({q.shape[2]},), got {tuple(sinks.shape)}")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+
+
+def _float_bits(x: float | None) -> int:
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+_HEADER = ("error", "batch", "local_len", "heads", "kv_heads", "head_dim", "dtype", "layout", "causal",
+           "window", "chunk_size", "softcap", "scale", "sinks", "documents", "cu_seqlens_crc")
+
+
+def _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, error) -> torch.Tensor:
+    crc = -1
+    if cu_seqlens is not None:
+        crc = zlib.crc32(cu_seqlens.detach().to("cpu", torch.int64).numpy().tobytes())
+    values = (int(error), q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPES.index(q.dtype),
+              layout_mod.LAYOUTS.index(layout), int(spec.causal), spec.window or -1, spec.chunk_size or -1,
+              _float_bits(spec.softcap), _float_bits(spec.scale), int(sinks is not None),
+              0 if position_ids is None and cu_seqlens is None else (1 if position_ids is not None else 2), crc)
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _agree(headers: list[torch.Tensor], world_size: int, layout: str) -> int:
+    """Check that every rank describes the same attention; return the global sequence length."""
+    table = torch.stack(headers)
+    for col, name in enumerate(_HEADER):
+        if name in ("error", "local_len"):
+            continue
+        column = table[:, col]
+        if bool((column != column[0]).any()):
+            raise ValueError(f"ranks disagree on {name}: {column.tolist()} (rank order); every rank of the "
+                             f"context-parallel group must call attention with the same arguments")
+    return layout_mod.infer_seq_len(table[:, 2].tolist(), world_size, layout)
+
+
+# ----------------------------------------------------------------------------------------------
+# the entry point
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    cp: ContextParallel | None
+    comm: Comm
+    layout: str
+
+
+def _resolve(group, layout) -> _Resolved:
+    active = _ACTIVE.get()
+    if group is None and active is not None:
+        cp = active
+    elif group is not None:
+        cp = active if active is not None and active.group is group else None
+        if cp is None:
+            cp = ContextParallel(group, layout or "zigzag")
+    else:
+        cp = None
+    if layout is not None:
+        layout_mod.check_layout(layout)
+    use_layout = layout or (cp.layout if cp is not None else "zigzag")
+    return _Resolved(cp=cp, comm=cp.comm if cp is not None else Comm(None), layout=use_layout)
+
+
+def _tensor_key(t: torch.Tensor | None):
+    return None if t is None else (id(t), t._version, tuple(t.shape), str(t.device))
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+    causal: bool = True, window: int | None = None, chunk_size: int | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None, scale: float | None = None,
+    group=None, layout: str | None = None, backend: str = "auto",
+) -> torch.Tensor:
+    """Attention over a sequence sharded across a process group, honouring every mask.
+
+    Args:
+        q: (B, L_local, H, D) this rank's queries, in layout order (see ``ContextParallel.shard``).
+        k, v: (B, L_local, K, D) this rank's keys and values; ``H`` must be a multiple of ``K``
+            (GQA/MQA); only the ``K`` un-repeated heads travel between ranks.
+        position_ids: (B, L_local) this rank's shard of the global position ids. A document starts
+            wherever the position does not increase by exactly 1 from the previous token (in
+            global order); tokens attend only within their document.
+        cu_seqlens: (N+1,) int32 global document boundaries, for B == 1, instead of position_ids.
+        causal: decoder (True) or encoder (False) attention.
+        window: sliding window; with global positions ``q`` and ``k``, the key is visible when
+            ``0 <= q - k < window`` (causal) or ``|q - k| < window``. None: unlimited. For
+            ``window=3``, causal::
+
+                1 0 0 0 0
+                1 1 0 0 0
+                1 1 1 0 0
+                0 1 1 1 0
+                0 0 1 1 1
+
+        chunk_size: query and key must lie in the same chunk of their document (Llama 4).
+        softcap: ``softcap * tanh(scores / softcap)`` on the scaled scores (Gemma 2).
+        sinks: (H,) one extra value-less logit per head (gpt-oss). Its gradient is this rank's
+            share: sum it over the group (as data-parallel gradient reduction does).
+        scale: score multiplier; None means ``D ** -0.5``.
+        group: the process group; None means the active :func:`context_parallel` group, or a
+            single device when none is active.
+        layout: "zigzag" or "contiguous"; None means the active context's layout (else zigzag).
+        backend: "auto" or a name in ``cp_attention.backends.BACKENDS`` ("reference").
+
+    Returns:
+        (B, L_local, H, D) in q's dtype (accumulation in float32), differentiable w.r.t. q, k, v
+        and sinks. A query that sees no key returns zeros.
+
+    Raises:
+        TypeError / ValueError naming the argument, on every rank, before any K/V moves.
+    """
+    spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale)
+    res = _resolve(group, layout)
+    comm = res.comm
+    error: Exception | None = None
+    try:
+        _check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    if error is not None and comm.world_size == 1:
+        raise error
+    if error is not None:
+        # tell the other ranks (they are about to enter the same collective) so nobody hangs
+        _agree_or_raise(comm, None, error, res.layout)
+    head_dim = q.shape[3]
+    impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=head_dim, spec=spec)
+    plan = _plan(res, q, k, spec, position_ids, cu_seqlens, sinks)
+    _LAST_STATS[0] = plan.stats
+    return ring_attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(head_dim),
+                          softcap=spec.softcap)
+
+
+def _agree_or_raise(comm: Comm, header: torch.Tensor | None, error: Exception | None, layout: str) -> int:
+    """Exchange headers; raise the same error on every rank if any rank failed or ranks disagree."""
+    if header is None:
+        header = torch.full((len(_HEADER),), -1, dtype=torch.int64)
+    header = header.clone()
+    header[0] = int(error is not None)
+    headers = [h.cpu() for h in comm.all_gather(header.to(comm.device))]
+    failed = [r for r, h in enumerate(headers) if int(h[0])]
+    if failed:
+        messages = comm.all_gather_object(None if error is None else (type(error).__name__, str(error)))
+        if error is not None:  # every failing rank raises its own error
+            raise error
+        first = failed[0]
+        kind, message = messages[first]
+        exc_type = TypeError if kind == "TypeError" else ValueError
+        raise exc_type(f"rank {first} rejected its inputs: {message}")
+    return _agree(headers, comm.world_size, layout)
+
+
+def _plan(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks) -> RankPlan:
+    """This rank's plan: from the context's cache when this batch's metadata was seen before,
+    else after one header exchange (agreement of every rank's arguments and local length) and, with
+    ``position_ids``, one all-gather of the position ids."""
+    comm, layout, cp = res.comm, res.layout, res.cp
+    B, L_local = q.shape[:2]
+    P = comm.world_size
+    plan_spec = MaskSpec(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size)
+    itemsize = k.element_size()
+
+    def make_meta(seq_len: int) -> SequenceMeta:
+        if cu_seqlens is not None:
+            if int(cu_seqlens[-1]) != seq_len:
+                raise ValueError(f"cu_seqlens must end at the global sequence length {seq_len}, "
+                                 f"got {int(cu_seqlens[-1])}")
+            return SequenceMeta(batch=1, seq_len=seq_len, doc_start=doc_starts_from_cu_seqlens(cu_seqlens, seq_len))
+        if position_ids is None:
+            return SequenceMeta(batch=B, seq_len=seq_len)
+        if P == 1:
+            pos_BL = position_ids.detach().cpu()
+        else:
+            sizes = layout_mod.local_lengths(seq_len, P, layout)
+            padded = torch.zeros(B, max(sizes), dtype=torch.int64, device=comm.device)
+            padded[:, :L_local] = position_ids.detach().to(comm.device, torch.int64)
+            parts = [p[:, :n].cpu() for p, n in zip(comm.all_gather(padded), sizes)]
+            pos_BL = layout_mod.unshard(parts, 1, layout)
+        return SequenceMeta(batch=B, seq_len=seq_len, doc_start=doc_starts_from_position_ids(pos_BL))
+
+    def make_plan(meta_key) -> RankPlan:
+        if P == 1:
+            seq_len = L_local
+        else:
+            header = _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, error=False)
+            seq_len = _agree_or_raise(comm, header, None, layout)
+        if meta_key is not None:
+            meta = cp._cached(cp._metas, meta_key, lambda: make_meta(seq_len), (position_ids, cu_seqlens))
+        else:
+            meta = make_meta(seq_len)
+        return build_plan(meta, plan_spec, world_size=P, layout=layout, rank=comm.rank,
+                          head_kv=k.shape[2], head_dim=k.shape[3], itemsize=itemsize)
+
+    # A cached plan may be used only when the key fixes the global length on every rank: world
+    # size 1, global cu_seqlens, or the length recorded by cp.shard() matching this shard.
+    hint = cp._seq_len if cp is not None else None
+    cacheable = cp is not None and (P == 1 or cu_seqlens is not None or (
+        hint is not None and hint >= P and layout_mod.local_lengths(hint, P, layout)[comm.rank] == L_local))
+    if not cacheable:
+        return make_plan(None)
+    meta_key = (layout, B, L_local, None if P == 1 or cu_seqlens is not None else hint,
+                _tensor_key(position_ids), _tensor_key(cu_seqlens))
+    plan_key = (meta_key, plan_spec, k.shape[2], k.shape[3], itemsize)
+    return cp._cached(cp._plans, plan_key, lambda: make_plan(meta_key), (position_ids, cu_seqlens))

@@ -1,0 +1,169 @@
+"""The mask model: one :class:`MaskSpec` per attention layer plus per-token sequence metadata.
+
+Every input mode (``position_ids``, global ``cu_seqlens``, plain full-length rows) is converted here
+into the same two facts per token, in *global* (unsharded) coordinates:
+
+* its global index ``i`` in ``[0, L)``;
+* the ``[start, end)`` range of its *attention segment*: the document it belongs to, further cut
+  into chunks of ``chunk_size`` tokens counted from the document's first token.
+
+A query at global index ``q`` sees a key at global index ``k`` exactly when both lie in the same
+segment and ``lo <= k - q <= hi`` for the band ``(lo, hi)`` of :meth:`MaskSpec.band`.
+
+Legend for tensor names: ``B`` batch rows, ``L`` global sequence length, ``N`` number of documents.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "MaskSpec",
+    "SequenceMeta",
+    "doc_starts_from_position_ids",
+    "doc_starts_from_cu_seqlens",
+    "segment_bounds",
+    "dense_mask",
+]
+
+INF = math.inf
+
+
+@dataclass(kw_only=True, frozen=True)
+class MaskSpec:
+    """The static description of one attention mask (everything but tensors).
+
+    Sinks are not part of the spec: they are a differentiable tensor passed next to it and do not
+    change which (query, key) pairs are visible.
+    """
+
+    causal: bool = True
+    """True: a query sees only keys at or before it (decoder). False: bidirectional (encoder)."""
+    window: int | None = None
+    """Sliding window with transformers' meaning: key ``k`` is visible from query ``q`` when
+    ``0 <= q - k < window`` (causal) or ``|q - k| < window`` (bidirectional). None: unlimited."""
+    chunk_size: int | None = None
+    """Chunked attention (Llama 4): query and key must also lie in the same ``chunk_size``-token
+    chunk of their document, chunks counted from the document's first token. None: no chunking."""
+    softcap: float | None = None
+    """Logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)`` after
+    scaling. None: off."""
+    scale: float | None = None
+    """Multiplier of ``q @ k^T``. None: ``head_dim ** -0.5``."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
+        for name in ("window", "chunk_size"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be a positive int or None, got {value!r}")
+            if value <= 0:
+                raise ValueError(f"{name} must be a positive int or None (unlimited), got {value}")
+        if self.softcap is not None and not (float(self.softcap) > 0 and math.isfinite(self.softcap)):
+            raise ValueError(f"softcap must be a positive finite float or None, got {self.softcap!r}")
+        if self.scale is not None and not (math.isfinite(self.scale) and float(self.scale) != 0.0):
+            raise ValueError(f"scale must be a finite non-zero float or None, got {self.scale!r}")
+
+    def band(self) -> tuple[float, float]:
+        """Inclusive bounds ``(lo, hi)`` on ``k - q`` for visible pairs; ``±inf`` when unlimited.
+
+        causal, window W:         lo = -(W-1), hi = 0
+        bidirectional, window W:  lo = -(W-1), hi = W-1
+        """
+        reach = INF if self.window is None else self.window - 1
+        return (-reach, 0 if self.causal else reach)
+
+    def resolved_scale(self, head_dim: int) -> float:
+        return float(self.scale) if self.scale is not None else head_dim ** -0.5
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceMeta:
+    """Global per-token document metadata, identical on every rank.
+
+    ``doc_start`` is None when every row is one document (the common unpacked case); otherwise a
+    (B, L) int64 CPU tensor holding, for each token, the global index of its document's first token.
+    """
+
+    batch: int
+    seq_len: int
+    doc_start: torch.Tensor | None = None
+
+    def doc_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(start, end) of each token's document, both (B, L) int64, ``end`` exclusive."""
+        B, L = self.batch, self.seq_len
+        if self.doc_start is None:
+            zeros = torch.zeros(B, L, dtype=torch.int64)
+            return zeros, torch.full((B, L), L, dtype=torch.int64)
+        start_BL = self.doc_start
+        return start_BL, _ends_from_starts(start_BL)
+
+
+def _ends_from_starts(start_BL: torch.Tensor) -> torch.Tensor:
+    """Exclusive document end per token from document starts (documents are contiguous)."""
+    B, L = start_BL.shape
+    idx_L = torch.arange(L)
+    is_first_BL = start_BL == idx_L  # token opens a document
+    # the end of a document is the index of the next opening token (or L)
+    next_open_BL = torch.where(is_first_BL, idx_L.expand(B, L), torch.full((B, L), L))
+    # for token i we need min over j > i of next_open[j]: reverse cumulative min, shifted by one
+    rev_min = torch.flip(torch.cummin(torch.flip(next_open_BL, [1]), dim=1).values, [1])
+    end_BL = torch.cat([rev_min[:, 1:], torch.full((B, 1), L)], dim=1)
+    return end_BL
+
+
+def doc_starts_from_position_ids(position_ids_BL: torch.Tensor) -> torch.Tensor:
+    """Document start per token from global-order position ids, (B, L) -> (B, L) int64.
+
+    A new document starts at token 0 and wherever the position does not increase by exactly 1 from
+    the previous token (the usual packing convention restarts positions at 0).
+    """
+    pos = position_ids_BL.to(torch.int64)
+    B, L = pos.shape
+    opens_BL = torch.ones(B, L, dtype=torch.bool)
+    if L > 1:
+        opens_BL[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    idx_L = torch.arange(L)
+    return torch.cummax(torch.where(opens_BL, idx_L, torch.zeros_like(idx_L)), dim=1).values
+
+
+def doc_starts_from_cu_seqlens(cu_seqlens_N1: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Document start per token from global ``cu_seqlens`` (N+1,), for one row: -> (1, L) int64."""
+    cu = cu_seqlens_N1.to(torch.int64).cpu()
+    idx_L = torch.arange(seq_len)
+    # index of the document containing token i: last boundary <= i among cu[:-1]
+    doc_of_L = torch.searchsorted(cu[:-1].contiguous(), idx_L, right=True) - 1
+    return cu[doc_of_L].unsqueeze(0)
+
+
+def segment_bounds(
+    meta: SequenceMeta, spec: MaskSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention-segment ``[start, end)`` per token, (B, L) int64 each: documents cut into chunks."""
+    start_BL, end_BL = meta.doc_bounds()
+    if spec.chunk_size is not None:
+        C = spec.chunk_size
+        idx_L = torch.arange(meta.seq_len)
+        start_BL = start_BL + ((idx_L - start_BL) // C) * C
+        end_BL = torch.minimum(end_BL, start_BL + C)
+    return start_BL, end_BL
+
+
+def dense_mask(meta: SequenceMeta, spec: MaskSpec) -> torch.Tensor:
+    """The full (B, L, L) boolean mask ``[b, q, k]``: True where query q sees key k.
+
+    O(L^2) memory: for oracles, tests and benchmark baselines only; the engine never builds it.
+    """
+    start_BL, _ = segment_bounds(meta, spec)
+    lo, hi = spec.band()
+    idx_L = torch.arange(meta.seq_len)
+    diff_LL = idx_L[None, :] - idx_L[:, None]  # k - q
+    band_LL = (diff_LL >= lo) & (diff_LL <= hi)
+    same_BLL = start_BL[:, :, None] == start_BL[:, None, :]
+    return same_BLL & band_LL[None]

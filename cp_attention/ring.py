@@ -1,0 +1,168 @@
+"""The ring: one autograd.Function whose forward and backward walk a :class:`~cp_attention.plan.RankPlan`.
+
+Forward: compute the local block while the first exchange is in flight; for every round, wait for
+its K/V, post the next round's exchange, then compute the block and merge it into float32
+accumulators by log-sum-exp. Sinks are applied after the last merge. Only local q, k, v, out and
+lse are kept for backward.
+
+Backward: walk the same rounds, fetching the same remote K/V spans; dQ accumulates locally, and the
+dK/dV partial sums of each received span go back to its owner, who adds them to its own.
+
+Legend: ``B`` batch, ``L`` local length, ``T = B * L`` packed local tokens, ``S`` packed rows of a
+K/V buffer, ``H`` query heads, ``K`` K/V heads, ``D`` head dim, ``W`` span width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Comm, Pending
+from .merge import apply_sinks, merge_partials
+from .plan import RankPlan, Round, Step
+
+__all__ = ["ring_attention"]
+
+
+def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _gather_spans(x_BLKD: torch.Tensor, spans) -> torch.Tensor:
+    parts = [x_BLKD[:, a:b] for a, b in spans]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _post_kv(comm: Comm, rnd: Round, k_BLKD, v_BLKD, tag: int) -> tuple[Pending, torch.Tensor | None]:
+    """Post one round's K/V exchange: my spans to ``send_to``, the step's spans from its source."""
+    if rnd.send_to is not None:
+        payload = torch.stack([_gather_spans(k_BLKD, rnd.send_spans), _gather_spans(v_BLKD, rnd.send_spans)])
+        comm.send(payload.contiguous(), rnd.send_to, tag)
+    buf = None
+    if rnd.recv is not None:
+        B, _, K, D = k_BLKD.shape
+        buf = torch.empty(2, B, rnd.recv.width, K, D, dtype=k_BLKD.dtype, device=k_BLKD.device)
+        comm.recv(buf, rnd.recv.source, tag)
+    return comm.commit(), buf
+
+
+def _forward_step(step: Step, backend, q_THD, k_SKD, v_SKD, out_THD, lse_HT, scale, softcap):
+    for c in step.calls:
+        cu_q, cu_k = c.cu_seqlens_on(q_THD.device)
+        o_THD, l_HT = backend.forward(
+            q_THD[c.q_start:c.q_end], k_SKD[c.k_start:c.k_end], v_SKD[c.k_start:c.k_end], cu_q, cu_k,
+            c.max_seqlen_q, c.max_seqlen_k, scale=scale, causal=c.causal, window=c.window, softcap=softcap)
+        rows = slice(c.q_start, c.q_end)
+        out_THD[rows], lse_HT[:, rows] = merge_partials(out_THD[rows], lse_HT[:, rows], o_THD, l_HT)
+
+
+def _backward_step(step: Step, backend, dout_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, dq_THD, dk_SKD, dv_SKD,
+                   scale, softcap):
+    for c in step.calls:
+        cu_q, cu_k = c.cu_seqlens_on(q_THD.device)
+        rows, keys = slice(c.q_start, c.q_end), slice(c.k_start, c.k_end)
+        dq, dk, dv = backend.backward(
+            dout_THD[rows], q_THD[rows], k_SKD[keys], v_SKD[keys], out_THD[rows], lse_HT[:, rows], cu_q, cu_k,
+            c.max_seqlen_q, c.max_seqlen_k, scale=scale, causal=c.causal, window=c.window, softcap=softcap)
+        dq_THD[rows] += dq
+        dk_SKD[keys] += dk
+        dv_SKD[keys] += dv
+
+
+def _packed(x_BLKD: torch.Tensor) -> torch.Tensor:
+    B, L, K, D = x_BLKD.shape
+    return x_BLKD.reshape(B * L, K, D)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, plan: RankPlan, comm: Comm, backend, scale: float, softcap):
+        B, L, H, D = q.shape
+        acc = _accum_dtype(q.dtype)
+        q_THD = _packed(q)
+        out_THD = torch.zeros(B * L, H, D, dtype=acc, device=q.device)
+        lse_HT = torch.full((H, B * L), float("-inf"), dtype=acc, device=q.device)
+        rounds = plan.rounds
+        pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
+        if plan.local is not None:
+            _forward_step(plan.local, backend, q_THD, _packed(k), _packed(v), out_THD, lse_HT, scale, softcap)
+        for i, rnd in enumerate(rounds):
+            wait, buf = pending
+            wait.wait()
+            if i + 1 < len(rounds):
+                pending = _post_kv(comm, rounds[i + 1], k, v, rounds[i + 1].offset)
+            if buf is not None:
+                _forward_step(rnd.recv, backend, q_THD, buf[0].reshape(-1, *buf.shape[3:]),
+                              buf[1].reshape(-1, *buf.shape[3:]), out_THD, lse_HT, scale, softcap)
+        if sinks is not None:
+            out_THD, lse_HT = apply_sinks(out_THD, lse_HT, sinks)
+        out = out_THD.to(q.dtype).reshape(B, L, H, D)
+        ctx.save_for_backward(q, k, v, out, lse_HT, sinks)
+        ctx.plan, ctx.comm, ctx.backend, ctx.scale, ctx.softcap = plan, comm, backend, scale, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse_HT, sinks = ctx.saved_tensors
+        plan, comm, backend, scale, softcap = ctx.plan, ctx.comm, ctx.backend, ctx.scale, ctx.softcap
+        B, L, H, D = q.shape
+        _, _, K, _ = k.shape
+        acc = _accum_dtype(q.dtype)
+        P = plan.world_size
+        q_THD, out_THD = _packed(q), _packed(out)
+        dout_THD = _packed(dout.contiguous())
+        dq_THD = torch.zeros(B * L, H, D, dtype=acc, device=q.device)
+        dk_BLKD = torch.zeros(B, L, K, D, dtype=acc, device=q.device)
+        dv_BLKD = torch.zeros(B, L, K, D, dtype=acc, device=q.device)
+        rounds = plan.rounds
+        grads_in_flight: list[tuple[Pending, torch.Tensor | None, Round]] = []
+
+        def settle(entry):
+            wait, gbuf, rnd = entry
+            wait.wait()
+            if gbuf is not None:  # dK/dV partial sums of my span, computed by rnd.send_to
+                at = 0
+                for a, b in rnd.send_spans:
+                    dk_BLKD[:, a:b] += gbuf[0][:, at:at + b - a]
+                    dv_BLKD[:, a:b] += gbuf[1][:, at:at + b - a]
+                    at += b - a
+
+        pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
+        if plan.local is not None:
+            _backward_step(plan.local, backend, dout_THD, q_THD, _packed(k), _packed(v), out_THD, lse_HT,
+                           dq_THD, _packed(dk_BLKD), _packed(dv_BLKD), scale, softcap)
+        for i, rnd in enumerate(rounds):
+            wait, buf = pending
+            wait.wait()
+            if i + 1 < len(rounds):
+                pending = _post_kv(comm, rounds[i + 1], k, v, rounds[i + 1].offset)
+            if grads_in_flight:
+                settle(grads_in_flight.pop(0))
+            gbuf_out = None
+            if buf is not None:
+                gbuf_out = torch.zeros(buf.shape, dtype=acc, device=q.device)
+                _backward_step(rnd.recv, backend, dout_THD, q_THD, buf[0].reshape(-1, K, D),
+                               buf[1].reshape(-1, K, D), out_THD, lse_HT, dq_THD,
+                               gbuf_out[0].reshape(-1, K, D), gbuf_out[1].reshape(-1, K, D), scale, softcap)
+                comm.send(gbuf_out, rnd.recv.source, P + rnd.offset)
+            gbuf_in = None
+            if rnd.send_to is not None:
+                width = sum(b - a for a, b in rnd.send_spans)
+                gbuf_in = torch.empty(2, B, width, K, D, dtype=acc, device=q.device)
+                comm.recv(gbuf_in, rnd.send_to, P + rnd.offset)
+            grads_in_flight.append((comm.commit(), gbuf_in, rnd))
+        for entry in grads_in_flight:
+            settle(entry)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d loss / d sink_h = -sum_t exp(sink_h - lse_ht) * sum_d(dout * out)_ht
+            delta_HT = (dout_THD.to(acc) * out_THD.to(acc)).sum(-1).t()
+            dsinks = -(torch.exp(sinks.to(acc)[:, None] - lse_HT) * delta_HT).sum(1).to(sinks.dtype)
+        return (dq_THD.to(q.dtype).reshape(B, L, H, D), dk_BLKD.to(k.dtype), dv_BLKD.to(v.dtype), dsinks,
+                None, None, None, None, None)
+
+
+def ring_attention(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,
+                   softcap: float | None) -> torch.Tensor:
+    """Run ``plan`` on this rank's shard: q (B, L, H, D), k/v (B, L, K, D), sinks (H,) or None
+    -> out (B, L, H, D). Differentiable w.r.t. q, k, v and sinks."""
+    return _RingAttention.apply(q, k, v, sinks, plan, comm, backend, scale, softcap)

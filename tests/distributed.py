@@ -1,0 +1,77 @@
+"""Run a function on N gloo ranks spawned as local processes (127.0.0.1 only), with a deadline."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+        try:
+            result = fn(rank, world_size, *args)
+            queue.put((rank, "ok", result))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report, never hang the parent
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
+    """Call ``fn(rank, world_size, *args)`` on every rank; return the results in rank order.
+
+    Raises RuntimeError with the rank's traceback if a rank raised, or if the ranks did not finish
+    within ``timeout`` seconds (every process is killed either way: nothing is left behind).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple] = {}
+    try:
+        import queue as queue_mod
+        import time
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(f"ranks {sorted(set(range(world_size)) - set(results))} did not finish "
+                                   f"within {timeout:.0f}s (hang?)")
+            try:
+                rank, status, payload = queue.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
+                if dead and all(p.exitcode not in (0, None) for i, p in enumerate(procs) if i in dead):
+                    raise RuntimeError(f"ranks {dead} died with exit codes "
+                                       f"{[procs[r].exitcode for r in dead]}")
+                continue
+            results[rank] = (status, payload)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = {r: payload for r, (status, payload) in results.items() if status == "error"}
+    if errors:
+        raise RuntimeError("\n".join(f"rank {r}: {msg}" for r, msg in sorted(errors.items())))
+    return [results[r][1] for r in range(world_size)]

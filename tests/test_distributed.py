@@ -1,0 +1,49 @@
+"""Multi-rank correctness: every mask at world sizes 1-4, both layouts, against the float64 oracle."""
+
+from __future__ import annotations
+
+import pytest
+
+from cases import named_cases, random_cases, run_cases
+from distributed import run_ranks
+
+TOL_FP32 = 1e-5
+
+
+def _check(per_rank: list[list[dict]], tol: float) -> None:
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for res in results:
+            if not res["finite"]:
+                failures.append(f"rank {rank} {res['name']}: non-finite values")
+            for name, err in res["errs"].items():
+                if not err <= tol:
+                    failures.append(f"rank {rank} {res['name']}: {name} error {err:.2e} > {tol:.0e}")
+    assert not failures, "\n".join(failures[:40])
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_float32_matches_oracle(world_size: int, layout: str):
+    cases = named_cases(world_size, layout) + random_cases(world_size, layout, count=24, seed=7)
+    per_rank = run_ranks(world_size, run_cases, cases, layout, timeout=900)
+    assert all(len(r) == len(cases) for r in per_rank)
+    _check(per_rank, TOL_FP32)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_within_2x_of_plain_torch(dtype: str):
+    world_size, layout = 3, "zigzag"
+    cases = [c for c in named_cases(world_size, layout) if c["B"] == 1][::3]
+    per_rank = run_ranks(world_size, run_cases, cases, layout, dtype, timeout=900)
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for res in results:
+            assert res["finite"], res["name"]
+            for name, err in res["errs"].items():
+                if name == "dsinks":
+                    continue
+                plain = res["plain"][name]
+                if not err <= 2 * plain:
+                    failures.append(f"rank {rank} {res['name']}: {name} error {err:.2e} > 2 x plain {plain:.2e}")
+    assert not failures, "\n".join(failures)
