@@ -1,14 +1,21 @@
-"""Run a function on N gloo ranks spawned as local processes (127.0.0.1 only), with a deadline."""
+"""Run a function on N gloo ranks spawned as local CPU processes (127.0.0.1 only), with a deadline.
+
+Used by the demo, the probe and the multi-rank tests; for real jobs use torchrun.
+"""
 
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_ranks"]
 
 
 def free_port() -> int:
@@ -47,8 +54,6 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
         p.start()
     results: dict[int, tuple] = {}
     try:
-        import queue as queue_mod
-        import time
         deadline = time.monotonic() + timeout
         while len(results) < world_size:
             remaining = deadline - time.monotonic()

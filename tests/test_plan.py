@@ -1,0 +1,138 @@
+"""The planner: every visible pair computed exactly once, and K/V moved only where the mask needs it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from cp_attention import layout as layout_mod
+from cp_attention.masks import MaskSpec, SequenceMeta, dense_mask, doc_starts_from_position_ids
+from cp_attention.plan import build_plan
+from planutil import covered_pairs
+
+HKV, D, ITEM = 2, 8, 4
+TOKEN_BYTES = 2 * HKV * D * ITEM  # K and V of one token, one batch row
+
+
+def _meta(L, docs=None, B=1):
+    if docs is None:
+        return SequenceMeta(batch=B, seq_len=L)
+    pos = torch.tensor([[p for n in row for p in range(n)] for row in docs])
+    return SequenceMeta(batch=B, seq_len=L, doc_start=doc_starts_from_position_ids(pos))
+
+
+def _plans(meta, spec, P, lay):
+    return [build_plan(meta, spec, world_size=P, layout=lay, rank=r, head_kv=HKV, head_dim=D, itemsize=ITEM)
+            for r in range(P)]
+
+
+def _random_docs(rng, L, longest):
+    out = []
+    while sum(out) < L:
+        out.append(min(rng.randint(1, longest), L - sum(out)))
+    return out
+
+
+def test_every_visible_pair_is_computed_exactly_once():
+    rng = random.Random(0)
+    for trial in range(160):
+        P = rng.choice([1, 2, 3, 4, 5, 8])
+        lay = rng.choice(layout_mod.LAYOUTS)
+        L = rng.randint(P, 70)
+        B = rng.choice([1, 2])
+        docs = None
+        if rng.random() < 0.5:
+            docs = [_random_docs(rng, L, rng.choice([1, 3, 12, L])) for _ in range(B)]
+        spec = MaskSpec(causal=rng.random() < 0.7, window=rng.choice([None, None, 1, 2, 5, 9, 31]),
+                        chunk_size=rng.choice([None, None, 1, 4, 13]))
+        meta = _meta(L, docs, B)
+        count, plans = covered_pairs(meta, spec, P, lay)
+        want = dense_mask(meta, spec).long()
+        assert torch.equal(count, want), (trial, P, lay, L, B, spec, docs)
+        assert sum(p.stats.entries_visible for p in plans) == int(want.sum())
+        assert all(p.stats.entries_computed >= p.stats.entries_visible for p in plans)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_window_below_shard_sends_exactly_one_halo_round(P):
+    L, W = 64 * P + 1, 20  # contiguous shards of 64-65 tokens
+    plans = _plans(_meta(L), MaskSpec(window=W), P, "contiguous")
+    for r, plan in enumerate(plans):
+        st = plan.stats
+        if r == 0:
+            assert st.rounds == 1 and st.peers_recv == () and st.kv_bytes_recv == 0
+        else:
+            assert st.peers_recv == (r - 1,), "one neighbour only"
+            assert st.kv_bytes_recv == (W - 1) * TOKEN_BYTES, "exactly the W-1 token halo"
+        assert st.kv_bytes_sent == (0 if r == P - 1 else (W - 1) * TOKEN_BYTES)
+        assert st.kernel_calls == (1 if r == 0 else 2)
+
+
+@pytest.mark.parametrize("W", [65, 100, 150, 300])
+def test_window_spanning_shards_reaches_only_needed_predecessors(W):
+    P, S = 6, 64
+    L = P * S
+    plans = _plans(_meta(L), MaskSpec(window=W), P, "contiguous")
+    reach = math.ceil((W - 1) / S)
+    for r, plan in enumerate(plans):
+        assert plan.stats.peers_recv == tuple(range(r - 1, max(-1, r - 1 - reach), -1))
+        assert plan.stats.kv_bytes_recv == min(W - 1, r * S) * TOKEN_BYTES
+
+
+@pytest.mark.parametrize("lay", layout_mod.LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_separated_documents_exchange_nothing(lay, causal):
+    P = 4
+    L = 8 * 24
+    n = 2 * P if lay == "zigzag" else P
+    # documents that never cross a slice edge: each slice holds 3 documents of 8 tokens
+    docs = [[8] * (L // 8)]
+    assert L % n == 0 and (L // n) % 8 == 0
+    for plan in _plans(_meta(L, docs), MaskSpec(causal=causal, window=None), P, lay):
+        assert plan.stats.kv_bytes_recv == 0 and plan.stats.kv_bytes_sent == 0
+        assert plan.rounds == ()
+
+
+def test_plain_causal_zigzag_sends_what_a_ring_sends_and_no_more():
+    # rank r needs every other rank's K/V, except the late slice of earlier ranks (causally after
+    # all of r's tokens): a ring delivers P-1 whole shards, the plan drops only that slice
+    P, L = 4, 256
+    half = L // (2 * P)
+    for r, plan in enumerate(_plans(_meta(L), MaskSpec(), P, "zigzag")):
+        st = plan.stats
+        assert st.rounds == P - 1
+        assert st.ring_kv_bytes_recv == (P - 1) * 2 * half * TOKEN_BYTES
+        assert st.kv_bytes_recv == (r * half + (P - 1 - r) * 2 * half) * TOKEN_BYTES
+        assert st.kv_bytes_recv <= st.ring_kv_bytes_recv
+        assert st.kernel_calls == P, "one call per (query shard, kv shard) pair"
+    assert _plans(_meta(L), MaskSpec(), P, "zigzag")[0].stats.kv_bytes_recv == (P - 1) * 2 * half * TOKEN_BYTES
+
+
+def test_plain_causal_contiguous_receives_only_earlier_shards():
+    P, L = 4, 256
+    for r, plan in enumerate(_plans(_meta(L), MaskSpec(), P, "contiguous")):
+        assert plan.stats.kv_bytes_recv == r * (L // P) * TOKEN_BYTES
+        assert plan.stats.kernel_calls == r + 1
+
+
+def test_packed_sliding_window_is_one_call_per_pair():
+    # documents shorter and longer than the window share one kernel call on the diagonal
+    P, L = 2, 512
+    docs = [[40, 300, 12, 160]]
+    for plan in _plans(_meta(L, docs), MaskSpec(window=64), P, "contiguous"):
+        assert all(len(st.calls) == 1 for st in plan.steps())
+
+
+def test_plan_is_deterministic():
+    meta = _meta(300, [[100, 50, 150]])
+    a = _plans(meta, MaskSpec(window=33, chunk_size=40), 3, "zigzag")
+    b = _plans(meta, MaskSpec(window=33, chunk_size=40), 3, "zigzag")
+    for pa, pb in zip(a, b):
+        assert pa.stats == pb.stats
+        for sa, sb in zip(pa.steps(), pb.steps()):
+            assert sa.spans == sb.spans
+            for ca, cb in zip(sa.calls, sb.calls):
+                assert torch.equal(ca.cu_seqlens_q, cb.cu_seqlens_q) and ca.window == cb.window
