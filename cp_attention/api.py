@@ -169,9 +169,6 @@ def _check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend) -> None:
         if B != 1:
             raise ValueError(f"cu_seqlens describes one packed row, but B = {B}; use position_ids "
                              f"(B, L_local) for batches with several rows")
-        cu = cu_seqlens.detach().cpu()
-        if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:16]}")
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
             raise TypeError("sinks must be a float tensor of shape (heads,)")
@@ -340,10 +337,12 @@ def _plan(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks) -> RankPl
     itemsize = k.element_size()
 
     def make_meta(seq_len: int) -> SequenceMeta:
-        if cu_seqlens is not None:
-            if int(cu_seqlens[-1]) != seq_len:
-                raise ValueError(f"cu_seqlens must end at the global sequence length {seq_len}, "
-                                 f"got {int(cu_seqlens[-1])}")
+        if cu_seqlens is not None:  # values checked here, on the (cached) planning path only
+            cu = cu_seqlens.detach().cpu()
+            if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:16]}")
+            if int(cu[-1]) != seq_len:
+                raise ValueError(f"cu_seqlens must end at the global sequence length {seq_len}, got {int(cu[-1])}")
             return SequenceMeta(batch=1, seq_len=seq_len, doc_start=doc_starts_from_cu_seqlens(cu_seqlens, seq_len))
         if position_ids is None:
             return SequenceMeta(batch=B, seq_len=seq_len)

@@ -61,6 +61,11 @@ def named_cases(world_size: int, layout: str) -> list[dict]:
                                   chunk_size=max(2, S // 2 + 1)))
             if B == 1:
                 cases.append(dict(name=f"cu_seqlens/L{L}", L=L, B=1, docs=("cu", docs_inside), window=S // 2 + 1))
+    # the shortest sequences: one token per rank, and one more
+    for L in (world_size, world_size + 1):
+        cases.append(dict(name=f"tiny-causal/L{L}", L=L, B=2, docs=None))
+        cases.append(dict(name=f"tiny-window/L{L}", L=L, B=1, docs=None, window=2, sinks=True))
+        cases.append(dict(name=f"tiny-docs/L{L}", L=L, B=1, docs=("pos", [[1] * L]), causal=False))
     return cases
 
 
