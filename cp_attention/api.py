@@ -228,11 +228,9 @@ def _resolve(group, layout) -> _Resolved:
     elif group is not None:
         cp = active if active is not None and active.group is group else None
         if cp is None:
-            cp = ContextParallel(group, layout or "zigzag")
+            cp = ContextParallel(group, layout if layout in layout_mod.LAYOUTS else "zigzag")
     else:
         cp = None
-    if layout is not None:
-        layout_mod.check_layout(layout)
     use_layout = layout or (cp.layout if cp is not None else "zigzag")
     return _Resolved(cp=cp, comm=cp.comm if cp is not None else Comm(None), layout=use_layout)
 
@@ -286,12 +284,16 @@ def attention(
     Raises:
         TypeError / ValueError naming the argument, on every rank, before any K/V moves.
     """
-    spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale)
     res = _resolve(group, layout)
     comm = res.comm
     error: Exception | None = None
-    try:
+    try:  # every check that can fail on one rank only runs before the first collective
+        if layout is not None:
+            layout_mod.check_layout(layout)
+        spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale)
         _check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend)
+        head_dim = q.shape[3]
+        impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=head_dim, spec=spec)
     except (TypeError, ValueError) as exc:
         error = exc
     if error is not None and comm.world_size == 1:
@@ -299,8 +301,6 @@ def attention(
     if error is not None:
         # tell the other ranks (they are about to enter the same collective) so nobody hangs
         _agree_or_raise(comm, None, error, res.layout)
-    head_dim = q.shape[3]
-    impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=head_dim, spec=spec)
     plan = _plan(res, q, k, spec, position_ids, cu_seqlens, sinks)
     _LAST_STATS[0] = plan.stats
     return ring_attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(head_dim),

@@ -30,7 +30,7 @@ from .masks import MaskSpec, SequenceMeta, segment_bounds
 
 __all__ = ["KernelCall", "Step", "Round", "PlanStats", "RankPlan", "build_plan"]
 
-_FREE = None  # marker: a window side left unconstrained by a sequence
+WORK_TILE = 128  # query rows per tile when counting computed score entries
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,7 +106,9 @@ class PlanStats:
     ring_kv_bytes_recv: int
     """What a full ring (every other rank's whole shard) would deliver to this rank."""
     entries_computed: int
-    """Sum over varlen sequences of Lq * Lk: the score rectangles handed to kernels."""
+    """Scores a tiled kernel computes: for every tile of ``WORK_TILE`` query rows of a varlen
+    sequence, rows x the span of keys those rows see (what the reference backend computes; a
+    flash kernel's 2-D blocks compute slightly more on diagonals)."""
     entries_visible: int
     """(query, key) pairs the kernels keep; equals the pairs the mask keeps (verified)."""
 
@@ -123,6 +125,14 @@ class RankPlan:
 
     def steps(self) -> list[Step]:
         return ([self.local] if self.local is not None else []) + [r.recv for r in self.rounds if r.recv]
+
+    def schedule(self) -> list[Round]:
+        """One round per offset 1..P-1, empty ones included. Every rank walks this same sequence,
+        so the messages between any two ranks are posted in the same order on both sides (NCCL
+        matches point-to-point messages by order, not by tag)."""
+        by_offset = {r.offset: r for r in self.rounds}
+        return [by_offset.get(t, Round(offset=t, recv=None, send_to=None, send_spans=None))
+                for t in range(1, self.world_size)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,6 +180,7 @@ class _Seq:
     left_min: int
     right_min: int
     visible: int
+    work: int
 
 
 def _fit(rows_X, lo_X, hi_X, gid_X):
@@ -208,7 +219,17 @@ def _fit(rows_X, lo_X, hi_X, gid_X):
     rows_ok_G = torch.ones(G, dtype=torch.bool).scatter_reduce(0, gid_X, row_ok_X, "amin")
     ok_G = contiguous_G & left_ok_G & right_ok_G & rows_ok_G & (left_free_G | (left_G >= 0)) & \
         (right_free_G | (right_G >= 0))
-    return f_G, l_G, k0_G, k1_G, left_G, right_G, left_free_G, right_free_G, ok_G
+    # work of a tiled kernel: per tile of WORK_TILE rows, rows x (last row's end - first row's start)
+    tiles_G = (n_G + WORK_TILE - 1) // WORK_TILE
+    first_tile_G = torch.cumsum(tiles_G, 0) - tiles_G
+    tile_X = first_tile_G[gid_X] + i_X // WORK_TILE
+    n_tiles = int(tiles_G.sum())
+    t_lo = torch.full((n_tiles,), big).scatter_reduce(0, tile_X, lo_X, "amin")
+    t_hi = torch.full((n_tiles,), -1).scatter_reduce(0, tile_X, hi_X, "amax")
+    t_rows = torch.zeros(n_tiles, dtype=torch.int64).scatter_add(0, tile_X, torch.ones_like(tile_X))
+    tile_gid = torch.repeat_interleave(torch.arange(G), tiles_G)
+    work_G = torch.zeros(G, dtype=torch.int64).scatter_add(0, tile_gid, t_rows * (t_hi - t_lo))
+    return f_G, l_G, k0_G, k1_G, left_G, right_G, left_free_G, right_free_G, ok_G, work_G
 
 
 def _runs(positions_X: torch.Tensor) -> torch.Tensor:
@@ -221,7 +242,7 @@ def _runs(positions_X: torch.Tensor) -> torch.Tensor:
 
 def _collect(out: list[_Seq], fit, lo_X, hi_X, gid_X) -> torch.Tensor:
     """Append fitted groups to ``out``; return the mask of rows whose group failed."""
-    f_G, l_G, k0_G, k1_G, left_G, right_G, lfree_G, rfree_G, ok_G = fit
+    f_G, l_G, k0_G, k1_G, left_G, right_G, lfree_G, rfree_G, ok_G, work_G = fit
     vis_G = torch.zeros_like(f_G).scatter_add(0, gid_X, hi_X - lo_X)
     for g in torch.nonzero(ok_G).flatten().tolist():
         lq, lk = int(l_G[g] - f_G[g] + 1), int(k1_G[g] - k0_G[g])
@@ -229,7 +250,7 @@ def _collect(out: list[_Seq], fit, lo_X, hi_X, gid_X) -> torch.Tensor:
             q0=int(f_G[g]), q1=int(l_G[g]) + 1, k0=int(k0_G[g]), k1=int(k1_G[g]),
             left=None if bool(lfree_G[g]) else int(left_G[g]),
             right=None if bool(rfree_G[g]) else int(right_G[g]),
-            left_min=lk - 1, right_min=lq - 1, visible=int(vis_G[g])))
+            left_min=lk - 1, right_min=lq - 1, visible=int(vis_G[g]), work=int(work_G[g])))
     return ~ok_G[gid_X]
 
 
@@ -270,7 +291,7 @@ def _pair_sequences(tok: _Tokens, spec: MaskSpec, r: int, s: int, L: int, B: int
             # 3) last resort: one sequence per row (always exact: a row sees one interval)
             for row, lo, hi in zip(rows_P[still_P].tolist(), lo_P[still_P].tolist(), hi_P[still_P].tolist()):
                 seqs.append(_Seq(q0=row, q1=row + 1, k0=lo, k1=hi, left=None, right=None,
-                                 left_min=hi - lo - 1, right_min=0, visible=hi - lo))
+                                 left_min=hi - lo - 1, right_min=0, visible=hi - lo, work=hi - lo))
     seqs.sort(key=lambda x: (x.q0, x.k0))
     return seqs
 
@@ -349,7 +370,7 @@ def _calls(seqs: list[_Seq], k_shift) -> list[KernelCall]:
             q_start=q_start, q_end=q_at, k_start=k_start, k_end=k_at, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
             max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), causal=right == 0,
             window=(left, right),
-            entries_computed=sum((sq.q1 - sq.q0) * (sq.k1 - sq.k0) for sq in seq_list),
+            entries_computed=sum(sq.work for sq in seq_list),
             entries_visible=sum(sq.visible for sq in seq_list)))
     return calls
 

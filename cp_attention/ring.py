@@ -81,7 +81,7 @@ class _RingAttention(torch.autograd.Function):
         q_THD = _packed(q)
         out_THD = torch.zeros(B * L, H, D, dtype=acc, device=q.device)
         lse_HT = torch.full((H, B * L), float("-inf"), dtype=acc, device=q.device)
-        rounds = plan.rounds
+        rounds = plan.schedule()
         pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
         if plan.local is not None:
             _forward_step(plan.local, backend, q_THD, _packed(k), _packed(v), out_THD, lse_HT, scale, softcap)
@@ -113,7 +113,7 @@ class _RingAttention(torch.autograd.Function):
         dq_THD = torch.zeros(B * L, H, D, dtype=acc, device=q.device)
         dk_BLKD = torch.zeros(B, L, K, D, dtype=acc, device=q.device)
         dv_BLKD = torch.zeros(B, L, K, D, dtype=acc, device=q.device)
-        rounds = plan.rounds
+        rounds = plan.schedule()
         grads_in_flight: list[tuple[Pending, torch.Tensor | None, Round]] = []
 
         def settle(entry):
