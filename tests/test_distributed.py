@@ -44,6 +44,8 @@ def test_low_precision_within_2x_of_plain_torch(dtype: str, world_size: int, lay
                 if name == "dsinks":
                     continue
                 plain = res["plain"][name]
-                if not err <= 2 * plain:
+                # plain torch can be exact by luck (window=1: one key, zero dq); our float32
+                # accumulation then has float32 rounding, so the bound never drops below FP32's
+                if not err <= max(2 * plain, TOL_FP32):
                     failures.append(f"rank {rank} {res['name']}: {name} error {err:.2e} > 2 x plain {plain:.2e}")
     assert not failures, "\n".join(failures)
