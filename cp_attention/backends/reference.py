@@ -44,8 +44,11 @@ def row_key_intervals(
     return lo_T + base_T, torch.maximum(hi_T, lo_T) + base_T
 
 
-def _tiles(lo_T: torch.Tensor, hi_T: torch.Tensor):
-    """Yield (q0, q1, k0, k1) for each query tile that sees at least one key."""
+def _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, device):
+    """Yield (q0, q1, k0, k1, lo, hi) for each query tile that sees at least one key: its rows
+    ``[q0, q1)``, the key span ``[k0, k1)`` they see, and each row's interval on ``device``."""
+    lo_T, hi_T = row_key_intervals(cu_seqlens_q, cu_seqlens_k, causal=causal, window=window)
+    lo_dev, hi_dev = lo_T.to(device), hi_T.to(device)
     total = lo_T.numel()
     for q0 in range(0, total, TILE_Q):
         q1 = min(total, q0 + TILE_Q)
@@ -53,7 +56,13 @@ def _tiles(lo_T: torch.Tensor, hi_T: torch.Tensor):
         live = hi > lo
         if not bool(live.any()):
             continue
-        yield q0, q1, int(lo[live].min()), int(hi[live].max())
+        yield q0, q1, int(lo[live].min()), int(hi[live].max()), lo_dev[q0:q1], hi_dev[q0:q1]
+
+
+def _by_kv_head(x_THD: torch.Tensor, kv_heads: int, acc: torch.dtype) -> torch.Tensor:
+    """(T, H, D) -> (K, G, T, D) in the compute dtype: query heads grouped by their K/V head."""
+    T, H, D = x_THD.shape
+    return x_THD.to(acc).view(T, kv_heads, H // kv_heads, D).permute(1, 2, 0, 3)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -86,16 +95,12 @@ class ReferenceBackend:
                 scale, causal, window=(-1, -1), softcap=None):
         Tq, Hq, D = q.shape
         Hkv = k.shape[1]
-        G = Hq // Hkv
         acc = _compute_dtype(q.dtype)
-        lo_T, hi_T = row_key_intervals(cu_seqlens_q, cu_seqlens_k, causal=causal, window=window)
         out_THD = torch.zeros(Tq, Hq, D, dtype=q.dtype, device=q.device)
         lse_HT = torch.full((Hq, Tq), float("-inf"), dtype=acc, device=q.device)
-        lo_dev, hi_dev = lo_T.to(q.device), hi_T.to(q.device)
-        for q0, q1, k0, k1 in _tiles(lo_T, hi_T):
+        for q0, q1, k0, k1, lo, hi in _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, q.device):
             T = q1 - q0
-            q_KGTD = q[q0:q1].to(acc).view(T, Hkv, G, D).permute(1, 2, 0, 3)
-            s_KGTS, _, visible_TS = self._scores(q_KGTD, k[k0:k1].to(acc), lo_dev[q0:q1], hi_dev[q0:q1],
+            s_KGTS, _, visible_TS = self._scores(_by_kv_head(q[q0:q1], Hkv, acc), k[k0:k1].to(acc), lo, hi,
                                                  k0, scale, softcap)
             s_KGTS = s_KGTS.masked_fill(~visible_TS, float("-inf"))
             m_KGT1 = s_KGTS.amax(dim=-1, keepdim=True)
@@ -112,22 +117,18 @@ class ReferenceBackend:
                  scale, causal, window=(-1, -1), softcap=None):
         Tq, Hq, D = q.shape
         Hkv = k.shape[1]
-        G = Hq // Hkv
         acc = _compute_dtype(q.dtype)
-        lo_T, hi_T = row_key_intervals(cu_seqlens_q, cu_seqlens_k, causal=causal, window=window)
         dq_THD = torch.zeros(Tq, Hq, D, dtype=acc, device=q.device)
         dk_SKD = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv_SKD = torch.zeros(v.shape, dtype=acc, device=v.device)
-        lo_dev, hi_dev = lo_T.to(q.device), hi_T.to(q.device)
-        for q0, q1, k0, k1 in _tiles(lo_T, hi_T):
+        for q0, q1, k0, k1, lo, hi in _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, q.device):
             T = q1 - q0
-            q_KGTD = q[q0:q1].to(acc).view(T, Hkv, G, D).permute(1, 2, 0, 3)
-            do_KGTD = dout[q0:q1].to(acc).view(T, Hkv, G, D).permute(1, 2, 0, 3)
-            o_KGTD = out[q0:q1].to(acc).view(T, Hkv, G, D).permute(1, 2, 0, 3)
+            q_KGTD = _by_kv_head(q[q0:q1], Hkv, acc)
+            do_KGTD = _by_kv_head(dout[q0:q1], Hkv, acc)
+            o_KGTD = _by_kv_head(out[q0:q1], Hkv, acc)
             k_SKD, v_SKD = k[k0:k1].to(acc), v[k0:k1].to(acc)
-            s_KGTS, tanh_KGTS, visible_TS = self._scores(q_KGTD, k_SKD, lo_dev[q0:q1], hi_dev[q0:q1],
-                                                         k0, scale, softcap)
-            lse_KGT1 = lse[:, q0:q1].to(acc).reshape(Hkv, G, T, 1)
+            s_KGTS, tanh_KGTS, visible_TS = self._scores(q_KGTD, k_SKD, lo, hi, k0, scale, softcap)
+            lse_KGT1 = lse[:, q0:q1].to(acc).reshape(Hkv, Hq // Hkv, T, 1)
             live_KGT1 = torch.isfinite(lse_KGT1)
             p_KGTS = torch.exp(s_KGTS - torch.where(live_KGT1, lse_KGT1, torch.zeros_like(lse_KGT1)))
             p_KGTS = torch.where(visible_TS & live_KGT1, p_KGTS, torch.zeros_like(p_KGTS))
