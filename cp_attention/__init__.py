@@ -13,3 +13,7 @@ from .plan import PlanStats, RankPlan, build_plan
 __all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats", "MaskSpec",
            "SequenceMeta", "PlanStats", "RankPlan", "build_plan", "layout"]
 __version__ = "0.1.0"
+
+from .integrations import install as _install_integrations
+
+_install_integrations()  # attn_implementation="cp_flash" in transformers (lazily)

@@ -18,7 +18,8 @@ import torch
 from . import layout as layout_mod
 from .backends import BACKENDS, select_backend
 from .comm import Comm
-from .masks import MaskSpec, SequenceMeta, doc_starts_from_cu_seqlens, doc_starts_from_position_ids
+from .masks import (MaskSpec, SequenceMeta, doc_starts, doc_starts_from_cu_seqlens,
+                    doc_starts_from_position_ids)
 from .plan import PlanStats, RankPlan, build_plan
 from .ring import ring_attention
 
@@ -33,6 +34,16 @@ _PLAN_CACHE_SIZE = 16
 def last_plan_stats() -> PlanStats | None:
     """Statistics of the plan used by the most recent :func:`attention` call in this process."""
     return _LAST_STATS[0]
+
+
+@dataclass(frozen=True, eq=False)
+class BatchRecord:
+    """What :meth:`ContextParallel.shard_batch` learned about the full batch: its length, its global
+    documents (position restarts and padding) and the global number of label tokens."""
+
+    seq_len: int
+    meta: SequenceMeta
+    num_items: torch.Tensor | None
 
 
 class ContextParallel:
@@ -50,6 +61,7 @@ class ContextParallel:
         self._plans: dict = {}
         self._metas: dict = {}
         self._seq_len: int | None = None
+        self._batch: BatchRecord | None = None
 
     @property
     def rank(self) -> int:
@@ -69,6 +81,70 @@ class ContextParallel:
         for this sequence length without asking the other ranks."""
         self._seq_len = x.shape[dim]
         return layout_mod.shard(x, dim, self.world_size, self.layout, self.rank)
+
+    def shard_batch(self, *, shift_labels: bool = True, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Shard a full batch for a transformers model; returns the dict of local tensors.
+
+        Every (B, L, ...) tensor (``input_ids``, ``inputs_embeds``, ``attention_mask``,
+        ``position_ids``, ``labels``, ...) is sharded along dim 1 with this context's layout.
+
+        * ``position_ids`` default to ``arange(L)`` so rotary embeddings see global positions.
+        * The batch's documents (wherever ``position_ids`` do not increase by one, and padding in
+          ``attention_mask``) are recorded here, so every attention layer under
+          ``attn_implementation="cp_flash"`` knows them, including layers that receive no
+          ``position_ids`` (Llama 4, ModernBERT).
+        * ``labels`` are shifted by one token globally before sharding (``shift_labels``, so no
+          label is lost at a shard boundary; pass ``shift_labels=False`` for masked-LM labels),
+          and ``num_items_in_batch`` (global count of label tokens) is added: each rank's loss is
+          then its token-weighted share and, under ``cp_flash``, ``out.loss`` reports the sum over
+          ranks, the single-device loss. ``loss.backward()`` gives each rank its share of the
+          gradients; summed over the group (as data-parallel reduction does) they are the
+          single-device gradients.
+        """
+        if not tensors:
+            raise ValueError("shard_batch needs at least one (B, L, ...) tensor, e.g. input_ids=...")
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or t.dim() < 2:
+                raise ValueError(f"shard_batch: {name} must be a (B, L, ...) tensor")
+        ref_name = "input_ids" if "input_ids" in tensors else next(iter(tensors))
+        B, L = tensors[ref_name].shape[:2]
+        device = tensors[ref_name].device
+        for name, t in tensors.items():
+            if name == "position_ids" and t.shape[0] == 1 and t.shape[1] == L:
+                continue
+            if tuple(t.shape[:2]) != (B, L):
+                raise ValueError(f"shard_batch: {name} has shape {tuple(t.shape)}, expected (B, L, ...) = "
+                                 f"({B}, {L}, ...) like {ref_name}")
+        if L < self.world_size:
+            raise ValueError(f"shard_batch: sequence length {L} is shorter than the world size {self.world_size}")
+        tensors = dict(tensors)
+        position_ids = tensors.pop("position_ids", None)
+        if position_ids is None:
+            position_ids = torch.arange(L, device=device).expand(B, L)
+        position_ids = position_ids.expand(B, L)
+        valid = tensors.get("attention_mask")
+        if valid is not None and valid.dim() != 2:
+            raise ValueError("shard_batch: attention_mask must be a 2D (B, L) padding mask")
+        meta = SequenceMeta(batch=B, seq_len=L, doc_start=doc_starts(
+            B, L, position_ids=position_ids, valid=None if valid is None else valid.bool()))
+        out: dict[str, torch.Tensor] = {}
+        labels = tensors.pop("labels", None)
+        num_items = None
+        if labels is not None:
+            target = labels
+            if shift_labels and "shift_labels" not in tensors:
+                target = torch.full_like(labels, -100)
+                target[:, :-1] = labels[:, 1:]
+                out["shift_labels"] = self.shard(target).contiguous()
+            num_items = (target != -100).sum()
+            out["labels"] = self.shard(labels).contiguous()
+            out["num_items_in_batch"] = num_items
+        for name, t in tensors.items():
+            out[name] = self.shard(t).contiguous()
+        out["position_ids"] = self.shard(position_ids).contiguous()
+        self._batch = BatchRecord(seq_len=L, meta=meta, num_items=num_items)
+        self._seq_len = L
+        return out
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Every rank's shard along ``dim``, reassembled in original token order, on every rank.
@@ -126,7 +202,7 @@ def context_parallel(group=None, layout: str = "zigzag"):
 # input checks
 
 
-def _check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend) -> None:
+def _check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend, same_length: bool = True) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape (B, L_local, heads, head_dim), "
@@ -141,7 +217,7 @@ def _check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend) -> None:
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[:2] != k.shape[:2]:
+    if q.shape[:2] != k.shape[:2] and (same_length or q.shape[0] != k.shape[0]):
         raise ValueError(f"q and k must agree on (B, L_local), got {tuple(q.shape[:2])} and "
                          f"{tuple(k.shape[:2])}")
     if q.shape[3] != k.shape[3]:
@@ -183,17 +259,18 @@ def _float_bits(x: float | None) -> int:
 
 
 _HEADER = ("error", "batch", "local_len", "heads", "kv_heads", "head_dim", "dtype", "layout", "causal",
-           "window", "chunk_size", "softcap", "scale", "sinks", "documents", "cu_seqlens_crc")
+           "window", "chunk_size", "softcap", "scale", "sinks", "documents", "cu_seqlens_crc", "batch_length")
 
 
-def _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, error) -> torch.Tensor:
+def _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, error, batch=None) -> torch.Tensor:
     crc = -1
     if cu_seqlens is not None:
         crc = zlib.crc32(cu_seqlens.detach().to("cpu", torch.int64).numpy().tobytes())
     values = (int(error), q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPES.index(q.dtype),
               layout_mod.LAYOUTS.index(layout), int(spec.causal), spec.window or -1, spec.chunk_size or -1,
               _float_bits(spec.softcap), _float_bits(spec.scale), int(sinks is not None),
-              0 if position_ids is None and cu_seqlens is None else (1 if position_ids is not None else 2), crc)
+              0 if position_ids is None and cu_seqlens is None else (1 if position_ids is not None else 2), crc,
+              -1 if batch is None else batch.seq_len)
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -284,13 +361,22 @@ def attention(
     Raises:
         TypeError / ValueError naming the argument, on every rank, before any K/V moves.
     """
+    return _attend(q, k, v, dict(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale),
+                   position_ids=position_ids, cu_seqlens=cu_seqlens, sinks=sinks, group=group, layout=layout,
+                   backend=backend)
+
+
+def _attend(q, k, v, mask_args: dict, *, position_ids=None, cu_seqlens=None, sinks=None, group=None, layout=None,
+            backend="auto", batch: BatchRecord | None = None) -> torch.Tensor:
+    """:func:`attention` with the mask arguments as a dict; ``batch`` supplies the global document
+    metadata recorded by :meth:`ContextParallel.shard_batch` instead of ``position_ids``."""
     res = _resolve(group, layout)
     comm = res.comm
     error: Exception | None = None
     try:  # every check that can fail on one rank only runs before the first collective
         if layout is not None:
             layout_mod.check_layout(layout)
-        spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale)
+        spec = MaskSpec(**mask_args)
         _check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend)
         head_dim = q.shape[3]
         impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=head_dim, spec=spec)
@@ -301,7 +387,7 @@ def attention(
     if error is not None:
         # tell the other ranks (they are about to enter the same collective) so nobody hangs
         _agree_or_raise(comm, None, error, res.layout)
-    plan = _plan(res, q, k, spec, position_ids, cu_seqlens, sinks)
+    plan = _plan(res, q, k, spec, position_ids, cu_seqlens, sinks, batch)
     _LAST_STATS[0] = plan.stats
     return ring_attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(head_dim),
                           softcap=spec.softcap)
@@ -326,7 +412,7 @@ def _agree_or_raise(comm: Comm, header: torch.Tensor | None, error: Exception | 
     return _agree(headers, comm.world_size, layout)
 
 
-def _plan(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks) -> RankPlan:
+def _plan(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks, batch=None) -> RankPlan:
     """This rank's plan: from the context's cache when this batch's metadata was seen before,
     else after one header exchange (agreement of every rank's arguments and local length) and, with
     ``position_ids``, one all-gather of the position ids."""
@@ -337,6 +423,11 @@ def _plan(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks) -> RankPl
     itemsize = k.element_size()
 
     def make_meta(seq_len: int) -> SequenceMeta:
+        if batch is not None:
+            if seq_len != batch.seq_len:
+                raise ValueError(f"the attention inputs hold {seq_len} tokens across ranks but the batch given to "
+                                 f"cp.shard_batch had {batch.seq_len}; pass the tensors shard_batch returned")
+            return batch.meta
         if cu_seqlens is not None:  # values checked here, on the (cached) planning path only
             cu = cu_seqlens.detach().cpu()
             if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
@@ -360,7 +451,7 @@ def _plan(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks) -> RankPl
         if P == 1:
             seq_len = L_local
         else:
-            header = _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, error=False)
+            header = _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, error=False, batch=batch)
             seq_len = _agree_or_raise(comm, header, None, layout)
         if meta_key is not None:
             meta = cp._cached(cp._metas, meta_key, lambda: make_meta(seq_len), (position_ids, cu_seqlens))
@@ -371,6 +462,9 @@ def _plan(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks) -> RankPl
 
     # A cached plan may be used only when the key fixes the global length on every rank: world
     # size 1, global cu_seqlens, or the length recorded by cp.shard() matching this shard.
+    if batch is not None:
+        plan_key = (("batch", id(batch), layout, B, L_local), plan_spec, k.shape[2], k.shape[3], itemsize)
+        return cp._cached(cp._plans, plan_key, lambda: make_plan(None), (batch,))
     hint = cp._seq_len if cp is not None else None
     cacheable = cp is not None and (P == 1 or cu_seqlens is not None or (
         hint is not None and hint >= P and layout_mod.local_lengths(hint, P, layout)[comm.rank] == L_local))

@@ -72,6 +72,12 @@ class Comm:
         dist.all_gather(out, tensor.contiguous(), group=self.group)
         return out
 
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group, in place; returns it."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
     def all_gather_object(self, obj) -> list:
         if self.world_size == 1:
             return [obj]

@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "MaskSpec",
     "SequenceMeta",
+    "doc_starts",
     "doc_starts_from_position_ids",
     "doc_starts_from_cu_seqlens",
     "segment_bounds",
@@ -124,11 +125,31 @@ def doc_starts_from_position_ids(position_ids_BL: torch.Tensor) -> torch.Tensor:
     A new document starts at token 0 and wherever the position does not increase by exactly 1 from
     the previous token (the usual packing convention restarts positions at 0).
     """
-    pos = position_ids_BL.to(torch.int64)
-    B, L = pos.shape
-    opens_BL = torch.ones(B, L, dtype=torch.bool)
-    if L > 1:
-        opens_BL[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    return doc_starts(position_ids_BL.shape[0], position_ids_BL.shape[1], position_ids=position_ids_BL)
+
+
+def doc_starts(batch: int, seq_len: int, *, position_ids: torch.Tensor | None = None,
+               valid: torch.Tensor | None = None, opens: torch.Tensor | None = None) -> torch.Tensor:
+    """Document start per token, (B, L) int64, from any combination of:
+
+    * ``position_ids`` (B, L): a document opens where the position does not increase by exactly 1;
+    * ``valid`` (B, L) bool padding mask: every padding token is a one-token document of its own
+      (it sees only itself), and a document opens after padding;
+    * ``opens`` (B, L) bool: explicit document openings.
+    """
+    B, L = batch, seq_len
+    opens_BL = torch.zeros(B, L, dtype=torch.bool)
+    opens_BL[:, :1] = True
+    if position_ids is not None and L > 1:
+        pos = position_ids.to("cpu", torch.int64).expand(B, L)
+        opens_BL[:, 1:] |= pos[:, 1:] != pos[:, :-1] + 1
+    if valid is not None:
+        ok = valid.to("cpu", torch.bool).expand(B, L)
+        opens_BL |= ~ok
+        if L > 1:
+            opens_BL[:, 1:] |= ~ok[:, :-1]
+    if opens is not None:
+        opens_BL |= opens.to("cpu", torch.bool).expand(B, L)
     idx_L = torch.arange(L)
     return torch.cummax(torch.where(opens_BL, idx_L, torch.zeros_like(idx_L)), dim=1).values
 

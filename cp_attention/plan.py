@@ -28,7 +28,7 @@ import torch
 from . import layout as layout_mod
 from .masks import MaskSpec, SequenceMeta, segment_bounds
 
-__all__ = ["KernelCall", "Step", "Round", "PlanStats", "RankPlan", "build_plan"]
+__all__ = ["KernelCall", "Step", "Round", "PlanStats", "RankPlan", "build_plan", "build_local_plan"]
 
 WORK_TILE = 128  # query rows per tile when counting computed score entries
 
@@ -148,19 +148,21 @@ class _Tokens:
     seg_end: torch.Tensor
 
 
-def _intervals(tok: _Tokens, spec: MaskSpec, r: int, s: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each packed query row of rank r, the packed key rows of rank s it sees: (R,), (R,)."""
-    q_idx, k_idx = tok.idx[r], tok.idx[s]
+def _intervals(q_idx: torch.Tensor, k_idx: torch.Tensor, seg_start: torch.Tensor, seg_end: torch.Tensor,
+               spec: MaskSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each packed query row (``b * Lq + i``), the packed key rows (``b * Lk + j``) it sees.
+
+    ``q_idx``/``k_idx``: increasing global positions of the query and key tokens; ``seg_start``/
+    ``seg_end`` (B, T): attention segment of every global position. Returns (R,), (R,)."""
+    L = seg_start.shape[1]
     lo, hi = spec.band()
-    lo_i = max(int(max(lo, -L)), -L)
-    hi_i = min(int(min(hi, L)), L)
-    seg_s_BR, seg_e_BR = tok.seg_start[:, q_idx], tok.seg_end[:, q_idx]
+    lo_i, hi_i = int(max(lo, -L)), int(min(hi, L))
+    seg_s_BR, seg_e_BR = seg_start[:, q_idx], seg_end[:, q_idx]
     low_BR = torch.maximum(seg_s_BR, q_idx + lo_i)
     up_BR = torch.minimum(seg_e_BR, q_idx + hi_i + 1)
     B, Ls = seg_s_BR.shape[0], k_idx.numel()
     tlo_BR = torch.searchsorted(k_idx, low_BR.contiguous())
-    thi_BR = torch.searchsorted(k_idx, up_BR.contiguous())
-    thi_BR = torch.maximum(thi_BR, tlo_BR)
+    thi_BR = torch.maximum(torch.searchsorted(k_idx, up_BR.contiguous()), tlo_BR)
     base_B1 = (torch.arange(B) * Ls).unsqueeze(1)
     return (tlo_BR + base_B1).reshape(-1), (thi_BR + base_B1).reshape(-1)
 
@@ -254,17 +256,23 @@ def _collect(out: list[_Seq], fit, lo_X, hi_X, gid_X) -> torch.Tensor:
     return ~ok_G[gid_X]
 
 
-def _pair_sequences(tok: _Tokens, spec: MaskSpec, r: int, s: int, L: int, B: int) -> list[_Seq]:
+def _pair_sequences(tok: _Tokens, spec: MaskSpec, r: int, s: int) -> list[_Seq]:
     """All varlen sequences of pair (query rank r, key rank s), packed coordinates."""
-    lo_R, hi_R = _intervals(tok, spec, r, s, L)
+    return _sequences(tok.idx[r], tok.idx[s], tok.seg_start, tok.seg_end, spec)
+
+
+def _sequences(q_idx, k_idx, seg_start, seg_end, spec: MaskSpec) -> list[_Seq]:
+    """Varlen sequences computing exactly the visible pairs between query tokens at global
+    positions ``q_idx`` and key tokens at ``k_idx`` (both increasing), for every batch row."""
+    lo_R, hi_R = _intervals(q_idx, k_idx, seg_start, seg_end, spec)
     live_R = hi_R > lo_R
     if not bool(live_R.any()):
         return []
-    Lr, Ls = tok.idx[r].numel(), tok.idx[s].numel()
+    Lr, Ls = q_idx.numel(), k_idx.numel()
     rows_X = torch.nonzero(live_R).flatten()
     lo_X, hi_X = lo_R[rows_X], hi_R[rows_X]
     b_X = rows_X // Lr
-    seg_X = tok.seg_start[b_X, tok.idx[r][rows_X % Lr]]
+    seg_X = seg_start[b_X, q_idx[rows_X % Lr]]
     # 1) one sequence per (row, segment): the natural grouping
     new_X = torch.ones_like(rows_X, dtype=torch.bool)
     new_X[1:] = (seg_X[1:] != seg_X[:-1]) | (b_X[1:] != b_X[:-1])
@@ -274,8 +282,8 @@ def _pair_sequences(tok: _Tokens, spec: MaskSpec, r: int, s: int, L: int, B: int
     if bool(failed_X.any()):
         # 2) split failed groups where global positions jump (zigzag slices), query and key side
         rows_F, lo_F, hi_F, gid_F = rows_X[failed_X], lo_X[failed_X], hi_X[failed_X], gid_X[failed_X]
-        qpos_F = tok.idx[r][rows_F % Lr]
-        for ka, kb in _run_bounds(tok.idx[s]):
+        qpos_F = q_idx[rows_F % Lr]
+        for ka, kb in _run_bounds(k_idx):
             base_F = (rows_F // Lr) * Ls
             clo_F = torch.maximum(lo_F, base_F + ka)
             chi_F = torch.minimum(hi_F, base_F + kb)
@@ -420,7 +428,7 @@ def build_plan(
     grad_token_bytes = 2 * head_kv * head_dim * grad_itemsize * B
 
     def step(r: int, s: int) -> Step | None:
-        seqs = _pair_sequences(tok, spec, r, s, L, B)
+        seqs = _pair_sequences(tok, spec, r, s)
         if not seqs:
             return None
         Ls = sizes[s]
@@ -448,6 +456,10 @@ def build_plan(
             continue
         rounds.append(Round(offset=t, recv=recv, send_to=dst if out else None,
                             send_spans=out.spans if out else None))
+    return _rank_plan(rank, P, B, sizes, local, tuple(rounds), token_bytes, grad_token_bytes)
+
+
+def _rank_plan(rank, P, B, sizes, local, rounds, token_bytes, grad_token_bytes) -> RankPlan:
     steps = ([local] if local else []) + [r.recv for r in rounds if r.recv]
     calls = [c for st in steps for c in st.calls]
     recv_tokens = sum(r.recv.width for r in rounds if r.recv)
@@ -463,4 +475,17 @@ def build_plan(
         entries_computed=sum(c.entries_computed for c in calls),
         entries_visible=sum(c.entries_visible for c in calls))
     return RankPlan(rank=rank, world_size=P, batch=B, local_len=sizes[rank], local=local,
-                    rounds=tuple(rounds), stats=stats)
+                    rounds=rounds, stats=stats)
+
+
+def build_local_plan(
+    meta: SequenceMeta, spec: MaskSpec, *, q_idx: torch.Tensor, k_idx: torch.Tensor,
+) -> RankPlan:
+    """A single-device plan for queries and keys at arbitrary increasing positions, e.g. the new
+    tokens of a generation step (``q_idx``, (Lq,)) against the keys of a KV cache (``k_idx``,
+    (Lk,), possibly a sliding window of it). ``meta`` covers every position up to
+    ``max(q_idx[-1], k_idx[-1])``. Traffic statistics are zero."""
+    seg_start, seg_end = segment_bounds(meta, spec)
+    seqs = _sequences(q_idx, k_idx, seg_start, seg_end, spec)
+    local = Step(source=0, spans=((0, k_idx.numel()),), calls=tuple(_calls(seqs, lambda k: k))) if seqs else None
+    return _rank_plan(0, 1, meta.batch, [q_idx.numel()], local, (), 0, 0)

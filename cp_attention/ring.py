@@ -105,14 +105,14 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse_HT, sinks = ctx.saved_tensors
         plan, comm, backend, scale, softcap = ctx.plan, ctx.comm, ctx.backend, ctx.scale, ctx.softcap
         B, L, H, D = q.shape
-        _, _, K, _ = k.shape
+        _, Lk, K, _ = k.shape  # Lk == L under context parallelism; longer after a KV cache
         acc = _accum_dtype(q.dtype)
         P = plan.world_size
         q_THD, out_THD = _packed(q), _packed(out)
         dout_THD = _packed(dout.contiguous())
         dq_THD = torch.zeros(B * L, H, D, dtype=acc, device=q.device)
-        dk_BLKD = torch.zeros(B, L, K, D, dtype=acc, device=q.device)
-        dv_BLKD = torch.zeros(B, L, K, D, dtype=acc, device=q.device)
+        dk_BLKD = torch.zeros(B, Lk, K, D, dtype=acc, device=q.device)
+        dv_BLKD = torch.zeros(B, Lk, K, D, dtype=acc, device=q.device)
         rounds = plan.schedule()
         grads_in_flight: list[tuple[Pending, torch.Tensor | None, Round]] = []
 
@@ -163,6 +163,7 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,
                    softcap: float | None) -> torch.Tensor:
-    """Run ``plan`` on this rank's shard: q (B, L, H, D), k/v (B, L, K, D), sinks (H,) or None
-    -> out (B, L, H, D). Differentiable w.r.t. q, k, v and sinks."""
+    """Run ``plan`` on this rank's shard: q (B, L, H, D), k/v (B, Lk, K, D) (Lk == L except for
+    single-device plans over a KV cache), sinks (H,) or None -> out (B, L, H, D).
+    Differentiable w.r.t. q, k, v and sinks."""
     return _RingAttention.apply(q, k, v, sinks, plan, comm, backend, scale, softcap)

@@ -1,0 +1,60 @@
+"""Integrations with other libraries, registered lazily so ``import cp_attention`` stays cheap."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
+__all__ = ["install"]
+
+_TRIGGER = "transformers.modeling_utils"
+
+
+def _register_transformers() -> None:
+    try:
+        from .transformers import register
+
+        register()
+    except ImportError as exc:  # an unsupported transformers version: say so, do not break transformers
+        warnings.warn(f"cp_attention: attn_implementation='cp_flash' is not available: {exc}", stacklevel=2)
+
+
+class _LoaderThenRegister(importlib.abc.Loader):
+    """Runs the real loader, then registers "cp_flash"; everything else is the real loader's."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _register_transformers()
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _AfterTransformersImport(importlib.abc.MetaPathFinder):
+    """One-shot import hook: registers "cp_flash" right after transformers' modeling code loads."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _TRIGGER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _LoaderThenRegister(spec.loader)
+        return spec
+
+
+def install() -> None:
+    """Register "cp_flash" now if transformers' modeling code is loaded, else when it loads."""
+    if _TRIGGER in sys.modules:
+        _register_transformers()
+    elif importlib.util.find_spec("transformers") is not None and not any(
+            isinstance(f, _AfterTransformersImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTransformersImport())

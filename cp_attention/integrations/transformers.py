@@ -1,0 +1,352 @@
+"""transformers integration: ``attn_implementation="cp_flash"``.
+
+Importing :mod:`cp_attention` registers the name as soon as transformers' ``modeling_utils`` is
+imported (lazily, so ``import cp_attention`` stays cheap). Registration installs:
+
+* an attention function that turns ``(module, query, key, value, attention_mask, **kwargs)`` into one
+  :class:`~cp_attention.masks.MaskSpec` per layer (causal or bidirectional from ``module.is_causal``,
+  ``sliding_window``, chunked layers from ``config.layer_types``, ``softcap``, sinks ``s_aux``,
+  ``scaling``) and runs the engine: under an active :func:`~cp_attention.context_parallel` group
+  of several ranks with the documents recorded by ``cp.shard_batch``; otherwise on one device;
+* a mask function that returns a small :class:`CPMask` (offsets, the 2D padding mask, document
+  starts transformers detected) instead of an (L x L) mask;
+* the adaptations transformers needs because the name contains "flash" (it would otherwise look
+  for a flash-attn package or hub kernel, swap gpt-oss to a hub kernel, refuse chunked masks...).
+  They replace ``is_flash_attention_requested`` in the modules listed in :data:`FLASH_NAME_SITES`
+  by a wrapper that answers False for "cp_flash" only, for transformers >= 5.17 and < 6;
+* a wrapper of the causal-LM and masked-LM losses that, for a batch from ``cp.shard_batch`` on
+  several ranks, reports the loss summed over ranks (the single-device loss) while each rank's
+  backward keeps its own share.
+
+Legend: ``B`` batch, ``L``/``Lq`` query tokens, ``Lk`` key tokens, ``H`` heads, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import api
+from ..backends import select_backend
+from ..comm import Comm
+from ..layout import global_index
+from ..masks import MaskSpec, SequenceMeta, doc_starts
+from ..plan import build_local_plan
+from ..ring import ring_attention
+
+__all__ = ["NAME", "CPMask", "cp_flash_attention", "cp_flash_mask", "register", "FLASH_NAME_SITES",
+           "adapted_sites"]
+
+NAME = "cp_flash"
+MIN_VERSION, MAX_VERSION = (5, 17), (6, 0)
+
+# Modules whose by-name import of is_flash_attention_requested treats any name containing "flash"
+# as flash-attn, and what goes wrong for "cp_flash" there (transformers 5.17-5.23):
+FLASH_NAME_SITES = {
+    "transformers.modeling_utils": "model init imports a flash package or hub kernel for the name and "
+                                   "raises; gpt-oss swaps the name for a hub kernel",
+    "transformers.masking_utils": "the chunked mask builder raises beyond one chunk (Llama 4)",
+    "transformers.generation.utils": "generate keeps the all-ones padding mask with a static cache and "
+                                     "turns off fullgraph compilation",
+    "transformers.generation.continuous_batching.continuous_api": "continuous batching would run "
+                                                                  "without masks",
+    "transformers.generation.continuous_batching.initialization": "continuous batching setup",
+    "transformers.generation.continuous_batching.cache": "continuous batching cache layout",
+}
+_ADAPTED: list[str] = []
+
+
+def adapted_sites() -> list[str]:
+    """The modules whose flash-name check was adapted for "cp_flash" (for tests and diagnostics)."""
+    return list(_ADAPTED)
+
+
+def _version() -> tuple[int, int]:
+    import transformers
+
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the mask function: O(L) metadata instead of an (L x L) mask
+
+
+@dataclass(eq=False)
+class CPMask:
+    """What "cp_flash" layers receive as ``attention_mask``: sizes, offsets and O(L) metadata.
+
+    ``q_offset``/``kv_offset``: absolute position of the first query / key (non-zero after a KV
+    cache; a sliding-window cache keeps only the last keys). ``valid`` (B, T) bool: the 2D padding
+    mask over absolute positions, or None. ``opens`` (B, Lq) bool: document starts transformers
+    itself detected in packed ``position_ids`` (no KV cache only), or None. ``plans`` caches the
+    single-device plan of each mask for the layers of one forward.
+    """
+
+    batch_size: int
+    q_length: int
+    kv_length: int
+    q_offset: int
+    kv_offset: int
+    valid: torch.Tensor | None
+    opens: torch.Tensor | None
+    plans: dict = field(default_factory=dict, repr=False)
+
+
+def _hf_document_starts(mask_function, batch_size: int, length: int) -> torch.Tensor | None:
+    """Document starts in transformers' own mask: a token opens one where it cannot see its
+    predecessor (probed on the ``length - 1`` adjacent pairs, O(L)). Chunk starts and window-1 masks
+    also register, which is harmless: the MaskSpec applies the same cuts again."""
+    if mask_function is None or length < 2:
+        return None
+    q_idx = torch.arange(1, length)
+    opens = torch.zeros(batch_size, length, dtype=torch.bool)
+    opens[:, 0] = True
+    for b in range(batch_size):
+        seen = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, q_idx - 1)
+        seen = torch.as_tensor(seen, dtype=torch.bool).expand(length - 1)
+        opens[b, 1:] = ~seen
+    return opens if bool(opens[:, 1:].any()) else None
+
+
+def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> CPMask:
+    """The mask function registered for "cp_flash": returns a :class:`CPMask`, never (L x L) data."""
+    valid = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError("cp_flash expects a 2D (B, L) padding mask; got a "
+                             f"{attention_mask.dim()}D attention_mask")
+        valid = attention_mask.detach().to(torch.bool)
+        if bool(valid.all()):
+            valid = None
+    opens = None
+    if q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+        opens = _hf_document_starts(mask_function, batch_size, q_length)
+    return CPMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
+                  kv_offset=int(kv_offset), valid=valid, opens=opens)
+
+
+# ----------------------------------------------------------------------------------------------
+# the attention function
+
+
+def layer_mask_spec(module, *, sliding_window=None, softcap=None, scaling=None, is_causal=None) -> MaskSpec:
+    """The MaskSpec of one transformers attention layer."""
+    config = getattr(module, "config", None)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    chunk = None
+    layer_types = getattr(config, "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_types is not None and layer_idx is not None and layer_types[layer_idx] == "chunked_attention":
+        chunk = int(config.attention_chunk_size)
+    window = int(sliding_window) if sliding_window is not None else None
+    return MaskSpec(causal=bool(causal), window=window, chunk_size=chunk,
+                    softcap=float(softcap) if softcap is not None else None,
+                    scale=float(scaling) if scaling is not None else None)
+
+
+def _llama4_temperature(positions: torch.Tensor, module) -> torch.Tensor:
+    """Llama 4's NoPE attention temperature for absolute positions (its own formula)."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+
+def _fix_llama4_temperature(q_BLHD: torch.Tensor, module, cp) -> torch.Tensor:
+    """Llama 4 scales NoPE-layer queries by a temperature of ``arange(local length)``; on a shard the
+    true positions are global. Rescale by temperature(global) / temperature(local) (1 wherever the
+    temperature does not change, i.e. below ``floor_scale``)."""
+    if not (getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True)):
+        return q_BLHD
+    L = q_BLHD.shape[1]
+    local = torch.arange(L)
+    glob = global_index(cp._batch.seq_len, cp.world_size, cp.layout, cp.rank)
+    ratio = _llama4_temperature(glob, module) / _llama4_temperature(local, module)
+    if bool((ratio == 1).all()):
+        return q_BLHD
+    return (q_BLHD * ratio.to(q_BLHD.device, torch.float32).view(1, L, 1, 1)).to(q_BLHD.dtype)
+
+
+def _local_meta(info: CPMask | None, batch: api.BatchRecord | None, B: int, Lq: int, Lk: int, kwargs):
+    """Documents and positions of a single-device call: (meta, q_idx, k_idx)."""
+    q_off = info.q_offset if info is not None else 0
+    kv_off = info.kv_offset if info is not None else 0
+    if info is not None and info.kv_length != Lk:
+        raise ValueError(f"cp_flash: the mask was built for {info.kv_length} keys but the layer has {Lk}")
+    if info is None and Lq != Lk:
+        raise ValueError("cp_flash: queries and keys differ in length (a KV cache?) but no cp_flash mask "
+                         "describes their positions; do not pass a prebuilt 4D mask or a dict of masks")
+    cached = q_off != 0 or kv_off != 0 or Lq != Lk
+    T = max(q_off + Lq, kv_off + Lk)
+    position_ids = opens = valid = None
+    if batch is not None and not cached and batch.seq_len == Lq and batch.meta.batch == B:
+        meta = SequenceMeta(batch=B, seq_len=Lq, doc_start=batch.meta.doc_start)
+        return meta, torch.arange(Lq), torch.arange(Lk)
+    cu = kwargs.get("cu_seq_lens_q")
+    if not cached:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None and tuple(position_ids.shape[-1:]) != (Lq,):
+            position_ids = None
+        if cu is not None:
+            if B != 1:
+                raise ValueError("cp_flash: cu_seq_lens_q describes one packed row, but the batch has "
+                                 f"{B} rows; pass position_ids instead")
+            opens = torch.zeros(1, Lq, dtype=torch.bool)
+            opens[0, cu.detach().cpu().long()[:-1].clamp(max=Lq - 1)] = True
+    elif cu is not None:
+        raise ValueError("cp_flash: cu_seq_lens_* with a non-empty KV cache is not supported")
+    if info is not None:
+        if info.opens is not None:
+            opens = info.opens if opens is None else (opens | info.opens)
+        if info.valid is not None:
+            valid = torch.zeros(B, T, dtype=torch.bool)  # positions past the 2D mask are invisible
+            n = min(T, info.valid.shape[1])
+            valid[:, :n] = info.valid[:, :n].cpu()
+    if opens is not None and T > Lq:
+        opens = torch.cat([opens, torch.zeros(B, T - Lq, dtype=torch.bool)], 1)
+    if position_ids is not None and T > Lq:
+        position_ids = None
+    meta = SequenceMeta(batch=B, seq_len=T, doc_start=doc_starts(
+        B, T, position_ids=position_ids, valid=valid, opens=opens))
+    return meta, torch.arange(q_off, q_off + Lq), torch.arange(kv_off, kv_off + Lk)
+
+
+def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                       dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
+                       softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
+    """The attention function registered for "cp_flash".
+
+    query (B, H, Lq, D), key/value (B, H_kv, Lk, D) (GQA not repeated) -> ((B, Lq, H, D), None).
+    """
+    if dropout and getattr(module, "training", False):
+        raise NotImplementedError(f"cp_flash does not implement attention dropout (got dropout={dropout}); "
+                                  "set the model's attention_dropout to 0")
+    if isinstance(attention_mask, torch.Tensor):
+        raise ValueError("cp_flash received a dense attention_mask tensor: its masks come from the mask "
+                         "function registered with it; pass a 2D padding mask (or none) and position_ids")
+    info = attention_mask if isinstance(attention_mask, CPMask) else None
+    spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling,
+                           is_causal=kwargs.get("is_causal"))
+    q = query.transpose(1, 2)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    B, Lq = q.shape[:2]
+    Lk = k.shape[1]
+    mask_args = dict(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size, softcap=spec.softcap,
+                     scale=spec.scale)
+    cp = api._ACTIVE.get()
+    if cp is not None and cp.world_size > 1:
+        batch = cp._batch
+        if batch is None:
+            raise ValueError("cp_flash under context parallelism needs the batch's global positions: shard the "
+                             "inputs with cp.shard_batch(input_ids=..., position_ids=..., labels=...)")
+        if Lq != Lk or (info is not None and (info.q_offset or info.kv_offset)):
+            raise ValueError("cp_flash: a non-empty KV cache is not supported under context parallelism "
+                             f"(queries {Lq}, keys {Lk}); call the model with use_cache=False")
+        q = _fix_llama4_temperature(q, module, cp)
+        out = api._attend(q, k, v, mask_args, sinks=s_aux, batch=batch)
+        return out, None
+    batch = cp._batch if cp is not None else None
+    meta, q_idx, k_idx = _local_meta(info, batch, B, Lq, Lk, kwargs)
+    plan_spec = MaskSpec(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size)
+    key_ = (plan_spec, B, Lq, Lk, batch is not None)
+    plans = info.plans if info is not None else {}
+    if key_ not in plans:
+        plans[key_] = build_local_plan(meta, plan_spec, q_idx=q_idx, k_idx=k_idx)
+    api._check_inputs(q, k, v, None, None, s_aux, "auto", same_length=False)
+    impl = select_backend("auto", device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
+    out = ring_attention(q, k, v, s_aux, plans[key_], Comm(None), impl, scale=spec.resolved_scale(q.shape[3]),
+                         softcap=spec.softcap)
+    return out, None
+
+
+# ----------------------------------------------------------------------------------------------
+# loss reporting under context parallelism
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the loss summed over the group (the single-device loss). Backward: identity, so each
+    rank's backward produces only its own share of the gradients."""
+
+    @staticmethod
+    def forward(ctx, loss, comm: Comm):
+        return comm.all_reduce(loss.detach().clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _wrap_loss(fn):
+    if getattr(fn, "_cp_attention_wrapped", False):
+        return fn
+
+    def loss_with_cp(*args, **kwargs):
+        loss = fn(*args, **kwargs)
+        cp = api._ACTIVE.get()
+        batch = cp._batch if cp is not None else None
+        if (cp is not None and cp.world_size > 1 and batch is not None and batch.num_items is not None
+                and kwargs.get("num_items_in_batch") is batch.num_items):
+            loss = _SumOverRanks.apply(loss, cp.comm)
+        return loss
+
+    loss_with_cp._cp_attention_wrapped = True
+    loss_with_cp.__wrapped__ = fn
+    return loss_with_cp
+
+
+# ----------------------------------------------------------------------------------------------
+# registration
+
+
+def _adapt_flash_name_check(module_name: str) -> bool:
+    try:
+        mod = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    original = getattr(mod, "is_flash_attention_requested", None)
+    if original is None:
+        return False
+    if getattr(original, "_cp_attention_wrapped", False):
+        return True
+
+    def is_flash_attention_requested(config=None, requested_attention_implementation=None, version=None, **kw):
+        name = config._attn_implementation if config is not None else requested_attention_implementation
+        if name == NAME:
+            return False
+        return original(config=config, requested_attention_implementation=requested_attention_implementation,
+                        version=version, **kw)
+
+    is_flash_attention_requested._cp_attention_wrapped = True
+    is_flash_attention_requested.__wrapped__ = original
+    mod.is_flash_attention_requested = is_flash_attention_requested
+    return True
+
+
+_REGISTERED = [False]
+
+
+def register() -> None:
+    """Register "cp_flash" with transformers (idempotent). Called automatically once transformers'
+    modeling code is imported after ``import cp_attention``."""
+    if _REGISTERED[0]:
+        return
+    version = _version()
+    if not (MIN_VERSION <= version < MAX_VERSION):
+        raise ImportError(f"cp_attention's transformers integration supports transformers >= "
+                          f"{'.'.join(map(str, MIN_VERSION))} and < {'.'.join(map(str, MAX_VERSION))}, found "
+                          f"{'.'.join(map(str, version))}")
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.loss import loss_utils
+
+    AttentionInterface.register(NAME, cp_flash_attention)
+    AttentionMaskInterface.register(NAME, cp_flash_mask)
+    for site in FLASH_NAME_SITES:
+        if _adapt_flash_name_check(site) and site not in _ADAPTED:
+            _ADAPTED.append(site)
+    for loss_name in ("ForCausalLM", "ForMaskedLM"):
+        if loss_name in loss_utils.LOSS_MAPPING:
+            loss_utils.LOSS_MAPPING[loss_name] = _wrap_loss(loss_utils.LOSS_MAPPING[loss_name])
+    _REGISTERED[0] = True
