@@ -95,6 +95,10 @@ class CPMask:
     opens: torch.Tensor | None
     plans: dict = field(default_factory=dict, repr=False)
 
+    def contiguous(self) -> CPMask:
+        """transformers' generation calls ``.contiguous()`` on prepared masks: nothing to do."""
+        return self
+
 
 def _hf_document_starts(mask_function, batch_size: int, length: int) -> torch.Tensor | None:
     """Document starts in transformers' own mask: a token opens one where it cannot see its

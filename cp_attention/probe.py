@@ -1,0 +1,257 @@
+"""The probe: does context parallelism keep a model's masks? Perturb token 0 and see who notices.
+
+Spawns N gloo ranks on CPU, builds a tiny random model of one family (``tiny_models``), replaces
+the token at position 0 by another token and counts the output positions whose logits change, on
+one device and under context parallelism (``attn_implementation="cp_flash"``), for three cases:
+
+* ``sliding``: every layer local (sliding window of ``--window`` tokens; chunks of ``--window``
+  for Llama 4, whose local layers are chunked), one document. Qwen3, 2 layers, window 64, 512
+  tokens: position 0 reaches 2 * 63 + 1 = 127 tokens, 24.8%.
+* ``packed``: two packed documents (``position_ids`` restart at ``L // 2``), the family's own mix
+  of layer types; only the first document may see position 0 (50.0% for Qwen3).
+* ``own mix``: the family's own mix of layer types (its default tiny config), one document.
+
+The single-device reference is the same weights under ``attn_implementation="eager"`` with each
+packed document run alone (transformers' packed eager is not trusted: gpt-oss does not pass
+``position_ids`` to its mask builder). The "plain causal CP" column shows what the common CP path
+computes: the same ranks and global RoPE positions, but every layer's mask replaced by the plain
+causal (bidirectional for encoders) mask, so windows, chunks and documents are dropped.
+
+Exits 1 if, in any case, CP and single device disagree on which positions change or their logits
+differ by more than ``--tol``.
+
+    python -m cp_attention.probe [--model qwen3] [--nproc 2] [--seq-len 512] [--layout zigzag]
+    cp-attention probe [options]
+
+Test-only: ``CP_ATTENTION_PROBE_BREAK_MASK=1`` (or the hidden ``--break-mask``) runs the CP column
+with the plain causal mask, which the probe must then report as a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import cp_attention
+from cp_attention.launch import run_ranks
+from cp_attention.tiny_models import FAMILIES, is_causal_lm, tiny_config, tiny_model
+
+__all__ = ["CaseResult", "run_probe", "main", "BREAK_MASK_ENV", "TOLERANCE"]
+
+TOLERANCE = 1e-4
+BREAK_MASK_ENV = "CP_ATTENTION_PROBE_BREAK_MASK"
+PLAIN_CAUSAL = "cp_probe_plain_causal"  # the "plain causal CP" emulation, registered in the ranks
+CASES = ("sliding", "packed", "own mix")
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One row of the probe's table. ``*_changed``: positions whose logits change when token 0 is
+    replaced (of ``seq_len``); ``same_positions``: CP changes exactly the single-device positions;
+    ``max_diff``: max |logit CP - logit single device| over both inputs and all positions."""
+
+    case: str
+    description: str
+    seq_len: int
+    single_changed: int
+    cp_changed: int
+    plain_changed: int
+    same_positions: bool
+    max_diff: float
+    tolerance: float
+
+    @property
+    def single_share(self) -> float:
+        return self.single_changed / self.seq_len
+
+    @property
+    def cp_share(self) -> float:
+        return self.cp_changed / self.seq_len
+
+    @property
+    def plain_share(self) -> float:
+        return self.plain_changed / self.seq_len
+
+    @property
+    def ok(self) -> bool:
+        return self.same_positions and self.max_diff <= self.tolerance
+
+
+# ----------------------------------------------------------------------------------------------
+# inside a rank
+
+
+def _register_plain_causal() -> None:
+    """Register PLAIN_CAUSAL: "cp_flash" with each layer's window and chunk dropped (documents are
+    dropped by not giving position_ids to shard_batch). Only in the probe's rank processes."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    from cp_attention.integrations.transformers import cp_flash_attention, cp_flash_mask
+
+    class _NoChunk:  # the layer as cp_flash sees it, minus the layer index that selects chunking
+        def __init__(self, module):
+            self._module = module
+
+        def __getattr__(self, name):
+            return None if name == "layer_idx" else getattr(self._module, name)
+
+    def plain_causal_attention(module, query, key, value, attention_mask, **kwargs):
+        kwargs["sliding_window"] = None
+        return cp_flash_attention(_NoChunk(module), query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(PLAIN_CAUSAL, plain_causal_attention)
+    AttentionMaskInterface.register(PLAIN_CAUSAL, cp_flash_mask)
+
+
+def _case_setup(family: str, case: str, seq_len: int, window: int):
+    """(config, position_ids (1, L), document lengths) of one case."""
+    cfg = tiny_config(family, window=window, chunk=window)
+    docs = [seq_len]
+    if case == "sliding":
+        local = "chunked_attention" if family == "llama4" else "sliding_attention"
+        if getattr(cfg, "layer_types", None) is not None:
+            cfg.layer_types = [local] * len(cfg.layer_types)
+        elif getattr(cfg, "sliding_window", None) is None:  # phi3: a window on every layer
+            cfg.sliding_window = window
+    elif case == "packed":
+        docs = [seq_len // 2, seq_len - seq_len // 2]
+    position_ids = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
+    return cfg, position_ids, docs
+
+
+def _describe(family: str, case: str, window: int, docs) -> str:
+    if case == "sliding":
+        kind = f"chunks of {window}" if family == "llama4" else f"window {window}"
+        return f"every layer local ({kind})"
+    cfg = tiny_config(family, window=window, chunk=window)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        mix = f"{cfg.num_hidden_layers} x " + ("sliding" if getattr(cfg, "sliding_window", None) else "full")
+    else:
+        short = {"sliding_attention": "S", "full_attention": "F", "chunked_attention": "C"}
+        mix = "".join(short.get(t, "?") for t in types)
+    text = f"own mix {mix}"
+    if case == "packed":
+        text += f", documents {'+'.join(map(str, docs))}"
+    return text
+
+
+def _inputs(seq_len: int, vocab: int) -> torch.Tensor:
+    """(2, L) token ids: a random sequence and the same with token 0 replaced."""
+    gen = torch.Generator().manual_seed(1234)
+    ids = torch.randint(3, vocab, (1, seq_len), generator=gen).repeat(2, 1)
+    ids[1, 0] = 3 + (ids[0, 0] - 3 + 1) % (vocab - 3)
+    return ids
+
+
+def _changed(logits_2LV: torch.Tensor) -> torch.Tensor:
+    """(L,) bool: positions whose logits differ between the two inputs."""
+    return (logits_2LV[1] - logits_2LV[0]).abs().amax(-1) > 0
+
+
+def _rank_main(rank, world_size, family, seq_len, window, layout, break_mask):
+    torch.set_num_threads(1)
+    _register_plain_causal()
+    kw = dict(use_cache=False) if is_causal_lm(family) else {}
+    rows = []
+    with torch.no_grad():
+        for case in CASES:
+            cfg, pos, docs = _case_setup(family, case, seq_len, window)
+            ours = tiny_model(family, "cp_flash", config=cfg)
+            plain = tiny_model(family, PLAIN_CAUSAL, config=cfg)
+            plain.load_state_dict(ours.state_dict())
+            ids = _inputs(seq_len, cfg.vocab_size)
+            pos2 = pos.expand(2, -1)
+            with cp_attention.context_parallel(layout=layout) as cp:
+                # plain causal CP: no documents recorded, windows/chunks dropped, true RoPE positions
+                batch = cp.shard_batch(input_ids=ids)
+                batch["position_ids"] = cp.shard(pos2).contiguous()
+                plain_logits = cp.gather(plain(**batch, **kw).logits, dim=1)
+                if break_mask:
+                    cp_logits = plain_logits
+                else:
+                    batch = cp.shard_batch(input_ids=ids, position_ids=pos2)
+                    cp_logits = cp.gather(ours(**batch, **kw).logits, dim=1)
+            if rank != 0:
+                continue
+            eager = tiny_model(family, "eager", config=cfg)
+            eager.load_state_dict(ours.state_dict())
+            parts, start = [], 0
+            for n in docs:  # each document alone: the ground truth
+                doc_pos = torch.arange(n).expand(2, n)
+                parts.append(eager(input_ids=ids[:, start:start + n], position_ids=doc_pos, **kw).logits)
+                start += n
+            single_logits = torch.cat(parts, dim=1)
+            single, ch_cp, ch_plain = _changed(single_logits), _changed(cp_logits), _changed(plain_logits)
+            rows.append(CaseResult(
+                case=case, description=_describe(family, case, window, docs), seq_len=seq_len,
+                single_changed=int(single.sum()), cp_changed=int(ch_cp.sum()), plain_changed=int(ch_plain.sum()),
+                same_positions=bool(torch.equal(single, ch_cp)),
+                max_diff=float((cp_logits - single_logits).abs().max()), tolerance=TOLERANCE))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# the parent
+
+
+def run_probe(*, model: str = "qwen3", nproc: int = 2, seq_len: int = 512, layout: str = "zigzag",
+              window: int = 64, tol: float = TOLERANCE, break_mask: bool = False,
+              timeout: float = 600.0) -> list[CaseResult]:
+    """Run the probe on ``nproc`` spawned gloo ranks; one :class:`CaseResult` per case."""
+    if model not in FAMILIES:
+        raise ValueError(f"model must be one of {FAMILIES}, got {model!r}")
+    cp_attention.layout.check_layout(layout)
+    if nproc < 1 or seq_len < 2 * nproc or window < 2:
+        raise ValueError(f"need nproc >= 1, seq_len >= 2 * nproc and window >= 2 "
+                         f"(got nproc={nproc}, seq_len={seq_len}, window={window})")
+    rows = run_ranks(nproc, _rank_main, model, seq_len, window, layout, break_mask, timeout=timeout)[0]
+    return [CaseResult(**{**r.__dict__, "tolerance": tol}) for r in rows]
+
+
+def format_table(rows: list[CaseResult]) -> str:
+    head = ("case", "masks", "single device", "CP", "max |CP - single|", "plain causal CP", "verdict")
+    body = [(r.case, r.description, f"{100 * r.single_share:.1f}% ({r.single_changed})",
+             f"{100 * r.cp_share:.1f}% ({r.cp_changed})", f"{r.max_diff:.1e}",
+             f"{100 * r.plain_share:.1f}% ({r.plain_changed})",
+             "OK" if r.ok else ("FAIL: positions differ" if not r.same_positions else "FAIL: logits differ"))
+            for r in rows]
+    widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *body)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="cp_attention.probe", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3", choices=FAMILIES, help="model family (default qwen3)")
+    parser.add_argument("--nproc", type=int, default=2, help="number of gloo ranks (default 2)")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--window", type=int, default=64, help="sliding window / chunk size (default 64)")
+    parser.add_argument("--layout", default="zigzag", choices=cp_attention.layout.LAYOUTS)
+    parser.add_argument("--tol", type=float, default=TOLERANCE, help="max |logit difference| (default 1e-4)")
+    parser.add_argument("--break-mask", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    break_mask = args.break_mask or os.environ.get(BREAK_MASK_ENV, "") not in ("", "0")
+    rows = run_probe(model=args.model, nproc=args.nproc, seq_len=args.seq_len, layout=args.layout,
+                     window=args.window, tol=args.tol, break_mask=break_mask)
+    print(f"cp_attention probe: tiny random {args.model}, {args.nproc} gloo ranks, {args.layout} layout, "
+          f"L={args.seq_len}, float32; token 0 replaced, share of positions whose logits change")
+    if break_mask:
+        print(f"(test switch {BREAK_MASK_ENV}: the CP column runs with the plain causal mask)")
+    print("single device: attn_implementation='eager', each packed document run alone; "
+          "CP: attn_implementation='cp_flash'")
+    print(format_table(rows))
+    ok = all(r.ok for r in rows)
+    print("OK: CP changes exactly the single-device positions, logits within "
+          f"{args.tol:g}" if ok else "FAIL: CP and single device disagree")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
