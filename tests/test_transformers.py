@@ -146,13 +146,12 @@ def test_unsupported_inputs_raise_clear_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# under context parallelism
+# under context parallelism: one spawn of 3 ranks checks every case (spawning is the slow part)
 
 
-def _cp_errors_worker(rank, world_size):
+def _cp_errors(found):
     model = tiny_model("qwen3", "cp_flash")
     ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(0))
-    found = {}
     with cp_attention.context_parallel() as cp:
         try:
             model(input_ids=cp.shard(ids))
@@ -166,16 +165,9 @@ def _cp_errors_worker(rank, world_size):
                 model(input_ids=batch["input_ids"][:, -1:], past_key_values=out.past_key_values)
         except ValueError as e:
             found["kv_cache"] = str(e)
-    return found
 
 
-def test_cp_errors_no_shard_batch_and_filled_kv_cache():
-    for found in run_ranks(2, _cp_errors_worker, timeout=300):
-        assert "cp.shard_batch" in found["no_shard_batch"]
-        assert "KV cache is not supported under context parallelism" in found["kv_cache"]
-
-
-def _llama4_temperature_worker(rank, world_size, layout):
+def _llama4_temperature(layout):
     config = tiny_config("llama4", chunk=8)
     config.floor_scale = 4  # the NoPE temperature changes every 4 positions: shards see other values
     model = tiny_model("llama4", "cp_flash", config=config)
@@ -189,13 +181,7 @@ def _llama4_temperature_worker(rank, world_size, layout):
     return (logits - ref).abs().max().item()
 
 
-@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_llama4_temperature_uses_global_positions_under_cp(layout):
-    errs = run_ranks(2, _llama4_temperature_worker, layout, timeout=300)
-    assert max(errs) < 1e-4, errs
-
-
-def _padding_worker(rank, world_size, layout):
+def _padding(layout):
     model = tiny_model("qwen3", "cp_flash", window=5)
     eager = tiny_model("qwen3", "eager", window=5)
     gen = torch.Generator().manual_seed(2)
@@ -211,7 +197,33 @@ def _padding_worker(rank, world_size, layout):
     return (logits - ref)[mask.bool()].abs().max().item()
 
 
+def _cp_worker(rank, world_size):
+    found = {}
+    _cp_errors(found)
+    for layout in ("zigzag", "contiguous"):
+        found[f"llama4_temperature/{layout}"] = _llama4_temperature(layout)
+        found[f"padding/{layout}"] = _padding(layout)
+    return found
+
+
+@pytest.fixture(scope="module")
+def cp_results():
+    return run_ranks(3, _cp_worker, timeout=600)
+
+
+def test_cp_errors_no_shard_batch_and_filled_kv_cache(cp_results):
+    for found in cp_results:
+        assert "cp.shard_batch" in found["no_shard_batch"]
+        assert "KV cache is not supported under context parallelism" in found["kv_cache"]
+
+
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_padding_under_cp_matches_single_device(layout):
-    errs = run_ranks(3, _padding_worker, layout, timeout=300)
+def test_llama4_temperature_uses_global_positions_under_cp(cp_results, layout):
+    errs = [found[f"llama4_temperature/{layout}"] for found in cp_results]
+    assert max(errs) < 1e-4, errs
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_padding_under_cp_matches_single_device(cp_results, layout):
+    errs = [found[f"padding/{layout}"] for found in cp_results]
     assert max(errs) < 1e-4, errs
