@@ -44,6 +44,7 @@ class BatchRecord:
     seq_len: int
     meta: SequenceMeta
     num_items: torch.Tensor | None
+    padded: bool = False
 
 
 class ContextParallel:
@@ -142,7 +143,7 @@ class ContextParallel:
         for name, t in tensors.items():
             out[name] = self.shard(t).contiguous()
         out["position_ids"] = self.shard(position_ids).contiguous()
-        self._batch = BatchRecord(seq_len=L, meta=meta, num_items=num_items)
+        self._batch = BatchRecord(seq_len=L, meta=meta, num_items=num_items, padded=valid is not None)
         self._seq_len = L
         return out
 

@@ -17,8 +17,10 @@ packed document run alone (transformers' packed eager is not trusted: gpt-oss do
 computes: the same ranks and global RoPE positions, but every layer's mask replaced by the plain
 causal (bidirectional for encoders) mask, so windows, chunks and documents are dropped.
 
-Exits 1 if, in any case, CP and single device disagree on which positions change or their logits
-differ by more than ``--tol``.
+A position "changes" when one of its logits moves by more than ``CHANGED`` (1e-6; float32 noise
+is ~1e-7). Exits 1 if, in any case, CP and single device disagree on which positions change (beyond
+positions whose changes differ by at most ``CHANGED``: an influence at the noise floor may round
+either way), if their logits differ by more than ``--tol``, or if a rank fails.
 
     python -m cp_attention.probe [--model qwen3] [--nproc 2] [--seq-len 512] [--layout zigzag]
     cp-attention probe [options]
@@ -30,7 +32,6 @@ with the plain causal mask, which the probe must then report as a failure.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 from dataclasses import dataclass
@@ -41,9 +42,10 @@ import cp_attention
 from cp_attention.launch import run_ranks
 from cp_attention.tiny_models import FAMILIES, is_causal_lm, tiny_config, tiny_model
 
-__all__ = ["CaseResult", "run_probe", "main", "BREAK_MASK_ENV", "TOLERANCE"]
+__all__ = ["CaseResult", "run_probe", "format_table", "main", "BREAK_MASK_ENV", "TOLERANCE", "CHANGED"]
 
 TOLERANCE = 1e-4
+CHANGED = 1e-6  # a position "changes" when some logit moves by more than this (float32 noise is ~1e-7)
 BREAK_MASK_ENV = "CP_ATTENTION_PROBE_BREAK_MASK"
 PLAIN_CAUSAL = "cp_probe_plain_causal"  # the "plain causal CP" emulation, registered in the ranks
 CASES = ("sliding", "packed", "own mix")
@@ -51,9 +53,13 @@ CASES = ("sliding", "packed", "own mix")
 
 @dataclass(frozen=True)
 class CaseResult:
-    """One row of the probe's table. ``*_changed``: positions whose logits change when token 0 is
-    replaced (of ``seq_len``); ``same_positions``: CP changes exactly the single-device positions;
-    ``max_diff``: max |logit CP - logit single device| over both inputs and all positions."""
+    """One row of the probe's table.
+
+    ``*_changed``: positions (of ``seq_len``) whose logits change by more than :data:`CHANGED` when
+    token 0 is replaced. ``mismatched``: positions that change under CP but not on one device, or
+    the reverse; ``noise_positions``: those of them whose changes differ by at most :data:`CHANGED`
+    (an influence at the float32 noise floor, which another summation order may round either way;
+    not a mask error). ``max_diff``: max |logit CP - logit single device| over both inputs."""
 
     case: str
     description: str
@@ -61,7 +67,8 @@ class CaseResult:
     single_changed: int
     cp_changed: int
     plain_changed: int
-    same_positions: bool
+    mismatched: int
+    noise_positions: int
     max_diff: float
     tolerance: float
 
@@ -78,8 +85,20 @@ class CaseResult:
         return self.plain_changed / self.seq_len
 
     @property
+    def same_positions(self) -> bool:
+        return self.mismatched == 0
+
+    @property
     def ok(self) -> bool:
-        return self.same_positions and self.max_diff <= self.tolerance
+        return self.mismatched == self.noise_positions and self.max_diff <= self.tolerance
+
+    @property
+    def verdict(self) -> str:
+        if self.mismatched > self.noise_positions:
+            return "FAIL: positions differ"
+        if self.max_diff > self.tolerance:
+            return "FAIL: logits differ"
+        return "OK" if self.same_positions else f"OK ({self.noise_positions} at the noise floor)"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,9 +168,9 @@ def _inputs(seq_len: int, vocab: int) -> torch.Tensor:
     return ids
 
 
-def _changed(logits_2LV: torch.Tensor) -> torch.Tensor:
-    """(L,) bool: positions whose logits differ between the two inputs."""
-    return (logits_2LV[1] - logits_2LV[0]).abs().amax(-1) > 0
+def _change(logits_2LV: torch.Tensor) -> torch.Tensor:
+    """(L,) how much each position's logits move between the two inputs (max over the vocabulary)."""
+    return (logits_2LV[1] - logits_2LV[0]).abs().amax(-1)
 
 
 def _rank_main(rank, world_size, family, seq_len, window, layout, break_mask):
@@ -187,11 +206,13 @@ def _rank_main(rank, world_size, family, seq_len, window, layout, break_mask):
                 parts.append(eager(input_ids=ids[:, start:start + n], position_ids=doc_pos, **kw).logits)
                 start += n
             single_logits = torch.cat(parts, dim=1)
-            single, ch_cp, ch_plain = _changed(single_logits), _changed(cp_logits), _changed(plain_logits)
+            single, ours_d, plain_d = _change(single_logits), _change(cp_logits), _change(plain_logits)
+            differ = (single > CHANGED) != (ours_d > CHANGED)
             rows.append(CaseResult(
                 case=case, description=_describe(family, case, window, docs), seq_len=seq_len,
-                single_changed=int(single.sum()), cp_changed=int(ch_cp.sum()), plain_changed=int(ch_plain.sum()),
-                same_positions=bool(torch.equal(single, ch_cp)),
+                single_changed=int((single > CHANGED).sum()), cp_changed=int((ours_d > CHANGED).sum()),
+                plain_changed=int((plain_d > CHANGED).sum()), mismatched=int(differ.sum()),
+                noise_positions=int((differ & ((single - ours_d).abs() <= CHANGED)).sum()),
                 max_diff=float((cp_logits - single_logits).abs().max()), tolerance=TOLERANCE))
     return rows
 
@@ -219,7 +240,7 @@ def format_table(rows: list[CaseResult]) -> str:
     body = [(r.case, r.description, f"{100 * r.single_share:.1f}% ({r.single_changed})",
              f"{100 * r.cp_share:.1f}% ({r.cp_changed})", f"{r.max_diff:.1e}",
              f"{100 * r.plain_share:.1f}% ({r.plain_changed})",
-             "OK" if r.ok else ("FAIL: positions differ" if not r.same_positions else "FAIL: logits differ"))
+             r.verdict)
             for r in rows]
     widths = [max(len(x[i]) for x in (head, *body)) for i in range(len(head))]
     lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *body)]
@@ -238,18 +259,24 @@ def main(argv=None) -> int:
     parser.add_argument("--break-mask", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     break_mask = args.break_mask or os.environ.get(BREAK_MASK_ENV, "") not in ("", "0")
-    rows = run_probe(model=args.model, nproc=args.nproc, seq_len=args.seq_len, layout=args.layout,
-                     window=args.window, tol=args.tol, break_mask=break_mask)
+    try:
+        rows = run_probe(model=args.model, nproc=args.nproc, seq_len=args.seq_len, layout=args.layout,
+                         window=args.window, tol=args.tol, break_mask=break_mask)
+    except RuntimeError as exc:  # a rank raised (or hung): the probe cannot vouch for CP
+        print(f"FAIL: the probe's ranks did not complete ({args.model}, {args.nproc} ranks, {args.layout}):\n{exc}")
+        return 1
     print(f"cp_attention probe: tiny random {args.model}, {args.nproc} gloo ranks, {args.layout} layout, "
-          f"L={args.seq_len}, float32; token 0 replaced, share of positions whose logits change")
+          f"L={args.seq_len}, float32; token 0 replaced: share of positions whose logits change (> {CHANGED:g})")
     if break_mask:
         print(f"(test switch {BREAK_MASK_ENV}: the CP column runs with the plain causal mask)")
     print("single device: attn_implementation='eager', each packed document run alone; "
           "CP: attn_implementation='cp_flash'")
     print(format_table(rows))
+    print("layers: S sliding window, C chunked, F full; plain causal CP: the same ranks with every mask "
+          "replaced by plain causal (windows, chunks and documents dropped)")
     ok = all(r.ok for r in rows)
-    print("OK: CP changes exactly the single-device positions, logits within "
-          f"{args.tol:g}" if ok else "FAIL: CP and single device disagree")
+    print(f"OK: CP changes the single-device positions, logits within {args.tol:g}" if ok
+          else "FAIL: CP and single device disagree")
     return 0 if ok else 1
 
 

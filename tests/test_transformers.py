@@ -158,6 +158,15 @@ def _cp_errors(found):
         except ValueError as e:
             found["no_shard_batch"] = str(e)
         batch = cp.shard_batch(input_ids=ids)
+        mask = torch.ones(1, 16, dtype=torch.long)
+        mask[0, :3] = 0
+        for key, extra in (("padding_not_recorded", dict(attention_mask=cp.shard(mask))),
+                           ("cu_seq_lens", dict(cu_seq_lens_q=torch.tensor([0, 16]), cu_seq_lens_k=torch.tensor([0, 16])))):
+            try:
+                with torch.no_grad():
+                    model(**batch, **extra, use_cache=False)
+            except ValueError as e:
+                found[key] = str(e)
         with torch.no_grad():
             out = model(**batch, use_cache=True)
         try:
@@ -215,6 +224,18 @@ def test_cp_errors_no_shard_batch_and_filled_kv_cache(cp_results):
     for found in cp_results:
         assert "cp.shard_batch" in found["no_shard_batch"]
         assert "KV cache is not supported under context parallelism" in found["kv_cache"]
+        assert "did not see" in found["padding_not_recorded"]
+        assert "cu_seq_lens_* are not used under context parallelism" in found["cu_seq_lens"]
+
+
+def test_packed_documents_after_a_kv_cache_raise():
+    model = tiny_model("qwen3", "cp_flash")
+    ids = torch.randint(3, 128, (1, 10))
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        with pytest.raises(ValueError, match="restarting position_ids"):
+            model(torch.randint(3, 128, (1, 4)), past_key_values=out.past_key_values,
+                  position_ids=torch.tensor([[10, 11, 0, 1]]))
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])

@@ -199,8 +199,13 @@ def _local_meta(info: CPMask | None, batch: api.BatchRecord | None, B: int, Lq: 
                                  f"{B} rows; pass position_ids instead")
             opens = torch.zeros(1, Lq, dtype=torch.bool)
             opens[0, cu.detach().cpu().long()[:-1].clamp(max=Lq - 1)] = True
-    elif cu is not None:
-        raise ValueError("cp_flash: cu_seq_lens_* with a non-empty KV cache is not supported")
+    else:
+        if cu is not None:
+            raise ValueError("cp_flash: cu_seq_lens_* with a non-empty KV cache is not supported")
+        pos = kwargs.get("position_ids")
+        if pos is not None and pos.shape[-1] > 1 and bool((pos[..., 1:] != pos[..., :-1] + 1).any()):
+            raise ValueError("cp_flash: packed documents (restarting position_ids) after a non-empty KV cache "
+                             "are not supported")
     if info is not None:
         if info.opens is not None:
             opens = info.opens if opens is None else (opens | info.opens)
@@ -249,6 +254,12 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         if Lq != Lk or (info is not None and (info.q_offset or info.kv_offset)):
             raise ValueError("cp_flash: a non-empty KV cache is not supported under context parallelism "
                              f"(queries {Lq}, keys {Lk}); call the model with use_cache=False")
+        if info is not None and info.valid is not None and not batch.padded:
+            raise ValueError("cp_flash: the model got a padding attention_mask that cp.shard_batch did not see; "
+                             "pass attention_mask to cp.shard_batch together with the other inputs")
+        if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+            raise ValueError("cp_flash: cu_seq_lens_* are not used under context parallelism; describe packed "
+                             "documents with position_ids given to cp.shard_batch")
         q = _fix_llama4_temperature(q, module, cp)
         out = api._attend(q, k, v, mask_args, sinks=s_aux, batch=batch)
         return out, None
