@@ -310,7 +310,8 @@ def _resolve(group, layout) -> _Resolved:
     else:
         cp = None
     use_layout = layout or (cp.layout if cp is not None else "zigzag")
-    return _Resolved(cp=cp, comm=cp.comm if cp is not None else Comm(None), layout=use_layout)
+    # no group and no active context: an ordinary single-device attention, even inside a job
+    return _Resolved(cp=cp, comm=cp.comm if cp is not None else Comm(single=True), layout=use_layout)
 
 
 def _tensor_key(t: torch.Tensor | None):

@@ -30,12 +30,14 @@ class Comm:
     """The process group of one context-parallel job: rank, size, collectives and p2p.
 
     ``group=None`` means the default (WORLD) group when torch.distributed is initialised, and a
-    single-process "group" of size 1 otherwise.
+    single-process "group" of size 1 otherwise; ``single=True`` is always that size-1 group.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, *, single: bool = False):
         self.group = group
-        self.distributed = dist.is_available() and dist.is_initialized()
+        self.distributed = not single and dist.is_available() and dist.is_initialized()
+        if group is not None and single:
+            raise ValueError("Comm(group, single=True): a single-device comm takes no group")
         if group is not None and not self.distributed:
             raise ValueError("a process group was given but torch.distributed is not initialised; call "
                              "torch.distributed.init_process_group first or pass group=None")

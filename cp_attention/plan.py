@@ -224,7 +224,8 @@ def _fit(rows_X, lo_X, hi_X, gid_X):
     # work of a tiled kernel: per tile of WORK_TILE rows, rows x (last row's end - first row's start)
     tiles_G = (n_G + WORK_TILE - 1) // WORK_TILE
     first_tile_G = torch.cumsum(tiles_G, 0) - tiles_G
-    tile_X = first_tile_G[gid_X] + i_X // WORK_TILE
+    start_G = torch.cumsum(n_G, 0) - n_G  # rank of each row among its group's live rows
+    tile_X = first_tile_G[gid_X] + (torch.arange(rows_X.numel()) - start_G[gid_X]) // WORK_TILE
     n_tiles = int(tiles_G.sum())
     t_lo = torch.full((n_tiles,), big).scatter_reduce(0, tile_X, lo_X, "amin")
     t_hi = torch.full((n_tiles,), -1).scatter_reduce(0, tile_X, hi_X, "amax")

@@ -7,6 +7,8 @@ import torch
 
 import cp_attention
 from cp_attention.launch import run_ranks
+from cp_attention.masks import MaskSpec, SequenceMeta
+from oracle import dense_attention
 
 
 def _inputs(L=12, B=1, H=4, K=2, D=8, dtype=torch.float32):
@@ -84,6 +86,12 @@ def _bad_worker(rank, world_size):
         # and the group still works afterwards
         out = cp_attention.attention(q, k, v, window=4)
         results["after"] = bool(torch.isfinite(out).all())
+    # no group and no context inside a job: an ordinary single-device attention on full tensors
+    q_full, k_full, v_full = _inputs(L)
+    single = cp_attention.attention(q_full, k_full, v_full, window=4)
+    ref = dense_attention(q_full.double(), k_full.double(), v_full.double(), SequenceMeta(batch=1, seq_len=L),
+                          MaskSpec(window=4))
+    results["single_in_job"] = (single.double() - ref).abs().max().item()
     return results
 
 
@@ -98,6 +106,7 @@ def test_bad_inputs_raise_on_every_rank_without_hanging():
         assert res["disagree-window"][0] == "ValueError" and "ranks disagree on window" in res["disagree-window"][1]
         assert res["local-length"][0] == "ValueError" and "do not match" in res["local-length"][1]
         assert res["after"]
+        assert res["single_in_job"] < 1e-5, res["single_in_job"]
     assert per_rank[0]["one-rank-dtype"][0] == "TypeError"
     assert per_rank[1]["one-rank-dtype"] == ("TypeError", f"rank 0 rejected its inputs: {per_rank[0]['one-rank-dtype'][1]}")
     assert per_rank[0]["one-rank-window"][0] == "ValueError"

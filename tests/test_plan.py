@@ -56,6 +56,16 @@ def test_every_visible_pair_is_computed_exactly_once():
         assert all(p.stats.entries_computed >= p.stats.entries_visible for p in plans)
 
 
+@pytest.mark.parametrize("lay", layout_mod.LAYOUTS)
+def test_long_groups_with_gaps_span_several_work_tiles(lay):
+    # groups longer than a work tile whose rows are not all live (bidirectional windows on zigzag)
+    meta = _meta(300)
+    for spec in (MaskSpec(causal=False, window=40), MaskSpec(window=140)):
+        count, plans = covered_pairs(meta, spec, 2, lay)
+        assert torch.equal(count, dense_mask(meta, spec).long())
+        assert all(p.stats.entries_computed >= p.stats.entries_visible for p in plans)
+
+
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_window_below_shard_sends_exactly_one_halo_round(P):
     L, W = 64 * P + 1, 20  # contiguous shards of 64-65 tokens

@@ -272,7 +272,7 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         plans[key_] = build_local_plan(meta, plan_spec, q_idx=q_idx, k_idx=k_idx)
     api._check_inputs(q, k, v, None, None, s_aux, "auto", same_length=False)
     impl = select_backend("auto", device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
-    out = ring_attention(q, k, v, s_aux, plans[key_], Comm(None), impl, scale=spec.resolved_scale(q.shape[3]),
+    out = ring_attention(q, k, v, s_aux, plans[key_], Comm(single=True), impl, scale=spec.resolved_scale(q.shape[3]),
                          softcap=spec.softcap)
     return out, None
 
