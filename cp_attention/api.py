@@ -369,13 +369,16 @@ def attention(
 
 
 def _attend(q, k, v, mask_args: dict, *, position_ids=None, cu_seqlens=None, sinks=None, group=None, layout=None,
-            backend="auto", batch: BatchRecord | None = None) -> torch.Tensor:
+            backend="auto", batch: BatchRecord | None = None, local_error: Exception | None = None) -> torch.Tensor:
     """:func:`attention` with the mask arguments as a dict; ``batch`` supplies the global document
-    metadata recorded by :meth:`ContextParallel.shard_batch` instead of ``position_ids``."""
+    metadata recorded by :meth:`ContextParallel.shard_batch` instead of ``position_ids``;
+    ``local_error``: a caller's check that failed on this rank, raised on every rank like ours."""
     res = _resolve(group, layout)
     comm = res.comm
     error: Exception | None = None
     try:  # every check that can fail on one rank only runs before the first collective
+        if local_error is not None:
+            raise local_error
         if layout is not None:
             layout_mod.check_layout(layout)
         spec = MaskSpec(**mask_args)

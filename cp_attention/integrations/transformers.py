@@ -254,14 +254,15 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         if Lq != Lk or (info is not None and (info.q_offset or info.kv_offset)):
             raise ValueError("cp_flash: a non-empty KV cache is not supported under context parallelism "
                              f"(queries {Lq}, keys {Lk}); call the model with use_cache=False")
+        local_error = None  # this shard's padding: raised on every rank through the engine's checks
         if info is not None and info.valid is not None and not batch.padded:
-            raise ValueError("cp_flash: the model got a padding attention_mask that cp.shard_batch did not see; "
-                             "pass attention_mask to cp.shard_batch together with the other inputs")
+            local_error = ValueError("cp_flash: the model got a padding attention_mask that cp.shard_batch did "
+                                     "not see; pass attention_mask to cp.shard_batch with the other inputs")
         if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
             raise ValueError("cp_flash: cu_seq_lens_* are not used under context parallelism; describe packed "
                              "documents with position_ids given to cp.shard_batch")
         q = _fix_llama4_temperature(q, module, cp)
-        out = api._attend(q, k, v, mask_args, sinks=s_aux, batch=batch)
+        out = api._attend(q, k, v, mask_args, sinks=s_aux, batch=batch, local_error=local_error)
         return out, None
     batch = cp._batch if cp is not None else None
     meta, q_idx, k_idx = _local_meta(info, batch, B, Lq, Lk, kwargs)
