@@ -63,7 +63,7 @@ def _cu(lengths):
     return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
-@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("backend", ["reference"])  # GPU backends: test_flash_translation, test_triton
 @pytest.mark.parametrize("case", GRID, ids=[c[0] for c in GRID])
 def test_backend_matches_loop_oracle(backend, case):
     _, lq, lk, causal, window, softcap, (H, K) = case

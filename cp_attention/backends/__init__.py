@@ -6,12 +6,13 @@ import torch
 
 from ..masks import MaskSpec
 from .base import VarlenBackend
+from .flash import FlashBackend
 from .reference import ReferenceBackend
 
 __all__ = ["VarlenBackend", "BACKENDS", "select_backend"]
 
-BACKENDS: dict[str, VarlenBackend] = {"reference": ReferenceBackend()}
-AUTO_ORDER = ("reference",)
+BACKENDS: dict[str, VarlenBackend] = {"flash": FlashBackend(), "reference": ReferenceBackend()}
+AUTO_ORDER = ("flash", "reference")  # "auto" takes the first that supports the inputs
 
 
 def select_backend(name: str, *, device: torch.device, dtype: torch.dtype, head_dim: int,
