@@ -1,0 +1,203 @@
+"""One GPU check: correctness of every GPU backend against the reference, then timings.
+
+    python benchmarks/gpu_check.py            # on a CUDA machine; prints the timing table last
+    python benchmarks/gpu_check.py --smoke    # tiny shapes, any device (exercises the code on CPU)
+
+1. Correctness: every GPU backend's forward and backward against the reference backend in float32
+   on the same device (the oracle), for causal, sliding window, packed documents with a window,
+   softcap and GQA, in bfloat16; next to the bfloat16 error of SDPA with the equivalent dense mask
+   (a backend passes when its error is within 2x of SDPA's).
+2. Timing (median of CUDA-event timed repeats, after warm-up) of forward and forward+backward for
+   each backend against ``scaled_dot_product_attention``: flash SDPA with ``is_causal`` for plain
+   causal, SDPA with the dense mask for window and packed masks; the flash backend also against a
+   direct call of the kernel it wraps (our overhead). TFLOP/s count visible (query, key) pairs only:
+   4 * pairs * D * H for the forward, 3.5x that for forward+backward.
+
+Meant to finish well within 8 minutes on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from cp_attention.backends import BACKENDS
+from cp_attention.backends.reference import row_key_intervals
+from cp_attention.masks import MaskSpec
+
+
+def _cu(lengths, device):
+    return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def visible_pairs(cu_q, cu_k, causal, window) -> int:
+    lo, hi = row_key_intervals(cu_q, cu_k, causal=causal, window=window)
+    return int((hi - lo).clamp(min=0).sum())
+
+
+def dense_mask(cu_q, cu_k, causal, window, device) -> torch.Tensor:
+    """(Tq, Tk) bool mask of the contract's semantics, for SDPA baselines."""
+    lo, hi = row_key_intervals(cu_q, cu_k, causal=causal, window=window)
+    j = torch.arange(int(cu_k[-1]))
+    return ((j[None] >= lo[:, None]) & (j[None] < hi[:, None])).to(device)
+
+
+def _sdpa(q, k, v, mask, scale, is_causal=False):
+    """q (T, H, D), k/v (S, K, D) -> (T, H, D) with GQA by repetition (the baseline's cost)."""
+    rep = q.shape[1] // k.shape[1]
+    qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal, scale=scale)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _timeit(fn, device, repeats):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+CASES = {  # name: (sequence lengths as fractions of L, causal, window, softcap, (H, K))
+    "causal": ([1.0], True, (-1, -1), None, (16, 16)),
+    "window": ([1.0], True, (1023, 0), None, (16, 16)),
+    "packed+window": ([0.25, 0.125, 0.5, 0.125], True, (511, 0), None, (16, 4)),
+    "softcap": ([1.0], True, (-1, -1), 30.0, (16, 16)),
+    "gqa": ([1.0], True, (-1, -1), None, (32, 4)),
+}
+
+
+def _inputs(case, L, D, device, dtype, seed=0):
+    fracs, causal, window, softcap, (H, K) = case
+    lengths = [max(1, int(f * L)) for f in fracs]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    T = sum(lengths)
+    q = torch.randn(T, H, D, generator=gen).to(device, dtype)
+    k = torch.randn(T, K, D, generator=gen).to(device, dtype)
+    v = torch.randn(T, K, D, generator=gen).to(device, dtype)
+    dout = torch.randn(T, H, D, generator=gen).to(device, dtype)
+    cu = _cu(lengths, device)
+    return q, k, v, dout, cu, max(lengths), dict(scale=D ** -0.5, causal=causal, window=window, softcap=softcap)
+
+
+def correctness(backends, L, D, device) -> list[str]:
+    rows, ref = [], BACKENDS["reference"]
+    for name, case in CASES.items():
+        q, k, v, dout, cu, mx, kw = _inputs(case, L, D, device, torch.bfloat16)
+        f32 = [t.float() for t in (q, k, v, dout)]
+        ref_out, ref_lse = ref.forward(*f32[:3], cu, cu, mx, mx, **kw)
+        ref_grads = ref.backward(f32[3], *f32[:3], ref_out, ref_lse, cu, cu, mx, mx, **kw)
+        mask = dense_mask(cu.cpu(), cu.cpu(), kw["causal"], kw["window"], device)
+        sdpa_err = None
+        if kw["softcap"] is None:
+            sdpa_out = _sdpa(q, k, v, mask, kw["scale"])
+            sdpa_err = (sdpa_out.float() - ref_out).abs().max().item()
+        for bname, backend in backends.items():
+            spec = MaskSpec(softcap=kw["softcap"])
+            reasons = backend.not_supported_reasons(device=device, dtype=torch.bfloat16, head_dim=D, spec=spec)
+            if reasons:
+                rows.append(f"{name:14s} {bname:9s} skipped: {'; '.join(reasons)}")
+                continue
+            out, lse = backend.forward(q, k, v, cu, cu, mx, mx, **kw)
+            grads = backend.backward(dout, q, k, v, out, lse, cu, cu, mx, mx, **kw)
+            err = (out.float() - ref_out).abs().max().item()
+            gerr = max((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads))
+            ok = sdpa_err is None or err <= 2 * sdpa_err
+            rows.append(f"{name:14s} {bname:9s} out err {err:.2e}  grad err {gerr:.2e}  sdpa bf16 err "
+                        f"{'-' if sdpa_err is None else f'{sdpa_err:.2e}'}  {'OK' if ok else 'FAIL'}")
+    return rows
+
+
+def timing(backends, L, D, device, repeats) -> list[str]:
+    rows = []
+    for name in ("causal", "window", "packed+window"):
+        q, k, v, dout, cu, mx, kw = _inputs(CASES[name], L, D, device, torch.bfloat16)
+        pairs = visible_pairs(cu.cpu(), cu.cpu(), kw["causal"], kw["window"])
+        H = q.shape[1]
+        fwd_flops = 4 * pairs * D * H
+        mask = dense_mask(cu.cpu(), cu.cpu(), kw["causal"], kw["window"], device)
+        entries = {}
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        if name == "causal":
+            entries["sdpa is_causal"] = (lambda: _sdpa(q, k, v, None, kw["scale"], True),
+                                         lambda: _sdpa(qg, kg, vg, None, kw["scale"], True).backward(dout))
+        entries["sdpa dense mask"] = (lambda: _sdpa(q, k, v, mask, kw["scale"]),
+                                      lambda: _sdpa(qg, kg, vg, mask, kw["scale"]).backward(dout))
+        for bname, backend in backends.items():
+            if backend.not_supported_reasons(device=device, dtype=q.dtype, head_dim=D, spec=MaskSpec()):
+                continue
+
+            def fwd(b=backend):
+                return b.forward(q, k, v, cu, cu, mx, mx, **kw)
+
+            def fwd_bwd(b=backend):
+                out, lse = b.forward(q, k, v, cu, cu, mx, mx, **kw)
+                b.backward(dout, q, k, v, out, lse, cu, cu, mx, mx, **kw)
+
+            entries[bname] = (fwd, fwd_bwd)
+            if bname == "flash" and not backend.use_flash_attn and device.type == "cuda":
+                from cp_attention.backends import flash as flash_mod
+
+                args = flash_mod.kernel_arguments(**kw)
+                entries["aten flash direct"] = (
+                    lambda: torch.ops.aten._flash_attention_forward(
+                        q, k, v, cu, cu, mx, mx, 0.0, args["is_causal"], False, scale=args["scale"],
+                        window_size_left=args["window_size_left"], window_size_right=args["window_size_right"]),
+                    None)
+        base = None
+        for ename, (fwd, fwd_bwd) in entries.items():
+            t_f = _timeit(fwd, device, repeats)
+            t_fb = _timeit(fwd_bwd, device, repeats) if fwd_bwd is not None else float("nan")
+            if device.type != "cuda":  # no absolute CPU times: ratios to the first row of the case
+                base = base or (t_f, t_fb)
+                rows.append(f"{name:14s} {ename:18s} fwd x{t_f / base[0]:6.2f}   fwd+bwd x{t_fb / base[1]:6.2f}"
+                            f"   (time relative to {next(iter(entries))})")
+                continue
+            rows.append(f"{name:14s} {ename:18s} fwd {t_f * 1e3:8.3f} ms {fwd_flops / t_f / 1e12:7.1f} TFLOP/s   "
+                        f"fwd+bwd {t_fb * 1e3:8.3f} ms {3.5 * fwd_flops / t_fb / 1e12:7.1f} TFLOP/s")
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("gpu_check needs a CUDA device (use --smoke for a tiny run on any device)")
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    L, D, repeats = (128, 16, 2) if args.smoke else (args.seq_len, args.head_dim, args.repeats)
+    backends = {n: b for n, b in BACKENDS.items() if n != "reference"}
+    if args.smoke and not cuda:
+        backends = {"reference": BACKENDS["reference"]}
+    print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}; torch {torch.__version__}; L={L}, D={D}")
+    print("== correctness (bfloat16 vs float32 reference on the same device) ==")
+    results = correctness(backends, min(L, 2048), D, device)
+    print("\n".join(results))
+    print("== timing (bfloat16) ==")
+    print("\n".join(timing(backends, L, D, device, repeats)))
+    return 1 if any(r.endswith("FAIL") for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
