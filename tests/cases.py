@@ -106,8 +106,12 @@ def _meta_and_args(case: dict):
 
 
 def run_cases(rank: int, world_size: int, cases: list[dict], layout: str, dtype_name: str = "float32",
-              heads: tuple[int, int] = (4, 2), head_dim: int = 16) -> list[dict]:
+              heads: tuple[int, int] = (4, 2), head_dim: int = 16, backend: str = "auto") -> list[dict]:
     """Worker: run every case on this rank; return errors of this rank's shard against the oracle."""
+    if backend == "triton":
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"  # CPU: Triton's interpreter (set before triton loads)
     dtype = getattr(torch, dtype_name)
     H, K = heads
     results = []
@@ -132,7 +136,7 @@ def run_cases(rank: int, world_size: int, cases: list[dict], layout: str, dtype_
             out = cp_attention.attention(
                 *ours_in, position_ids=cp.shard(position_ids) if position_ids is not None else None,
                 cu_seqlens=cu_seqlens, causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size,
-                softcap=spec.softcap, sinks=sinks_in)
+                softcap=spec.softcap, sinks=sinks_in, backend=backend)
             stats = cp_attention.last_plan_stats()
             out.backward(cp.shard(grad).to(dtype))
             ours = [out] + [t.grad for t in ours_in]

@@ -49,3 +49,16 @@ def test_low_precision_within_2x_of_plain_torch(dtype: str, world_size: int, lay
                 if not err <= max(2 * plain, TOL_FP32):
                     failures.append(f"rank {rank} {res['name']}: {name} error {err:.2e} > 2 x plain {plain:.2e}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size,layout", [(2, "zigzag"), (3, "contiguous")])
+def test_triton_backend_multi_rank(world_size: int, layout: str):
+    """The same engine on the Triton kernels (CPU interpreter): a reduced grid."""
+    pytest.importorskip("triton")
+    keep = ("causal/", "bidirectional/", "window<shard/", "window>shards/", "chunked/", "softcap/", "sinks/",
+            "docs-inside+window/", "cu_seqlens/")
+    cases = [c for c in named_cases(world_size, layout) if c["L"] == 97 and c["B"] == 1
+             and c["name"].startswith(keep)]
+    per_rank = run_ranks(world_size, run_cases, cases, layout, "float32", (4, 2), 16, "triton", timeout=900)
+    assert all(len(r) == len(cases) for r in per_rank) and len(cases) >= 8
+    _check(per_rank, TOL_FP32)

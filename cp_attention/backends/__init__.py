@@ -8,11 +8,16 @@ from ..masks import MaskSpec
 from .base import VarlenBackend
 from .flash import FlashBackend
 from .reference import ReferenceBackend
+from .triton import TritonBackend
 
 __all__ = ["VarlenBackend", "BACKENDS", "select_backend"]
 
-BACKENDS: dict[str, VarlenBackend] = {"flash": FlashBackend(), "reference": ReferenceBackend()}
-AUTO_ORDER = ("flash", "reference")  # "auto" takes the first that supports the inputs
+BACKENDS: dict[str, VarlenBackend] = {"flash": FlashBackend(), "triton": TritonBackend(),
+                                      "reference": ReferenceBackend()}
+AUTO_ORDER = ("flash", "triton", "reference")  # "auto" takes the first that supports the inputs
+# "auto" never picks Triton's CPU interpreter (a testing tool, orders of magnitude slower than the
+# reference); name backend="triton" to use it
+AUTO_DEVICES = {"triton": ("cuda",)}
 
 
 def select_backend(name: str, *, device: torch.device, dtype: torch.dtype, head_dim: int,
@@ -28,6 +33,8 @@ def select_backend(name: str, *, device: torch.device, dtype: torch.dtype, head_
     for candidate in candidates:
         backend = BACKENDS[candidate]
         reasons = backend.not_supported_reasons(device=device, dtype=dtype, head_dim=head_dim, spec=spec)
+        if name == "auto" and candidate in AUTO_DEVICES and torch.device(device).type not in AUTO_DEVICES[candidate]:
+            reasons = reasons + [f"'auto' uses {candidate} only on {', '.join(AUTO_DEVICES[candidate])}"]
         if not reasons:
             return backend
         rejected.append(f"{candidate}: {'; '.join(reasons)}")

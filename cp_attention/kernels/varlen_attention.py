@@ -393,7 +393,9 @@ def _common(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal
         left=left, right=right, group=Hq // Hkv, softcap=float(softcap) if softcap is not None else 1.0,
         MAXQ_BUCKET=_bucket(max_seqlen_q), MAXK_BUCKET=_bucket(max_seqlen_k),
         HAS_SOFTCAP=softcap is not None,
-        DOT_PREC="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32",
+        # "ieee": exact fp32 products (no tf32) for float32 inputs; ignored for 16-bit inputs, and accepted
+        # by every Triton backend (AMD rejects "tf32" on some targets).
+        DOT_PREC="ieee",
         HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
     ), cu_seqlens_q.shape[0] - 1
 
