@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 import struct
 import zlib
 from dataclasses import dataclass

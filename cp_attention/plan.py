@@ -422,7 +422,7 @@ def build_plan(
         grad_itemsize: element size of the dK/dV partial sums returned in the backward pass.
     """
     layout_mod.check_layout(layout)
-    L, B, P = meta.seq_len, meta.batch, world_size
+    B, P = meta.batch, world_size
     tok = _tokens(meta, spec, P, layout)
     sizes = [t.numel() for t in tok.idx]
     token_bytes = 2 * head_kv * head_dim * itemsize * B  # K and V, every batch row

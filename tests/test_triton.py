@@ -11,7 +11,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from test_contract import GRID, _cu, naive_varlen  # noqa: E402
+from test_contract import GRID, _cu, check_backend_on_case, naive_varlen  # noqa: E402
 
 from cp_attention.backends.triton import TritonBackend  # noqa: E402
 from cp_attention.masks import MaskSpec  # noqa: E402
@@ -24,36 +24,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 @pytest.mark.parametrize("case", GRID, ids=[c[0] for c in GRID])
 def test_triton_matches_loop_oracle(case):
-    _, lq, lk, causal, window, softcap, (H, K) = case
-    impl = TritonBackend()
-    D = 16
-    gen = torch.Generator().manual_seed(len(lq) * 100 + sum(lq) + sum(lk))
-    q = torch.randn(sum(lq), H, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(sum(lk), K, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(sum(lk), K, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(sum(lq), H, D, generator=gen, dtype=torch.float64)
-    cu_q, cu_k = _cu(lq), _cu(lk)
-    kw = dict(scale=D ** -0.5, causal=causal, window=window, softcap=softcap)
-    ref_out, ref_lse = naive_varlen(q, k, v, cu_q, cu_k, **kw)
-    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout, allow_unused=True)
-    ref_grads = [torch.zeros_like(t) if g is None else g for g, t in zip(ref_grads, (q, k, v))]
-
-    for dtype, tol in TOL.items():
-        qd, kd, vd = (t.detach().to(dtype) for t in (q, k, v))
-        out, lse = impl.forward(qd, kd, vd, cu_q, cu_k, max(lq), max(lk), **kw)
-        assert out.dtype == dtype and out.shape == q.shape
-        assert lse.shape == (H, sum(lq)) and lse.dtype in (torch.float32, torch.float64)
-        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-        torch.testing.assert_close(out.double(), ref_out.detach(), atol=tol, rtol=0)
-        empty = torch.isneginf(ref_lse)
-        assert torch.equal(torch.isneginf(lse), empty), "rows that see nothing must have lse = -inf"
-        assert (out[empty.any(0)] == 0).all(), "rows that see nothing must output 0"
-        torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty].detach(), atol=tol, rtol=0)
-        grads = impl.backward(dout.to(dtype), qd, kd, vd, out, lse, cu_q, cu_k, max(lq), max(lk), **kw)
-        for g, rg, t in zip(grads, ref_grads, (qd, kd, vd)):
-            assert g.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-            assert g.shape == t.shape and not torch.isnan(g).any()
-            torch.testing.assert_close(g.double(), rg, atol=tol * 5, rtol=0)
+    check_backend_on_case(TritonBackend(), case, dtypes=tuple(TOL.items()))
 
 
 def test_multi_block_split_and_skip():

@@ -24,7 +24,6 @@ Legend: ``B`` batch, ``L``/``Lq`` query tokens, ``Lk`` key tokens, ``H`` heads, 
 from __future__ import annotations
 
 import importlib
-import math
 from dataclasses import dataclass, field
 
 import torch
