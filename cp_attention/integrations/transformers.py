@@ -264,11 +264,11 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         out = api._attend(q, k, v, mask_args, sinks=s_aux, batch=batch, local_error=local_error)
         return out, None
     batch = cp._batch if cp is not None else None
-    meta, q_idx, k_idx = _local_meta(info, batch, B, Lq, Lk, kwargs)
     plan_spec = MaskSpec(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size)
     key_ = (plan_spec, B, Lq, Lk, batch is not None)
     plans = info.plans if info is not None else {}
-    if key_ not in plans:
+    if key_ not in plans:  # once per mask and forward: the layers sharing this CPMask reuse the plan
+        meta, q_idx, k_idx = _local_meta(info, batch, B, Lq, Lk, kwargs)
         plans[key_] = build_local_plan(meta, plan_spec, q_idx=q_idx, k_idx=k_idx)
     api._check_inputs(q, k, v, None, None, s_aux, "auto", same_length=False)
     impl = select_backend("auto", device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
