@@ -70,6 +70,16 @@ def _bucket(n: int) -> int:
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _sequence(cu_q_ptr, cu_k_ptr, b):
+    """Start row (int64) and length (int32) of sequence ``b`` on the query and the key side."""
+    q_start = tl.load(cu_q_ptr + b).to(tl.int64)
+    Lq = (tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)).to(tl.int32)
+    k_start = tl.load(cu_k_ptr + b).to(tl.int64)
+    Lk = (tl.load(cu_k_ptr + b + 1) - tl.load(cu_k_ptr + b)).to(tl.int32)
+    return q_start, Lq, k_start, Lk
+
+
+@triton.jit
 def _block_ranges(r0, r_last, L_other, diag, left, right, BLOCK: tl.constexpr):
     """For own rows ``r0..r_last`` (inclusive, valid), the blocks of the other side they see:
     partial ``[start, p1_end)``, full ``[p1_end, p2_start)``, partial ``[p2_start, end)``."""
@@ -145,10 +155,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: query block ``program_id(0)`` of sequence ``program_id(1)``, query head ``program_id(2)``."""
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start = tl.load(cu_q_ptr + b).to(tl.int64)
-    Lq = (tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)).to(tl.int32)
-    k_start = tl.load(cu_k_ptr + b).to(tl.int64)
-    Lk = (tl.load(cu_k_ptr + b + 1) - tl.load(cu_k_ptr + b)).to(tl.int32)
+    q_start, Lq, k_start, Lk = _sequence(cu_q_ptr, cu_k_ptr, b)
     m0 = pid_m * BLOCK_M
     if m0 < Lq:
         diag = Lk - Lq
@@ -253,10 +260,7 @@ def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
     """One program: key block ``program_id(0)`` of sequence ``program_id(1)``, K/V head ``program_id(2)``;
     sums over the ``group`` query heads that share it."""
     pid_n, b, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start = tl.load(cu_q_ptr + b).to(tl.int64)
-    Lq = (tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)).to(tl.int32)
-    k_start = tl.load(cu_k_ptr + b).to(tl.int64)
-    Lk = (tl.load(cu_k_ptr + b + 1) - tl.load(cu_k_ptr + b)).to(tl.int32)
+    q_start, Lq, k_start, Lk = _sequence(cu_q_ptr, cu_k_ptr, b)
     n0 = pid_n * BLOCK_N
     if n0 < Lk:
         diag = Lk - Lq
@@ -330,10 +334,7 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: query block ``program_id(0)`` of sequence ``program_id(1)``, query head ``program_id(2)``."""
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start = tl.load(cu_q_ptr + b).to(tl.int64)
-    Lq = (tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)).to(tl.int32)
-    k_start = tl.load(cu_k_ptr + b).to(tl.int64)
-    Lk = (tl.load(cu_k_ptr + b + 1) - tl.load(cu_k_ptr + b)).to(tl.int32)
+    q_start, Lq, k_start, Lk = _sequence(cu_q_ptr, cu_k_ptr, b)
     m0 = pid_m * BLOCK_M
     if m0 < Lq:
         diag = Lk - Lq
