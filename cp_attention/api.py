@@ -44,6 +44,7 @@ class BatchRecord:
     meta: SequenceMeta
     num_items: torch.Tensor | None
     padded: bool = False
+    crc: int = 0  # checksum of ``meta``, compared across ranks before every attention call
 
 
 class ContextParallel:
@@ -54,13 +55,12 @@ class ContextParallel:
     that shares a mask reuses one plan and the metadata is exchanged once.
     """
 
-    def __init__(self, group=None, layout: str = "zigzag"):
-        self.comm = Comm(group)
+    def __init__(self, group=None, layout: str = "zigzag", timeout: float | None = None):
+        self.comm = Comm(group, timeout=timeout)
         self.group = group
         self.layout = layout_mod.check_layout(layout)
         self._plans: dict = {}
         self._metas: dict = {}
-        self._seq_len: int | None = None
         self._batch: BatchRecord | None = None
 
     @property
@@ -75,11 +75,7 @@ class ContextParallel:
         return f"ContextParallel(rank={self.rank}, world_size={self.world_size}, layout={self.layout!r})"
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's shard of a full-length tensor along ``dim`` (differentiable).
-
-        The context remembers the full length, so that :func:`attention` can reuse cached plans
-        for this sequence length without asking the other ranks."""
-        self._seq_len = x.shape[dim]
+        """This rank's shard of a full-length tensor along ``dim`` (differentiable)."""
         return layout_mod.shard(x, dim, self.world_size, self.layout, self.rank)
 
     def shard_batch(self, *, shift_labels: bool = True, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -142,8 +138,8 @@ class ContextParallel:
         for name, t in tensors.items():
             out[name] = self.shard(t).contiguous()
         out["position_ids"] = self.shard(position_ids).contiguous()
-        self._batch = BatchRecord(seq_len=L, meta=meta, num_items=num_items, padded=valid is not None)
-        self._seq_len = L
+        self._batch = BatchRecord(seq_len=L, meta=meta, num_items=num_items, padded=valid is not None,
+                                  crc=_meta_crc(meta))
         return out
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -164,21 +160,28 @@ class ContextParallel:
         parts = [p.narrow(dim, 0, n).to(x.device) for p, n in zip(parts, lengths)]
         return layout_mod.unshard(parts, dim, self.layout)
 
-    def _cached(self, store: dict, key, make, keep_alive=()):
-        """LRU lookup. ``keep_alive`` holds the tensors whose ``id`` is part of ``key`` so an id
-        cannot be reused by another tensor while the entry lives."""
-        if key in store:
-            entry = store.pop(key)
-        else:
-            entry = (make(), keep_alive)
-        store[key] = entry  # most recent last
-        while len(store) > _PLAN_CACHE_SIZE:
-            store.pop(next(iter(store)))
+    @staticmethod
+    def _lookup(cache: dict, key):
+        """The entry under ``key`` (marked most recently used), or None."""
+        if key not in cache:
+            return None
+        entry = cache.pop(key)
+        cache[key] = entry
         return entry[0]
+
+    @staticmethod
+    def _store(cache: dict, key, entry, keep_alive=()):
+        """Insert ``entry``; returns it. ``keep_alive`` holds the tensors whose ``id`` is part of
+        ``key``, so an id cannot be reused by another tensor while the entry lives."""
+        cache.pop(key, None)
+        cache[key] = (entry, keep_alive)
+        while len(cache) > _PLAN_CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+        return entry
 
 
 @contextlib.contextmanager
-def context_parallel(group=None, layout: str = "zigzag"):
+def context_parallel(group=None, layout: str = "zigzag", timeout: float | None = None):
     """Make ``group`` (None: the default WORLD group) the context-parallel group of the block.
 
     Inside, :func:`attention` with ``group=None`` shards over this group with this layout::
@@ -189,11 +192,19 @@ def context_parallel(group=None, layout: str = "zigzag"):
             out_full = cp.gather(out, dim=1)
 
     Without an initialised torch.distributed and with ``group=None`` the context has world size 1.
+
+    Failures: every wait for the other ranks gives up after ``timeout`` seconds (None:
+    ``$CP_ATTENTION_TIMEOUT`` or 300) with a :class:`~cp_attention.comm.RankFailedError`. An
+    exception escaping the block (or raised inside attention) is recorded for the group, so ranks
+    waiting on this one raise at once, naming it, instead of waiting for the timeout.
     """
-    cp = ContextParallel(group, layout)
+    cp = ContextParallel(group, layout, timeout)
     token = _ACTIVE.set(cp)
     try:
         yield cp
+    except BaseException as exc:
+        cp.comm.report_failure("its context_parallel block", exc)
+        raise
     finally:
         _ACTIVE.reset(token)
 
@@ -258,33 +269,70 @@ def _float_bits(x: float | None) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
+def _meta_crc(meta: SequenceMeta) -> int:
+    """A checksum of the global sequence metadata (length, rows, every token's document start)."""
+    crc = zlib.crc32(struct.pack("<qq", meta.batch, meta.seq_len))
+    if meta.doc_start is not None:
+        crc = zlib.crc32(meta.doc_start.to(torch.int64).contiguous().numpy().tobytes(), crc)
+    return crc
+
+
+# One int64 per field, exchanged by one all-gather before every multi-rank attention call. Fields in
+# _PER_RANK may differ between ranks; every other field must be equal on all ranks.
 _HEADER = ("error", "batch", "local_len", "heads", "kv_heads", "head_dim", "dtype", "layout", "causal",
-           "window", "chunk_size", "softcap", "scale", "sinks", "documents", "cu_seqlens_crc", "batch_length")
+           "window", "chunk_size", "softcap", "scale", "sinks", "documents", "cu_seqlens_crc", "batch_length",
+           "batch_documents_crc", "plan_cached", "meta_cached", "cached_seq_len", "cached_meta_crc")
+_PER_RANK = ("error", "local_len", "plan_cached", "meta_cached", "cached_seq_len", "cached_meta_crc")
+_COL = {name: i for i, name in enumerate(_HEADER)}
 
 
-def _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, error, batch=None) -> torch.Tensor:
+def _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached) -> torch.Tensor:
+    """This rank's header: what it was asked to compute and which plan inputs it holds cached.
+    ``cached``: (plan cached, metadata cached, their global length, their metadata checksum)."""
     crc = -1
     if cu_seqlens is not None:
         crc = zlib.crc32(cu_seqlens.detach().to("cpu", torch.int64).numpy().tobytes())
-    values = (int(error), q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPES.index(q.dtype),
+    values = (0, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPES.index(q.dtype),
               layout_mod.LAYOUTS.index(layout), int(spec.causal), spec.window or -1, spec.chunk_size or -1,
               _float_bits(spec.softcap), _float_bits(spec.scale), int(sinks is not None),
               0 if position_ids is None and cu_seqlens is None else (1 if position_ids is not None else 2), crc,
-              -1 if batch is None else batch.seq_len)
+              -1 if batch is None else batch.seq_len, -1 if batch is None else batch.crc, *cached)
     return torch.tensor(values, dtype=torch.int64)
 
 
-def _agree(headers: list[torch.Tensor], world_size: int, layout: str) -> int:
-    """Check that every rank describes the same attention; return the global sequence length."""
-    table = torch.stack(headers)
+def _collective_error(exc: Exception) -> Exception:
+    """Mark an error that every rank raises together (nothing for the failure reporting to tell)."""
+    exc.cp_collective = True
+    return exc
+
+
+def _exchange_headers(comm: Comm, header: torch.Tensor | None, error: Exception | None) -> torch.Tensor:
+    """All-gather every rank's header (one collective, polled, bounded by the comm's timeout).
+
+    Raises on every rank if any rank failed its local checks (each failing rank its own error, the
+    others a copy naming the first failing rank) or if ranks disagree on any shared field. Returns
+    the (P, len(_HEADER)) table."""
+    if header is None:
+        header = torch.full((len(_HEADER),), -1, dtype=torch.int64)
+    header = header.clone()
+    header[_COL["error"]] = int(error is not None)
+    table = torch.stack([h.cpu() for h in comm.all_gather(header.to(comm.device),
+                                                          "the agreement exchange of attention arguments")])
+    failed = [r for r in range(comm.world_size) if int(table[r, _COL["error"]])]
+    if failed:
+        messages = comm.all_gather_object(None if error is None else (type(error).__name__, str(error)))
+        if error is not None:  # every failing rank raises its own error
+            raise _collective_error(error)
+        kind, message = messages[failed[0]]
+        exc_type = TypeError if kind == "TypeError" else ValueError
+        raise _collective_error(exc_type(f"rank {failed[0]} rejected its inputs: {message}"))
     for col, name in enumerate(_HEADER):
-        if name in ("error", "local_len"):
-            continue
         column = table[:, col]
-        if bool((column != column[0]).any()):
-            raise ValueError(f"ranks disagree on {name}: {column.tolist()} (rank order); every rank of the "
-                             f"context-parallel group must call attention with the same arguments")
-    return layout_mod.infer_seq_len(table[:, 2].tolist(), world_size, layout)
+        if name not in _PER_RANK and bool((column != column[0]).any()):
+            raise _collective_error(ValueError(
+                f"ranks disagree on {name}: {column.tolist()} (rank order); every rank of the context-parallel "
+                f"group must call attention with the same arguments (and the same batch)"))
+    return table
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,6 +423,7 @@ def _attend(q, k, v, mask_args: dict, *, position_ids=None, cu_seqlens=None, sin
     res = _resolve(group, layout)
     comm = res.comm
     error: Exception | None = None
+    spec = impl = None
     try:  # every check that can fail on one rank only runs before the first collective
         if local_error is not None:
             raise local_error
@@ -382,99 +431,130 @@ def _attend(q, k, v, mask_args: dict, *, position_ids=None, cu_seqlens=None, sin
             layout_mod.check_layout(layout)
         spec = MaskSpec(**mask_args)
         _check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend)
-        head_dim = q.shape[3]
-        impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=head_dim, spec=spec)
+        impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
     except (TypeError, ValueError) as exc:
         error = exc
-    if error is not None and comm.world_size == 1:
-        raise error
-    if error is not None:
-        # tell the other ranks (they are about to enter the same collective) so nobody hangs
-        _agree_or_raise(comm, None, error, res.layout)
-    plan = _plan(res, q, k, spec, position_ids, cu_seqlens, sinks, batch)
+    if comm.world_size == 1:
+        if error is not None:
+            raise error
+        plan = _plan_single(res, q, k, spec, position_ids, cu_seqlens)
+    else:
+        plan = _plan_agreed(res, q, k, spec, position_ids, cu_seqlens, sinks, batch, error)
     _LAST_STATS[0] = plan.stats
-    return ring_attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(head_dim),
+    return ring_attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]),
                           softcap=spec.softcap)
 
 
-def _agree_or_raise(comm: Comm, header: torch.Tensor | None, error: Exception | None, layout: str) -> int:
-    """Exchange headers; raise the same error on every rank if any rank failed or ranks disagree."""
-    if header is None:
-        header = torch.full((len(_HEADER),), -1, dtype=torch.int64)
-    header = header.clone()
-    header[0] = int(error is not None)
-    headers = [h.cpu() for h in comm.all_gather(header.to(comm.device))]
-    failed = [r for r, h in enumerate(headers) if int(h[0])]
-    if failed:
-        messages = comm.all_gather_object(None if error is None else (type(error).__name__, str(error)))
-        if error is not None:  # every failing rank raises its own error
-            raise error
-        first = failed[0]
-        kind, message = messages[first]
-        exc_type = TypeError if kind == "TypeError" else ValueError
-        raise exc_type(f"rank {first} rejected its inputs: {message}")
-    return _agree(headers, comm.world_size, layout)
+def _plan_spec(spec: MaskSpec) -> MaskSpec:
+    """The part of the mask a plan depends on (softcap, sinks and scale act inside the kernels)."""
+    return MaskSpec(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size)
 
 
-def _plan(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks, batch=None) -> RankPlan:
-    """This rank's plan: from the context's cache when this batch's metadata was seen before,
-    else after one header exchange (agreement of every rank's arguments and local length) and, with
-    ``position_ids``, one all-gather of the position ids."""
-    comm, layout, cp = res.comm, res.layout, res.cp
-    B, L_local = q.shape[:2]
+def _make_meta(comm: Comm, layout: str, seq_len: int, B: int, position_ids, cu_seqlens,
+               batch: BatchRecord | None) -> SequenceMeta:
+    """The global document metadata: from ``batch``, from ``cu_seqlens``, or by all-gathering every
+    rank's ``position_ids`` (a collective when the group has several ranks)."""
     P = comm.world_size
-    plan_spec = MaskSpec(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size)
-    itemsize = k.element_size()
-
-    def make_meta(seq_len: int) -> SequenceMeta:
-        if batch is not None:
-            if seq_len != batch.seq_len:
-                raise ValueError(f"the attention inputs hold {seq_len} tokens across ranks but the batch given to "
-                                 f"cp.shard_batch had {batch.seq_len}; pass the tensors shard_batch returned")
-            return batch.meta
-        if cu_seqlens is not None:  # values checked here, on the (cached) planning path only
-            cu = cu_seqlens.detach().cpu()
-            if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
-                raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:16]}")
-            if int(cu[-1]) != seq_len:
-                raise ValueError(f"cu_seqlens must end at the global sequence length {seq_len}, got {int(cu[-1])}")
-            return SequenceMeta(batch=1, seq_len=seq_len, doc_start=doc_starts_from_cu_seqlens(cu_seqlens, seq_len))
-        if position_ids is None:
-            return SequenceMeta(batch=B, seq_len=seq_len)
-        if P == 1:
-            pos_BL = position_ids.detach().cpu()
-        else:
-            sizes = layout_mod.local_lengths(seq_len, P, layout)
-            padded = torch.zeros(B, max(sizes), dtype=torch.int64, device=comm.device)
-            padded[:, :L_local] = position_ids.detach().to(comm.device, torch.int64)
-            parts = [p[:, :n].cpu() for p, n in zip(comm.all_gather(padded), sizes)]
-            pos_BL = layout_mod.unshard(parts, 1, layout)
-        return SequenceMeta(batch=B, seq_len=seq_len, doc_start=doc_starts_from_position_ids(pos_BL))
-
-    def make_plan(meta_key) -> RankPlan:
-        if P == 1:
-            seq_len = L_local
-        else:
-            header = _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, error=False, batch=batch)
-            seq_len = _agree_or_raise(comm, header, None, layout)
-        if meta_key is not None:
-            meta = cp._cached(cp._metas, meta_key, lambda: make_meta(seq_len), (position_ids, cu_seqlens))
-        else:
-            meta = make_meta(seq_len)
-        return build_plan(meta, plan_spec, world_size=P, layout=layout, rank=comm.rank,
-                          head_kv=k.shape[2], head_dim=k.shape[3], itemsize=itemsize)
-
-    # A cached plan may be used only when the key fixes the global length on every rank: world
-    # size 1, global cu_seqlens, or the length recorded by cp.shard() matching this shard.
     if batch is not None:
-        plan_key = (("batch", id(batch), layout, B, L_local), plan_spec, k.shape[2], k.shape[3], itemsize)
-        return cp._cached(cp._plans, plan_key, lambda: make_plan(None), (batch,))
-    hint = cp._seq_len if cp is not None else None
-    cacheable = cp is not None and (P == 1 or cu_seqlens is not None or (
-        hint is not None and hint >= P and layout_mod.local_lengths(hint, P, layout)[comm.rank] == L_local))
-    if not cacheable:
-        return make_plan(None)
-    meta_key = (layout, B, L_local, None if P == 1 or cu_seqlens is not None else hint,
-                _tensor_key(position_ids), _tensor_key(cu_seqlens))
-    plan_key = (meta_key, plan_spec, k.shape[2], k.shape[3], itemsize)
-    return cp._cached(cp._plans, plan_key, lambda: make_plan(meta_key), (position_ids, cu_seqlens))
+        if seq_len != batch.seq_len:
+            raise ValueError(f"the attention inputs hold {seq_len} tokens across ranks but the batch given to "
+                             f"cp.shard_batch had {batch.seq_len}; pass the tensors shard_batch returned")
+        return batch.meta
+    if cu_seqlens is not None:  # values checked here, on the (cached) planning path only
+        cu = cu_seqlens.detach().cpu()
+        if int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:16]}")
+        if int(cu[-1]) != seq_len:
+            raise ValueError(f"cu_seqlens must end at the global sequence length {seq_len}, got {int(cu[-1])}")
+        return SequenceMeta(batch=1, seq_len=seq_len, doc_start=doc_starts_from_cu_seqlens(cu_seqlens, seq_len))
+    if position_ids is None:
+        return SequenceMeta(batch=B, seq_len=seq_len)
+    if P == 1:
+        pos_BL = position_ids.detach().cpu()
+    else:
+        sizes = layout_mod.local_lengths(seq_len, P, layout)
+        padded = torch.zeros(B, max(sizes), dtype=torch.int64, device=comm.device)
+        padded[:, :position_ids.shape[1]] = position_ids.detach().to(comm.device, torch.int64)
+        parts = [p[:, :n].cpu() for p, n in zip(comm.all_gather(padded, "the position_ids all-gather"), sizes)]
+        pos_BL = layout_mod.unshard(parts, 1, layout)
+    return SequenceMeta(batch=B, seq_len=seq_len, doc_start=doc_starts_from_position_ids(pos_BL))
+
+
+def _cache_keys(layout: str, q, k, spec: MaskSpec, position_ids, cu_seqlens, batch):
+    """(metadata key, plan key, tensors whose ids the keys hold). Keys hold this rank's view only
+    (local length, tensor identities); the global length is checked against the entry."""
+    B, L_local = q.shape[:2]
+    if batch is not None:
+        meta_key = ("batch", id(batch), layout, B, L_local)
+        keep = (batch,)
+    else:
+        meta_key = (layout, B, L_local, _tensor_key(position_ids), _tensor_key(cu_seqlens))
+        keep = (position_ids, cu_seqlens)
+    return meta_key, (meta_key, _plan_spec(spec), k.shape[2], k.shape[3], k.element_size()), keep
+
+
+def _build(comm: Comm, layout: str, meta: SequenceMeta, spec: MaskSpec, k) -> RankPlan:
+    return build_plan(meta, _plan_spec(spec), world_size=comm.world_size, layout=layout, rank=comm.rank,
+                      head_kv=k.shape[2], head_dim=k.shape[3], itemsize=k.element_size())
+
+
+def _plan_single(res: _Resolved, q, k, spec, position_ids, cu_seqlens) -> RankPlan:
+    """World size 1: no exchange; plans cached in the active context, if any."""
+    comm, layout, cp = res.comm, res.layout, res.cp
+
+    def make() -> RankPlan:
+        meta = _make_meta(comm, layout, q.shape[1], q.shape[0], position_ids, cu_seqlens, None)
+        return _build(comm, layout, meta, spec, k)
+
+    if cp is None:
+        return make()
+    _, plan_key, keep = _cache_keys(layout, q, k, spec, position_ids, cu_seqlens, None)
+    entry = cp._lookup(cp._plans, plan_key)
+    if entry is None:
+        entry = cp._store(cp._plans, plan_key, (make(), 0, q.shape[1]), keep)
+    return entry[0]
+
+
+def _plan_agreed(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks, batch, error) -> RankPlan:
+    """Several ranks: one header all-gather before any K/V moves, then this rank's plan.
+
+    The header carries every argument the plan depends on, and whether this rank holds the plan
+    (or the document metadata) cached, for which global length and with which metadata checksum.
+    A cached entry is used only when every rank has one for the same length and checksum;
+    otherwise every rank rebuilds together (so a rank whose cache differs can neither hang the
+    others in a collective they skip nor compute with stale documents)."""
+    comm, layout, cp = res.comm, res.layout, res.cp
+    header = None
+    if error is None:
+        meta_key, plan_key, keep = _cache_keys(layout, q, k, spec, position_ids, cu_seqlens, batch)
+        plan_entry = cp._lookup(cp._plans, plan_key)
+        meta_entry = cp._lookup(cp._metas, meta_key)
+        if batch is not None:
+            meta_entry = (batch.meta, batch.crc, batch.seq_len)
+        known = plan_entry or meta_entry
+        cached = (int(plan_entry is not None), int(meta_entry is not None),
+                  -1 if known is None else known[2], -1 if known is None else known[1])
+        header = _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached)
+    table = _exchange_headers(comm, header, error)
+    try:
+        seq_len = layout_mod.infer_seq_len(table[:, _COL["local_len"]].tolist(), comm.world_size, layout)
+    except ValueError as exc:
+        raise _collective_error(exc) from None
+
+    def usable(flag: str) -> bool:
+        return (bool((table[:, _COL[flag]] == 1).all()) and bool((table[:, _COL["cached_seq_len"]] == seq_len).all())
+                and bool((table[:, _COL["cached_meta_crc"]] == table[0, _COL["cached_meta_crc"]]).all()))
+
+    if usable("plan_cached"):
+        return plan_entry[0]
+    if usable("meta_cached"):
+        meta, crc = meta_entry[0], meta_entry[1]
+    else:
+        try:
+            meta = _make_meta(comm, layout, seq_len, q.shape[0], position_ids, cu_seqlens, batch)
+        except ValueError as exc:  # the header made every rank's inputs equal: all raise it
+            raise _collective_error(exc) from None
+        crc = _meta_crc(meta)
+        if batch is None:
+            cp._store(cp._metas, meta_key, (meta, crc, seq_len), keep)
+    return cp._store(cp._plans, plan_key, (_build(comm, layout, meta, spec, k), crc, seq_len), keep)[0]

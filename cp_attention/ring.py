@@ -42,7 +42,7 @@ def _post_kv(comm: Comm, rnd: Round, k_BLKD, v_BLKD, tag: int) -> tuple[Pending,
         B, _, K, D = k_BLKD.shape
         buf = torch.empty(2, B, rnd.recv.width, K, D, dtype=k_BLKD.dtype, device=k_BLKD.device)
         comm.recv(buf, rnd.recv.source, tag)
-    return comm.commit(), buf
+    return comm.commit("a K/V exchange"), buf
 
 
 def _forward_step(step: Step, backend, q_THD, k_SKD, v_SKD, out_THD, lse_HT, scale, softcap):
@@ -76,6 +76,22 @@ def _packed(x_BLKD: torch.Tensor) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, plan: RankPlan, comm: Comm, backend, scale: float, softcap):
+        try:
+            return _RingAttention._forward(ctx, q, k, v, sinks, plan, comm, backend, scale, softcap)
+        except BaseException as exc:  # peers waiting on this rank learn who failed, and why
+            comm.report_failure("context-parallel attention forward", exc)
+            raise
+
+    @staticmethod
+    def backward(ctx, dout):
+        try:
+            return _RingAttention._backward(ctx, dout)
+        except BaseException as exc:
+            ctx.comm.report_failure("context-parallel attention backward", exc)
+            raise
+
+    @staticmethod
+    def _forward(ctx, q, k, v, sinks, plan: RankPlan, comm: Comm, backend, scale: float, softcap):
         B, L, H, D = q.shape
         acc = _accum_dtype(q.dtype)
         q_THD = _packed(q)
@@ -101,7 +117,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def _backward(ctx, dout):
         q, k, v, out, lse_HT, sinks = ctx.saved_tensors
         plan, comm, backend, scale, softcap = ctx.plan, ctx.comm, ctx.backend, ctx.scale, ctx.softcap
         B, L, H, D = q.shape
@@ -149,7 +165,7 @@ class _RingAttention(torch.autograd.Function):
                 width = sum(b - a for a, b in rnd.send_spans)
                 gbuf_in = torch.empty(2, B, width, K, D, dtype=acc, device=q.device)
                 comm.recv(gbuf_in, rnd.send_to, P + rnd.offset)
-            grads_in_flight.append((comm.commit(), gbuf_in, rnd))
+            grads_in_flight.append((comm.commit("a dK/dV exchange"), gbuf_in, rnd))
         for entry in grads_in_flight:
             settle(entry)
         dsinks = None

@@ -1,0 +1,224 @@
+"""Agreement and failure handling on several gloo ranks.
+
+* Agreement: before any K/V moves, every call exchanges one header (arguments, shapes, layout,
+  document checksums, cache state). A mismatch injected on one rank, also after the plan cache is
+  warm, raises the same error on every rank; a rank whose cache differs makes every rank rebuild.
+* Failure: a rank that raises inside attention's forward or backward, or anywhere in its
+  ``context_parallel`` block, is named by the others, which raise :class:`RankFailedError` within
+  a second or two; a rank that hangs silently makes the others raise after the configured
+  timeout. ``run_ranks`` leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+
+import cp_attention
+from cp_attention import api
+from cp_attention.backends import BACKENDS
+from cp_attention.comm import RankFailedError
+from cp_attention.launch import run_ranks
+from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids
+from oracle import dense_attention
+
+L, H, K, D = 24, 4, 2, 8
+
+
+def _full(seed: int = 0, requires_grad: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, L, H, D, generator=gen)
+    k = torch.randn(1, L, K, D, generator=gen)
+    v = torch.randn(1, L, K, D, generator=gen)
+    return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
+
+
+def _outcome(fn) -> tuple[str, str, float]:
+    """(exception type name or "ok", message, seconds taken)."""
+    start = time.monotonic()
+    try:
+        fn()
+        return "ok", "", time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+# -- agreement ---------------------------------------------------------------------------------
+
+
+def _mismatch(rank, cp, kind, ql, kl, vl, pos_l):
+    """Warm the plan cache, then call once with ``kind`` changed on rank 1 only."""
+    for _ in range(2):
+        cp_attention.attention(ql, kl, vl, window=5, position_ids=pos_l)
+    kw = dict(window=5, position_ids=pos_l)
+    if rank == 1:
+        if kind == "window":
+            kw["window"] = 6
+        elif kind == "layout":
+            kw["layout"] = "contiguous"
+        elif kind == "softcap":
+            kw["softcap"] = 2.0
+        elif kind == "length":
+            ql, kl, vl, kw["position_ids"] = ql[:, 1:], kl[:, 1:], vl[:, 1:], pos_l[:, 1:]
+    return _outcome(lambda: cp_attention.attention(ql, kl, vl, **kw))
+
+
+MISMATCHES = {"window": "ranks disagree on window", "layout": "ranks disagree on layout",
+              "softcap": "ranks disagree on softcap", "length": "local sequence lengths"}
+
+
+def _stale_cache(rank, cp, ql, kl, vl):
+    """Rank 1 reuses its position_ids tensor after editing it in place; the others pass new tensors
+    with the same (new) content. Every rank must rebuild from the current documents."""
+    pos_l = cp.shard(torch.arange(L)[None]).clone()
+    cp_attention.attention(ql, kl, vl, position_ids=pos_l)
+    new_full = torch.tensor([[*range(10), *range(L - 10)]])  # two documents: 10 + 14 tokens
+    if rank == 1:
+        pos_l.copy_(cp.shard(new_full))  # same tensor object, new version
+        mine = pos_l
+    else:
+        mine = cp.shard(new_full).clone()
+    return cp.gather(cp_attention.attention(ql, kl, vl, position_ids=mine)).tolist()
+
+
+def _agreement_worker(rank, world_size):
+    """Every agreement case in one group: an error raised on every rank at the same point leaves
+    the group in step for the next case."""
+    q, k, v = _full()
+    results = {}
+    with cp_attention.context_parallel(layout="zigzag", timeout=60) as cp:
+        ql, kl, vl = (cp.shard(t) for t in (q, k, v))
+        pos_l = cp.shard(torch.arange(L)[None])
+        for kind in MISMATCHES:
+            results[kind] = _mismatch(rank, cp, kind, ql, kl, vl, pos_l)
+        results["stale"] = _stale_cache(rank, cp, ql, kl, vl)
+        # shard_batch saw a different batch on rank 2
+        pos = torch.arange(L)[None] if rank != 2 else torch.tensor([[*range(8), *range(L - 8)]])
+        cp.shard_batch(input_ids=torch.arange(L)[None] % 7, position_ids=pos)
+        results["batch"] = _outcome(lambda: api._attend(ql, kl, vl, dict(causal=True), batch=cp._batch))
+        results["after"] = _outcome(lambda: cp_attention.attention(ql, kl, vl))  # still in step
+    return results
+
+
+def test_agreement_on_every_rank():
+    per_rank = run_ranks(3, _agreement_worker, timeout=180)
+    for kind, fragment in MISMATCHES.items():  # mismatch on rank 1 after a warm cache
+        names = {r[kind][0] for r in per_rank}
+        messages = {r[kind][1] for r in per_rank}
+        assert names == {"ValueError"}, (kind, [r[kind] for r in per_rank])
+        assert len(messages) == 1 and fragment in messages.pop(), (kind, [r[kind] for r in per_rank])
+    # ranks whose caches differ rebuild together from the current documents
+    q, k, v = _full()
+    pos = torch.tensor([[*range(10), *range(L - 10)]])
+    meta = SequenceMeta(batch=1, seq_len=L, doc_start=doc_starts_from_position_ids(pos))
+    want = dense_attention(q.double(), k.double(), v.double(), meta, MaskSpec())
+    for r in per_rank:
+        assert (torch.tensor(r["stale"], dtype=torch.float64) - want).abs().max().item() < 1e-5
+        name, msg, _ = r["batch"]
+        assert name == "ValueError" and "ranks disagree on batch_documents_crc" in msg, r["batch"]
+        assert r["after"][0] == "ok", r["after"]
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+class _Injected(RuntimeError):
+    pass
+
+
+def _inject(rank_to_fail: int, rank: int, phase: str, action: str) -> None:
+    """Make the reference backend's ``phase`` ("forward"/"backward") misbehave on one rank, on its
+    second kernel call (so the ring is mid-flight): raise, or stall silently."""
+    backend = BACKENDS["reference"]
+    original = getattr(backend, phase)
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if rank == rank_to_fail and calls[0] == 2:
+            if action == "raise":
+                raise _Injected(f"injected {phase} failure")
+            time.sleep(12)  # a hung rank: no report, no progress
+        return original(*args, **kwargs)
+
+    setattr(backend, phase, wrapped)
+
+
+def _failure_worker(rank, world_size, phase, action, timeout):
+    _inject(1, rank, phase, action)
+    q, k, v = _full(requires_grad=True)
+    with_block = []
+    with cp_attention.context_parallel(layout="zigzag", timeout=timeout) as cp:
+        ql, kl, vl = (cp.shard(t.detach()).requires_grad_() for t in (q, k, v))
+
+        def step():
+            out = cp_attention.attention(ql, kl, vl)
+            out.square().sum().backward()
+
+        first = _outcome(step)
+        second = _outcome(lambda: cp_attention.attention(ql, kl, vl))  # the group stays failed
+        with_block.extend([first, second])
+    if rank == 1 and action == "raise":
+        time.sleep(3)  # stay alive: the peers must learn of the failure from its report, not a closed socket
+    return with_block
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_rank_raising_inside_attention_is_named_by_the_others(phase):
+    per_rank = run_ranks(3, _failure_worker, phase, "raise", 60.0, timeout=120)
+    assert not multiprocessing.active_children()
+    (name1, msg1, _), _ = per_rank[1]
+    assert name1 == "_Injected" and f"injected {phase} failure" in msg1
+    for rank in (0, 2):
+        (name, msg, took), (name2, msg2, took2) = per_rank[rank]
+        assert name == "RankFailedError", per_rank[rank]
+        assert f"rank 1 failed in context-parallel attention {phase}" in msg and "_Injected" in msg, msg
+        assert took < 10, f"rank {rank} needed {took:.1f} s to notice (timeout 60 s)"
+        assert name2 == "RankFailedError" and took2 < 5, per_rank[rank]
+
+
+def test_silent_hang_raises_after_the_timeout():
+    per_rank = run_ranks(3, _failure_worker, "forward", "stall", 2.0, timeout=120)
+    assert not multiprocessing.active_children()
+    for rank in (0, 2):
+        (name, msg, took), _ = per_rank[rank]
+        assert name == "RankFailedError", per_rank[rank]
+        assert "waited 2 s" in msg and "CP_ATTENTION_TIMEOUT" in msg, msg
+        assert 1.5 < took < 11, f"rank {rank} gave up after {took:.1f} s with a 2 s timeout"
+
+
+def _outside_worker(rank, world_size):
+    q, k, v = _full()
+    try:
+        with cp_attention.context_parallel(timeout=60) as cp:
+            ql, kl, vl = (cp.shard(t) for t in (q, k, v))
+            x = cp_attention.attention(ql, kl, vl, window=4)
+            if rank == 2:
+                raise _Injected("the MLP blew up")  # outside attention, inside the block
+            start = time.monotonic()
+            try:
+                cp_attention.attention(x, kl, vl, window=4)  # the next layer waits on rank 2
+            except RankFailedError as exc:
+                return "RankFailedError", str(exc), time.monotonic() - start, exc.rank
+            return "ok", "", time.monotonic() - start, None
+    except _Injected as exc:
+        time.sleep(3)
+        return "_Injected", str(exc), 0.0, 2
+
+
+def test_failure_anywhere_in_the_block_is_reported():
+    per_rank = run_ranks(3, _outside_worker, timeout=120)
+    assert not multiprocessing.active_children()
+    for rank in (0, 1):
+        name, msg, took, failing = per_rank[rank]
+        assert name == "RankFailedError" and failing == 2, per_rank[rank]
+        assert "rank 2 failed in its context_parallel block: _Injected: the MLP blew up" in msg, msg
+        assert took < 10
+
+
+def test_timeout_validation():
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        cp_attention.context_parallel(timeout=0).__enter__()
