@@ -112,14 +112,16 @@ def correctness(backends, L, D, device) -> list[str]:
             spec = MaskSpec(softcap=kw["softcap"])
             reasons = backend.not_supported_reasons(device=device, dtype=torch.bfloat16, head_dim=D, spec=spec)
             if reasons:
-                rows.append(f"{name:14s} {bname:9s} skipped: {'; '.join(reasons)}")
+                rows.append(f"{name:14s} {bname:10s} skipped: {'; '.join(reasons)}")
                 continue
             out, lse = backend.forward(q, k, v, cu, cu, mx, mx, **kw)
             grads = backend.backward(dout, q, k, v, out, lse, cu, cu, mx, mx, **kw)
             err = (out.float() - ref_out).abs().max().item()
             gerr = max((g.float() - r).abs().max().item() for g, r in zip(grads, ref_grads))
             ok = sdpa_err is None or err <= 2 * sdpa_err
-            rows.append(f"{name:14s} {bname:9s} out err {err:.2e}  grad err {gerr:.2e}  sdpa bf16 err "
+            if bname == "flash":  # which flash interface ran this case
+                bname = f"flash/{backend.interface_for(device=device, head_dim=D, softcap=spec.softcap is not None)}"
+            rows.append(f"{name:14s} {bname:10s} out err {err:.2e}  grad err {gerr:.2e}  sdpa bf16 err "
                         f"{'-' if sdpa_err is None else f'{sdpa_err:.2e}'}  {'OK' if ok else 'FAIL'}")
     return rows
 
@@ -151,15 +153,13 @@ def timing(backends, L, D, device, repeats) -> list[str]:
                 b.backward(dout, q, k, v, out, lse, cu, cu, mx, mx, **kw)
 
             entries[bname] = (fwd, fwd_bwd)
-            if bname == "flash" and not backend.use_flash_attn and device.type == "cuda":
+            if bname == "flash" and device.type == "cuda":  # the kernel it wraps, called directly
                 from cp_attention.backends import flash as flash_mod
 
+                iface = backend.interface_for(device=device, head_dim=D)
                 args = flash_mod.kernel_arguments(**kw)
-                entries["aten flash direct"] = (
-                    lambda: torch.ops.aten._flash_attention_forward(
-                        q, k, v, cu, cu, mx, mx, 0.0, args["is_causal"], False, scale=args["scale"],
-                        window_size_left=args["window_size_left"], window_size_right=args["window_size_right"]),
-                    None)
+                entries[f"{iface} direct"] = (
+                    lambda i=iface, a=args: flash_mod.INTERFACES[i].forward(q, k, v, cu, cu, mx, mx, **a), None)
         base = None
         for ename, (fwd, fwd_bwd) in entries.items():
             t_f = _timeit(fwd, device, repeats)
@@ -191,6 +191,13 @@ def main(argv=None) -> int:
     if args.smoke and not cuda:
         backends = {"reference": BACKENDS["reference"]}
     print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}; torch {torch.__version__}; L={L}, D={D}")
+    if "flash" in backends:
+        from cp_attention.backends import flash as flash_mod
+
+        name, rejected = flash_mod.pick_interface(capability=torch.cuda.get_device_capability(), head_dim=D,
+                                                  softcap=False)
+        label = flash_mod.INTERFACES[name].label if name else "none"
+        print(f"flash interface: {label}" + "".join(f"\n  passed over {r}" for r in rejected))
     print("== correctness (bfloat16 vs float32 reference on the same device) ==")
     results = correctness(backends, min(L, 2048), D, device)
     print("\n".join(results))

@@ -1,49 +1,370 @@
-"""The flash backend's argument translation, checked on CPU: the kernels are replaced by stand-ins
-that run the reference backend with exactly the arguments the flash kernel would receive (and
-flash's conventions: lse = +inf for rows that see nothing)."""
+"""The flash backend's argument translation, checked on CPU.
+
+Each interface's kernels are replaced by stand-ins with the upstream signatures (flash-attn 3:
+``hopper/flash_attn_interface.py``; flash-attn 4: ``flash_attn/cute/interface.py``; flash-attn 2:
+``flash_attn/flash_attn_interface.py``; PyTorch: the aten schemas). A stand-in checks what it
+receives (int32 ``cu_seqlens``, lse layout (H, T) float32) and runs the reference backend under that
+kernel's own conventions: how it reads its mask arguments and which lse it writes and expects for
+rows that see no key. The backend must then match the float64 loop oracle over the contract grid.
+"""
 
 from __future__ import annotations
+
+import sys
+import types
+from typing import Optional
 
 import pytest
 import torch
 
 from cp_attention.backends import flash as flash_mod
 from cp_attention.backends.reference import ReferenceBackend
+from cp_attention.masks import MaskSpec
 from test_contract import GRID, check_backend_on_case
 
 REF = ReferenceBackend()
+NO_SOFTCAP = [c for c in GRID if c[5] is None]
+VARIANT_CASES = [c for c in GRID if c[0] in ("window-left-only", "varlen-window", "lq>lk-window", "everything")]
+Tensor = torch.Tensor
 
 
-def _as_kernel_sees(lse):
-    return torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+def _ids(cases):
+    return [c[0] for c in cases]
+
+
+def _check_inputs(q, k, v, cu_q, cu_k, max_q, max_k):
+    """What every flash kernel requires of its packed inputs."""
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.is_contiguous() and cu_k.is_contiguous()
+    assert type(max_q) is int and type(max_k) is int
+    assert all(t.dim() == 3 and t.is_contiguous() for t in (q, k, v))
+    assert q.shape[0] == int(cu_q[-1]) and k.shape[0] == int(cu_k[-1]) == v.shape[0]
+    assert max_q >= int(cu_q.diff().max()) and max_k >= int(cu_k.diff().max())
+
+
+def _check_lse(lse, q):
+    assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
+
+
+def _with_empty_rows(lse, value):
+    """The reference writes -inf for rows that see no key; some kernels write ``value``."""
+    return torch.where(torch.isneginf(lse), torch.full_like(lse, value), lse)
+
+
+def _ref_grads(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, **mask):
+    grads = REF.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, **mask)
+    return [g.to(t.dtype) for g, t in zip(grads, (q, k, v))]
+
+
+# ----------------------------------------------------------------------------------------------
+# flash-attn 3: hopper/flash_attn_interface.py (custom ops; backward fills dq/dk/dv, note `sequed_q`)
+
+
+@torch.library.custom_op("cp_attention_test::fa3_forward", mutates_args=())
+def fa3_forward(
+    q: Tensor, k: Tensor, v: Tensor, k_new: Optional[Tensor] = None, v_new: Optional[Tensor] = None,
+    qv: Optional[Tensor] = None, out_: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None, cu_seqlens_k_new: Optional[Tensor] = None,
+    seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None, page_table: Optional[Tensor] = None, kv_batch_idx: Optional[Tensor] = None,
+    leftpad_k: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
+    seqlens_rotary: Optional[Tensor] = None, q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None, softmax_scale: Optional[float] = None, causal: bool = False,
+    window_size_left: int = -1, window_size_right: int = -1, attention_chunk: int = 0, softcap: float = 0.0,
+    rotary_interleaved: bool = True, scheduler_metadata: Optional[Tensor] = None, num_splits: int = 1,
+    pack_gqa: Optional[bool] = None, sm_margin: int = 0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    assert seqused_q is None and page_table is None and attention_chunk == 0 and softmax_scale is not None
+    # FA3: causal forces right = 0; -1 is unlimited; softcap 0.0 is off; rows without keys get -inf
+    out, lse = REF.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                           causal=causal, window=(window_size_left, window_size_right), softcap=softcap or None)
+    return out, lse, q.new_empty(0), q.new_empty(0)
+
+
+@torch.library.custom_op("cp_attention_test::fa3_backward", mutates_args=("dq", "dk", "dv"))
+def fa3_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+    cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None, sequed_q: Optional[Tensor] = None,
+    sequed_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+    dq: Optional[Tensor] = None, dk: Optional[Tensor] = None, dv: Optional[Tensor] = None,
+    softmax_scale: Optional[float] = None, is_causal: bool = False, window_size_left: int = -1,
+    window_size_right: int = -1, softcap: float = 0.0, deterministic: bool = False, sm_margin: int = 0,
+) -> Tensor:
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_lse(softmax_lse, q)
+    # its preprocess turns lse = -inf into log2-lse 0 on rows whose scores are all masked: p = 0
+    grads = _ref_grads(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       scale=softmax_scale, causal=is_causal, window=(window_size_left, window_size_right),
+                       softcap=softcap or None)
+    for buf, g in zip((dq, dk, dv), grads):
+        buf.copy_(g)
+    return softmax_lse.new_empty(softmax_lse.shape)
+
+
+FA3 = {"flash_attn_interface": dict(_flash_attn_forward=fa3_forward, _flash_attn_backward=fa3_backward)}
+
+
+def fa3_window_tuple_forward(q, k, v, k_new=None, v_new=None, qv=None, out=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                             cu_seqlens_k_new=None, seqused_q=None, seqused_k=None, max_seqlen_q=None,
+                             max_seqlen_k=None, page_table=None, kv_batch_idx=None, leftpad_k=None, rotary_cos=None,
+                             rotary_sin=None, seqlens_rotary=None, q_descale=None, k_descale=None, v_descale=None,
+                             softmax_scale=None, causal=False, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
+                             rotary_interleaved=True, scheduler_metadata=None, num_splits=1, pack_gqa=None,
+                             sm_margin=0):
+    """An earlier 3.0 beta: one ``window_size`` tuple, plain functions."""
+    return fa3_forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                       max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                       window_size_left=window_size[0], window_size_right=window_size[1], softcap=softcap)
+
+
+def fa3_window_tuple_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q=None,
+                              sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None,
+                              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              deterministic=False, sm_margin=0):
+    """The same beta's backward: ``causal`` (not ``is_causal``), ``window_size`` tuple."""
+    return fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                        max_seqlen_k=max_seqlen_k, dq=dq, dk=dk, dv=dv, softmax_scale=softmax_scale,
+                        is_causal=causal, window_size_left=window_size[0], window_size_right=window_size[1],
+                        softcap=softcap)
+
+
+FA3_WINDOW_TUPLE = {"flash_attn_interface": dict(_flash_attn_forward=fa3_window_tuple_forward,
+                                                 _flash_attn_backward=fa3_window_tuple_backward)}
+
+
+# ----------------------------------------------------------------------------------------------
+# flash-attn 4: flash_attn/cute/interface.py (plain functions; window sides None = unlimited)
+
+
+def _fa4_window(causal, left, right):
+    """FA4's reading of its mask arguments: causal sets right = 0; two sides summing below 0 turn the
+    window off; None is unlimited. A negative side that survives is used literally (the kernel
+    would shift the band by it), which the reference cannot express: refuse it."""
+    if causal:
+        right = 0
+    if left is not None and right is not None and left + right < 0:
+        left = right = None
+    assert (left is None or left >= 0) and (right is None or right >= 0), f"literal negative window {left, right}"
+    return (-1 if left is None else left, -1 if right is None else right)
+
+
+def fa4_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+            max_seqlen_q=None, max_seqlen_k=None, min_seqlen_k=None, page_table=None, softmax_scale=None,
+            causal=False, softcap=None, window_size_left=None, window_size_right=None, learnable_sink=None,
+            tile_mn=None, mma_pv_is_rs=None, intra_wg_overlap=None, num_threads=384, num_splits=1, pack_gqa=None,
+            _arch=None, score_mod=None, mask_mod=None, block_sparse_tensors=None, return_lse=False, out=None,
+            lse=None, aux_tensors=None, aux_scalars=None, q_descale=None, k_descale=None, v_descale=None,
+            gather_kv_indices=None):
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    assert qv is None and page_table is None and score_mod is None and mask_mod is None and softcap in (None, 0.0)
+    out_, lse_ = REF.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                             causal=False, window=_fa4_window(causal, window_size_left, window_size_right))
+    requires_grad = any(t.requires_grad for t in (q, k, v))
+    return out_, (lse_ if return_lse or requires_grad else None), None, None
+
+
+def fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, window_size_left=None,
+            window_size_right=None, m_block_size=64, n_block_size=128, num_threads=256, pack_gqa=False,
+            num_stages_Q=2, num_stages_dO=2, SdP_swapAB=False, dKV_swapAB=False, dQ_swapAB=False, AtomLayoutMSdP=2,
+            AtomLayoutNdKV=2, AtomLayoutMdQ=2, V_in_regs=False, cu_seqlens_q=None, cu_seqlens_k=None,
+            seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False, dq=None,
+            dk=None, dv=None, score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, aux_scalars=None,
+            block_sparse_tensors=None, dlse=None):
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_lse(lse, q)
+    assert softcap == 0.0, "varlen + score_mod not supported in bwd yet"
+    return tuple(_ref_grads(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            scale=softmax_scale, causal=False,
+                            window=_fa4_window(causal, window_size_left, window_size_right)))
+
+
+def fa4_fwd_two_outputs(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None,
+                        max_seqlen_q=None, max_seqlen_k=None, page_table=None, softmax_scale=None, causal=False,
+                        softcap=None, window_size_left=None, window_size_right=None, learnable_sink=None,
+                        m_block_size=128, n_block_size=128, num_threads=384, num_splits=1, pack_gqa=None,
+                        _arch=None, score_mod=None, mask_mod=None, block_sparse_tensors=None, cu_total_m_blocks=None,
+                        cu_total_n_blocks=None, return_lse=False, out=None, lse=None, aux_tensors=None):
+    """A late-2025 release: no ``qv`` before ``cu_seqlens_q``; returns (out, lse)."""
+    return fa4_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                   max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                   window_size_left=window_size_left, window_size_right=window_size_right,
+                   return_lse=return_lse)[:2]
+
+
+def _fa4_modules(fwd, bwd):
+    return {"flash_attn": {}, "flash_attn.cute": {},
+            "flash_attn.cute.interface": dict(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd)}
+
+
+FA4 = _fa4_modules(fa4_fwd, fa4_bwd)
+FA4_TWO_OUTPUTS = _fa4_modules(fa4_fwd_two_outputs, fa4_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# flash-attn 2: flash_attn/flash_attn_interface.py (2.7+: custom ops, window_size_left/right)
+
+
+@torch.library.custom_op("cp_attention_test::fa2_varlen_forward", mutates_args=("q", "k", "v"))
+def fa2_varlen_forward(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int = -1,
+    window_size_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[Tensor] = None,
+    return_softmax: bool = False, block_table: Optional[Tensor] = None, leftpad_k: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    assert dropout_p == 0.0 and alibi_slopes is None and not return_softmax
+    out, lse = REF.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                           causal=causal, window=(window_size_left, window_size_right), softcap=softcap or None)
+    return out, _with_empty_rows(lse, float("inf")), q.new_empty(0), torch.zeros(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("cp_attention_test::fa2_varlen_backward", mutates_args=("dq", "dk", "dv"))
+def fa2_varlen_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor, dq: Optional[Tensor],
+    dk: Optional[Tensor], dv: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
+    window_size_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
+    rng_state: Optional[Tensor] = None,
+) -> Tensor:
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_lse(softmax_lse, q)
+    assert not torch.isneginf(softmax_lse).any(), "flash-attn 2 writes +inf, not -inf, for rows that see nothing"
+    lse = torch.where(torch.isposinf(softmax_lse), float("-inf"), softmax_lse)
+    grads = _ref_grads(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       scale=softmax_scale, causal=causal, window=(window_size_left, window_size_right),
+                       softcap=softcap or None)
+    for buf, g in zip((dq, dk, dv), grads):
+        buf.copy_(g)
+    return softmax_lse.new_empty(softmax_lse.shape)
+
+
+FA2 = {"flash_attn": {}, "flash_attn.flash_attn_interface": dict(
+    _flash_attn_varlen_forward=fa2_varlen_forward, _flash_attn_varlen_backward=fa2_varlen_backward)}
+
+
+def fa2_6_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                         causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False,
+                         block_table=None, leftpad_k=None, seqused_k=None):
+    """2.6: a ``window_size`` tuple; returns (out, q, k, v, out_padded, lse, S_dmask, rng_state)."""
+    out, lse, s_dmask, rng = fa2_varlen_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size[0], window_size[1], softcap)
+    return out, q, k, v, out, lse, s_dmask, rng
+
+
+def fa2_6_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                          deterministic, rng_state=None):
+    return fa2_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                               max_seqlen_k, dropout_p, softmax_scale, causal, window_size[0], window_size[1],
+                               softcap, alibi_slopes, deterministic)
+
+
+FA2_6 = {"flash_attn": {}, "flash_attn.flash_attn_interface": dict(
+    _flash_attn_varlen_forward=fa2_6_varlen_forward, _flash_attn_varlen_backward=fa2_6_varlen_backward)}
+
+
+# ----------------------------------------------------------------------------------------------
+# PyTorch's aten._flash_attention_forward/_backward
 
 
 def fake_aten_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale,
                       window_size_left, window_size_right):
-    assert dropout_p == 0.0 and not return_debug_mask and cu_q.dtype == torch.int32
+    assert dropout_p == 0.0 and not return_debug_mask
+    _check_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
     out, lse = REF.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, causal=is_causal,
                            window=(window_size_left, window_size_right))
-    return out, _as_kernel_sees(lse), None, None, None
+    return out, _with_empty_rows(lse, float("inf")), None, None, None
 
 
 def fake_aten_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng, unused, *,
                        scale, window_size_left, window_size_right):
+    _check_lse(lse, q)
     assert not torch.isneginf(lse).any(), "flash expects +inf, not -inf, for rows that see nothing"
-    lse = torch.where(torch.isposinf(lse), torch.full_like(lse, float("-inf")), lse)
-    dq, dk, dv = REF.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=scale, causal=is_causal,
-                              window=(window_size_left, window_size_right))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    lse = torch.where(torch.isposinf(lse), float("-inf"), lse)
+    return _ref_grads(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=scale, causal=is_causal,
+                      window=(window_size_left, window_size_right))
+
+
+# ----------------------------------------------------------------------------------------------
+# installing stand-ins
+
+
+ALL_MODULES = ("flash_attn_interface", "flash_attn_3", "flash_attn_3.flash_attn_interface", "flash_attn",
+               "flash_attn.cute", "flash_attn.cute.interface", "flash_attn.flash_attn_interface")
 
 
 @pytest.fixture
-def aten_stand_ins(monkeypatch):
-    monkeypatch.setattr(flash_mod, "_aten_flash_forward", fake_aten_forward)
-    monkeypatch.setattr(flash_mod, "_aten_flash_backward", fake_aten_backward)
+def install(monkeypatch):
+    """``install(*module_sets)``: exactly these stand-in modules are importable (every other flash
+    package is hidden) and the interface adapters start fresh."""
+
+    def _install(*module_sets):
+        for name in ALL_MODULES:
+            monkeypatch.setitem(sys.modules, name, None)
+        for modules in module_sets:
+            for name, attrs in modules.items():
+                mod = sys.modules.get(name) or types.ModuleType(name)
+                mod.__dict__.update(attrs)
+                monkeypatch.setitem(sys.modules, name, mod)
+                if "." in name:
+                    parent, child = name.rsplit(".", 1)
+                    setattr(sys.modules[parent], child, mod)
+        monkeypatch.setattr(flash_mod, "_aten_flash_forward", fake_aten_forward)
+        monkeypatch.setattr(flash_mod, "_aten_flash_backward", fake_aten_backward)
+        monkeypatch.setattr(flash_mod, "INTERFACES", flash_mod._new_interfaces())
+
+    return _install
 
 
-@pytest.mark.parametrize("case", [c for c in GRID if c[5] is None], ids=[c[0] for c in GRID if c[5] is None])
-def test_flash_translation_matches_loop_oracle(case, aten_stand_ins):
-    check_backend_on_case(flash_mod.FlashBackend(use_flash_attn=False), case, dtypes=((torch.float32, 2e-5),))
+# ----------------------------------------------------------------------------------------------
+# forward + backward of every interface against the loop oracle
+
+
+def _check(interface, case):
+    check_backend_on_case(flash_mod.FlashBackend(interface), case, dtypes=((torch.float32, 2e-5),))
+
+
+@pytest.mark.parametrize("case", GRID, ids=_ids(GRID))
+def test_fa3_translation_matches_loop_oracle(case, install):
+    install(FA3)
+    _check("fa3", case)
+
+
+@pytest.mark.parametrize("case", NO_SOFTCAP, ids=_ids(NO_SOFTCAP))
+def test_fa4_translation_matches_loop_oracle(case, install):
+    install(FA4)
+    _check("fa4", case)
+
+
+@pytest.mark.parametrize("case", GRID, ids=_ids(GRID))
+def test_fa2_translation_matches_loop_oracle(case, install):
+    install(FA2)
+    _check("fa2", case)
+
+
+@pytest.mark.parametrize("case", NO_SOFTCAP, ids=_ids(NO_SOFTCAP))
+def test_aten_translation_matches_loop_oracle(case, install):
+    install()
+    _check("aten", case)
+
+
+RELEASES = {"fa3-window-tuple": (FA3_WINDOW_TUPLE, "fa3"), "fa4-two-outputs": (FA4_TWO_OUTPUTS, "fa4"),
+            "fa2-2.6": (FA2_6, "fa2")}
+EARLIER = [pytest.param(release, case, id=f"{release}-{case[0]}") for release in RELEASES for case in VARIANT_CASES
+           if not (release.startswith("fa4") and case[5] is not None)]  # flash-attn 4: no softcap
+
+
+@pytest.mark.parametrize("release, case", EARLIER)
+def test_earlier_signatures(release, case, install):
+    modules, interface = RELEASES[release]
+    install(modules)
+    _check(interface, case)
+
+
+# ----------------------------------------------------------------------------------------------
+# translation units, declared support, selection
 
 
 def test_kernel_arguments():
@@ -55,36 +376,113 @@ def test_kernel_arguments():
     assert flash_mod.kernel_arguments(scale=1.0, causal=False, window=(7, 0), softcap=None)["is_causal"]
 
 
-def test_flash_attn_signature_adapter():
-    def new_style(q, *, window_size_left, window_size_right, softcap, alibi_slopes):
-        return (window_size_left, window_size_right, softcap)
-
-    def old_style(q, *, window_size, alibi_slopes):
-        return window_size
-
-    assert flash_mod._call_flash_attn(new_style, 1, window_size_left=3, window_size_right=0, softcap=0.0,
-                                      alibi_slopes=None) == (3, 0, 0.0)
-    assert flash_mod._call_flash_attn(old_style, 1, window_size_left=3, window_size_right=0, softcap=0.0,
-                                      alibi_slopes=None) == (3, 0)
-    with pytest.raises(ValueError, match="no softcap"):
-        flash_mod._call_flash_attn(old_style, 1, window_size_left=3, window_size_right=0, softcap=2.0,
-                                   alibi_slopes=None)
+def test_fa4_mask_arguments():
+    mask = flash_mod._FlashAttn4._mask
+    assert mask(True, -1, 0) == dict(causal=True, window_size_left=None, window_size_right=None)
+    assert mask(True, 7, 0) == dict(causal=False, window_size_left=7, window_size_right=0)
+    assert mask(False, 0, -1) == dict(causal=False, window_size_left=0, window_size_right=None)
+    assert mask(False, -1, -1) == dict(causal=False, window_size_left=None, window_size_right=None)
 
 
-def test_flash_declares_what_it_cannot_run():
-    from cp_attention.masks import MaskSpec
+def test_parameters_see_through_custom_ops():
+    params = flash_mod._parameters(fa2_varlen_forward)
+    assert list(params)[:4] == ["q", "k", "v", "cu_seqlens_q"] and "window_size_left" in params
+    with pytest.raises(TypeError, match="takes no"):
+        flash_mod._call(fa4_fwd, flash_mod._parameters(fa4_fwd), q=None, window_size=(1, 0))
 
-    reasons = flash_mod.FlashBackend(use_flash_attn=False).not_supported_reasons(
+
+def test_releases_without_varlen_backward_are_not_used(install):
+    def old_fa3_forward(q, k, v, softmax_scale, causal, q_descale=None, k_descale=None, v_descale=None,
+                        window_size=(-1, -1), sink_token_length=0, softcap=0.0, num_splits=1, pack_gqa=None):
+        raise AssertionError("must not be called")
+
+    def old_fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, m_block_size=64):
+        raise AssertionError("must not be called")
+
+    install({"flash_attn_interface": dict(_flash_attn_forward=old_fa3_forward, _flash_attn_backward=fa3_backward)},
+            _fa4_modules(fa4_fwd, old_fa4_bwd))
+    assert "cu_seqlens_q" in flash_mod.INTERFACES["fa3"].unavailable()
+    assert "cu_seqlens_q" in flash_mod.INTERFACES["fa4"].unavailable()
+    assert flash_mod.INTERFACES["fa2"].unavailable() == "not installed"
+    name, rejected = flash_mod.pick_interface(capability=(9, 0), head_dim=64, softcap=False)
+    assert name == "aten" and len(rejected) == 3
+
+
+def test_broken_install_is_reported_not_hidden(install, tmp_path, monkeypatch):
+    install()
+    (tmp_path / "flash_attn_interface.py").write_text("import flash_attn_3_missing_extension\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn_interface")
+    reason = flash_mod.INTERFACES["fa3"].unavailable()
+    assert reason.startswith("not importable") and "flash_attn_3_missing_extension" in reason
+
+
+def test_preference_and_declared_support(install):
+    install(FA3, FA4, FA2)
+
+    def pick(capability, head_dim=128, softcap=False):
+        return flash_mod.pick_interface(capability=capability, head_dim=head_dim, softcap=softcap)
+
+    assert pick((9, 0))[0] == "fa3"
+    assert pick((9, 0), softcap=True)[0] == "fa3"
+    assert pick((10, 0))[0] == "fa4"
+    assert pick((10, 0), softcap=True) == ("fa2", [
+        "flash-attn 3 (flash_attn_interface): needs a Hopper GPU (sm90), got sm100",
+        "flash-attn 4 (flash_attn.cute.interface): no softcap in its varlen backward"])
+    assert pick((10, 0), head_dim=192)[0] == "fa2"  # fa4: at most 128 here
+    assert pick((12, 0))[0] == "fa2"
+    assert pick((8, 0))[0] == "fa2"
+    name, rejected = pick((9, 0), head_dim=264)
+    assert name is None and len(rejected) == 4 and all("at most" in r or "sm90" in r for r in rejected)
+    name, rejected = pick((7, 5))
+    assert name is None and all("sm" in r for r in rejected)
+
+    install(FA4)
+    assert pick((9, 0)) == ("aten", [
+        "flash-attn 3 (flash_attn_interface): not installed",
+        "flash-attn 4 (flash_attn.cute.interface): used on Blackwell (sm100/sm110) only, got sm90",
+        "flash-attn 2 (flash_attn.flash_attn_interface): not installed"])
+
+
+def test_backend_picks_per_device_capability(install, monkeypatch):
+    install(FA3, FA2)
+    monkeypatch.setattr(flash_mod, "_capability", lambda device: (9, 0))
+    backend = flash_mod.FlashBackend()
+    cuda = torch.device("cuda")
+    assert backend.interface_for(device=cuda, head_dim=64) == "fa3"
+    assert backend.not_supported_reasons(device=cuda, dtype=torch.bfloat16, head_dim=64, spec=MaskSpec()) == []
+    monkeypatch.setattr(flash_mod, "_capability", lambda device: (8, 6))
+    assert backend.interface_for(device=cuda, head_dim=64, softcap=True) == "fa2"
+    reasons = backend.not_supported_reasons(device=cuda, dtype=torch.bfloat16, head_dim=12, spec=MaskSpec())
+    assert len(reasons) == 4 and "flash-attn 2 (flash_attn.flash_attn_interface): head_dim 12" in reasons[2]
+
+
+def test_flash_declares_what_it_cannot_run(install):
+    install()
+    reasons = flash_mod.FlashBackend("aten").not_supported_reasons(
         device=torch.device("cpu"), dtype=torch.float32, head_dim=12, spec=MaskSpec(softcap=2.0))
     text = " | ".join(reasons)
     assert "CUDA" in text and "float16/bfloat16" in text and "multiple of 8" in text and "softcap" in text
+    with pytest.raises(ValueError, match="interface must be None or one of"):
+        flash_mod.FlashBackend("fa5")
 
 
 def test_dispatch_names_every_rejected_backend():
     from cp_attention.backends import select_backend
-    from cp_attention.masks import MaskSpec
 
     assert select_backend("auto", device=torch.device("cpu"), dtype=torch.float32, head_dim=16,
                           spec=MaskSpec()).name == "reference"
     with pytest.raises(ValueError, match="no attention backend supports these inputs: flash: flash kernels need CUDA"):
         select_backend("flash", device=torch.device("cpu"), dtype=torch.float32, head_dim=16, spec=MaskSpec())
+
+
+def test_kernel_ops_have_fake_implementations():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(10, 4, 64, dtype=torch.bfloat16), torch.empty(7, 2, 64, dtype=torch.bfloat16)
+        cu = torch.zeros(3, dtype=torch.int32)
+        out, lse = flash_mod.flash_varlen_fwd(q, k, k, cu, cu, 5, 4, 0.125, True, -1, 0, 0.0, "fa4")
+        dq, dk, dv = flash_mod.flash_varlen_bwd(q, q, k, k, out, lse, cu, cu, 5, 4, 0.125, True, -1, 0, 0.0, "fa3")
+    assert out.shape == q.shape and lse.shape == (4, 10) and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
