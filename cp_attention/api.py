@@ -408,7 +408,10 @@ def attention(
         and sinks. A query that sees no key returns zeros.
 
     Raises:
-        TypeError / ValueError naming the argument, on every rank, before any K/V moves.
+        TypeError / ValueError naming the argument, on every rank, before any K/V moves (ranks
+        compare their arguments, shapes, layout and documents before every call).
+        RankFailedError when another rank of the group failed (it is named) or did not answer
+        within the context's ``timeout``.
     """
     return _attend(q, k, v, dict(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale),
                    position_ids=position_ids, cu_seqlens=cu_seqlens, sinks=sinks, group=group, layout=layout,

@@ -12,7 +12,7 @@ names the failing rank when it gives up:
 * collectives are posted asynchronously and polled; the store is checked while polling, so a
   recorded failure is noticed within about 0.1 s;
 * point-to-point waits on CPU (gloo) cannot be polled (a timed-out gloo wait closes the
-  connection): one waiter thread per comm blocks on them while the calling thread watches the
+  connection): one waiter thread per process blocks on them while the calling thread watches the
   store and the deadline; a peer process that exits closes its connections and ends the wait;
 * point-to-point waits on CUDA (NCCL) only order the streams and never block the CPU; a stalled
   exchange is caught by the next attention call's (polled) agreement exchange.
@@ -110,7 +110,6 @@ class Comm:
         else:
             self.rank, self.world_size, self.backend = 0, 1, None
         self._ops: list[tuple[str, torch.Tensor, int, int]] = []
-        self._waiter: _Waiter | None = None
         self._store = None
         self._failed_key = ""
         if self.distributed and self.world_size > 1:
@@ -195,9 +194,7 @@ class Comm:
             return
         # gloo waits cannot be polled (a timed-out wait closes the connection): one waiter thread
         # blocks on them, with the timeout as its deadline, while this thread watches the store
-        if self._waiter is None:
-            self._waiter = _Waiter()
-        done = self._waiter.submit(works, datetime.timedelta(seconds=self.timeout))
+        done = _Waiter.shared().submit(works, datetime.timedelta(seconds=self.timeout))
         start = time.monotonic()
         while True:
             try:
@@ -283,9 +280,20 @@ class Comm:
 
 class _Waiter:
     """A daemon thread that completes gloo works one batch at a time (a daemon, so a wait left
-    blocked by a failed peer never delays the process's exit)."""
+    blocked by a failed peer never delays the process's exit). One per process."""
+
+    _instance: _Waiter | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> _Waiter:
+        with cls._lock:  # a forked child does not inherit the parent's thread: start its own
+            if cls._instance is None or cls._instance._pid != os.getpid():
+                cls._instance = cls()
+            return cls._instance
 
     def __init__(self):
+        self._pid = os.getpid()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._run, name="cp_attention_wait", daemon=True).start()
 
