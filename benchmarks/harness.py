@@ -1,0 +1,598 @@
+"""The one harness behind every benchmark script.
+
+What it provides:
+
+* :class:`MaskCase`: a named mask (causal, sliding window, packed documents, chunked) with its
+  global metadata, position ids, dense mask (for the baselines) and :func:`flops`, which counts
+  only the (query, key) pairs the mask keeps.
+* :func:`measure`: warm-up, then repeats interleaved across implementations (so a noisy, shared
+  machine slows every contender alike), median / min / max per implementation; CUDA events on a
+  GPU, wall clock on a CPU.
+* :func:`peak_memory`: extra memory one call needs beyond its inputs. GPU: the allocator's peak
+  (``torch.cuda.max_memory_allocated``). CPU: the resident-set high-water mark of a fresh
+  subprocess (glibc told to return every freed block of 64 KiB or more to the system, so resident
+  memory tracks live memory): warm up on a tiny problem, build the inputs, read the resident set,
+  reset the high-water mark (``/proc/self/clear_refs``), run once, read it again.
+* Traffic: per-rank K/V bytes of our plan (:class:`cp_attention.PlanStats`), of a full ring and of an
+  all-gather of K/V, and the exact halo the mask needs (:func:`traffic`).
+* Execution helpers shared by the context-parallel benchmarks: :func:`full_ring_plan` and
+  :func:`all_gather_plan` (the baselines as plans run by the same ring and kernels),
+  :class:`TimedBackend` (time spent in kernel calls) and :class:`SimComm` (every rank of a world in
+  one process, for a single GPU).
+* :func:`write_results` / :func:`load_results`: one JSON file per benchmark run.
+
+Legend: ``B`` batch rows, ``L`` global length, ``S`` a rank's local length, ``H`` query heads,
+``K`` K/V heads, ``D`` head dim, ``P`` world size.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from cp_attention import layout as layout_mod
+from cp_attention.comm import Comm
+from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids, segment_bounds
+from cp_attention.plan import PlanStats, RankPlan, Round, Step, build_local_plan, build_plan
+
+__all__ = [
+    "MaskCase", "parse_mask", "document_lengths", "flops", "visible_pairs",
+    "Timing", "measure", "peak_memory", "Workload",
+    "traffic", "full_ring_plan", "all_gather_plan", "TimedBackend", "SimComm",
+    "machine_info", "memory_budget", "write_results", "load_results", "pick_device", "dtype_of",
+]
+
+SCHEMA = 1
+MIB = 1 << 20
+
+
+# ----------------------------------------------------------------------------------------------
+# masks
+
+
+def document_lengths(seq_len: int, *, seed: int = 0, median: int = 768, max_len: int | None = None) -> list[int]:
+    """A realistic mix of packed document lengths filling ``seq_len`` tokens: log-normal lengths
+    (median ``median`` tokens, a long tail) clipped to ``[32, max_len or seq_len]``, the last one
+    cut to fit. The same seed gives the same prefix of documents for every ``seq_len``."""
+    gen = torch.Generator().manual_seed(seed)
+    cap = max_len or seq_len
+    lengths: list[int] = []
+    while sum(lengths) < seq_len:
+        draw = math.exp(math.log(median) + float(torch.randn((), generator=gen)))
+        lengths.append(int(min(cap, max(32, round(draw)))))
+    lengths[-1] -= sum(lengths) - seq_len
+    if lengths[-1] <= 0:
+        lengths.pop()
+    return lengths
+
+
+@dataclass(kw_only=True, frozen=True)
+class MaskCase:
+    """A named mask over one row of ``L`` tokens: a :class:`MaskSpec` plus, for packed documents,
+    the document lengths."""
+
+    name: str
+    """Label in tables and plots, e.g. ``"window:1024"``."""
+    spec: MaskSpec
+    """Causal flag, window and chunk size."""
+    documents: tuple[int, ...] | None = None
+    """Lengths of the packed documents (summing to ``L``); None: one document."""
+
+    @property
+    def kind(self) -> str:
+        return self.name.split(":")[0]
+
+    def position_ids(self, seq_len: int) -> torch.Tensor | None:
+        """(1, L) int64 positions restarting at 0 in every document, or None for one document."""
+        if self.documents is None:
+            return None
+        self._check(seq_len)
+        return torch.cat([torch.arange(n) for n in self.documents]).unsqueeze(0)
+
+    def meta(self, seq_len: int) -> SequenceMeta:
+        """Global metadata of one row of ``seq_len`` tokens."""
+        pos = self.position_ids(seq_len)
+        return SequenceMeta(batch=1, seq_len=seq_len,
+                            doc_start=None if pos is None else doc_starts_from_position_ids(pos))
+
+    def dense(self, seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """(L, L) bool mask on ``device``, True where query q sees key k (the dense baselines'
+        input). Built from per-row bounds with (L, L) booleans only: key k is visible from query q
+        when it lies in q's segment ``[start_q, end_q)`` and inside the band of the mask."""
+        start_L, end_L = (t[0].to(device) for t in segment_bounds(self.meta(seq_len), self.spec))
+        lo, hi = self.spec.band()
+        q_L1 = torch.arange(seq_len, device=device)[:, None]
+        k_1L = torch.arange(seq_len, device=device)[None, :]
+        visible_LL = (k_1L >= start_L[:, None]) & (k_1L < end_L[:, None])
+        if lo > -seq_len:
+            visible_LL &= k_1L >= q_L1 + int(lo)
+        if hi < seq_len:
+            visible_LL &= k_1L <= q_L1 + int(hi)
+        return visible_LL
+
+    def attention_kwargs(self, seq_len: int) -> dict:
+        """Keyword arguments of ``cp_attention.attention`` for this mask at world size 1."""
+        return dict(causal=self.spec.causal, window=self.spec.window, chunk_size=self.spec.chunk_size,
+                    position_ids=self.position_ids(seq_len))
+
+    def _check(self, seq_len: int) -> None:
+        if self.documents is not None and sum(self.documents) != seq_len:
+            raise ValueError(f"mask {self.name!r}: documents sum to {sum(self.documents)}, not L = {seq_len}")
+
+
+def parse_mask(name: str, seq_len: int, *, seed: int = 0, max_document: int | None = None) -> MaskCase:
+    """``"causal"``, ``"window:W"``, ``"chunked:C"``, ``"documents"`` (a realistic length mix) or
+    ``"documents:N"`` (documents of at most N tokens) -> :class:`MaskCase` for ``seq_len`` tokens."""
+    kind, _, arg = name.partition(":")
+    if kind == "causal" and not arg:
+        return MaskCase(name=name, spec=MaskSpec())
+    if kind == "window" and arg.isdigit():
+        return MaskCase(name=name, spec=MaskSpec(window=int(arg)))
+    if kind == "chunked" and arg.isdigit():
+        return MaskCase(name=name, spec=MaskSpec(chunk_size=int(arg)))
+    if kind == "documents" and (not arg or arg.isdigit()):
+        cap = int(arg) if arg else max_document
+        median = 768 if cap is None else min(768, max(32, cap // 2))
+        return MaskCase(name=name, spec=MaskSpec(),
+                        documents=tuple(document_lengths(seq_len, seed=seed, median=median, max_len=cap)))
+    raise ValueError(f"unknown mask {name!r}; valid: 'causal', 'window:W', 'chunked:C', 'documents', 'documents:N'")
+
+
+def visible_pairs(meta: SequenceMeta, spec: MaskSpec) -> int:
+    """Number of (query, key) pairs the mask keeps, over all rows; O(B * L), no dense mask."""
+    start_BL, end_BL = segment_bounds(meta, spec)
+    lo, hi = spec.band()
+    q_L = torch.arange(meta.seq_len)
+    first_BL = torch.maximum(start_BL, q_L + int(max(lo, -meta.seq_len)))
+    last_BL = torch.minimum(end_BL, q_L + int(min(hi, meta.seq_len)) + 1)
+    return int((last_BL - first_BL).clamp(min=0).sum())
+
+
+def flops(meta: SequenceMeta, spec: MaskSpec, *, heads: int, head_dim: int, backward: bool) -> float:
+    """Floating-point operations of attention that counts only visible pairs: the forward does
+    two matrix products per pair (4 * pairs * D per head), the backward five (2.5x the forward)."""
+    forward = 4.0 * visible_pairs(meta, spec) * head_dim * heads
+    return forward * (3.5 if backward else 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# devices, dtypes, machine
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    """``"auto"``: CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    valid = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float64": torch.float64}
+    if name not in valid:
+        raise ValueError(f"dtype must be one of {sorted(valid)}, got {name!r}")
+    return valid[name]
+
+
+def machine_info(device: torch.device, note: str | None = None) -> dict:
+    """What ran the benchmark: device, torch version, threads, and a free-text ``note`` (e.g. the
+    machine's description, which cannot be read reliably from inside a VM)."""
+    info = dict(device=device.type, torch=torch.__version__, python=platform.python_version(),
+                cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(), note=note)
+    if device.type == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(device), gpu_count=torch.cuda.device_count(),
+                    gpu_memory_gib=round(torch.cuda.get_device_properties(device).total_memory / (1 << 30), 1))
+    return info
+
+
+def memory_budget(device: torch.device) -> int:
+    """Bytes a benchmark may plan to use: 80% of the free GPU memory, or 60% of the available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(0.8 * free)
+    with open("/proc/meminfo") as f:
+        return int(0.6 * next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call: median, min, max over ``times`` (the measured repeats)."""
+
+    median: float
+    min: float
+    max: float
+    times: tuple[float, ...]
+
+    def as_dict(self) -> dict:
+        return dict(median_s=self.median, min_s=self.min, max_s=self.max, repeats=len(self.times),
+                    times_s=list(self.times))
+
+
+def _time_once(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(fns: dict[str, Callable[[], object]], *, device: torch.device, warmup: int = 2, repeats: int = 5,
+            min_repeats: int = 2, max_seconds: float = 120.0, slow_s: float = 2.0) -> dict[str, Timing]:
+    """Time several implementations of one workload side by side.
+
+    Warm-up: ``warmup`` calls each (one only when a call takes longer than ``slow_s``). Then up to
+    ``repeats`` rounds, each calling every implementation once (in rotating order), stopping early
+    once ``min_repeats`` rounds are done and ``max_seconds`` have passed.
+    """
+    names = list(fns)
+    for name in names:
+        for i in range(max(warmup, 0)):
+            if _time_once(fns[name], device) > slow_s:
+                break
+    times: dict[str, list[float]] = {n: [] for n in names}
+    started = time.perf_counter()
+    for rnd in range(repeats):
+        order = names[rnd % len(names):] + names[:rnd % len(names)]
+        for name in order:
+            times[name].append(_time_once(fns[name], device))
+        if rnd + 1 >= min_repeats and time.perf_counter() - started > max_seconds:
+            break
+    return {n: Timing(median=statistics.median(t), min=min(t), max=max(t), times=tuple(t)) for n, t in times.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# peak memory
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A benchmark workload that a fresh process can rebuild: ``factory(**kwargs)`` in the script
+    ``path`` builds the inputs and returns a zero-argument callable that runs the workload once."""
+
+    path: str
+    factory: str
+    kwargs: dict
+
+    def build(self) -> Callable[[], object]:
+        return getattr(_load_script(self.path), self.factory)(**self.kwargs)
+
+
+_SCRIPTS: dict[str, object] = {}
+
+
+def _load_script(path: str):
+    path = os.path.abspath(path)
+    if path not in _SCRIPTS:
+        name = "_bench_" + os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _SCRIPTS[path] = module
+    return _SCRIPTS[path]
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _memory_child(jobs: list[tuple[Workload, Workload | None]], threads: int, conn) -> None:
+    try:
+        torch.set_num_threads(threads)
+        peaks = []
+        for workload, warm in jobs:
+            if warm is not None:  # load kernels and libraries on a tiny problem first
+                warm.build()()
+            run = workload.build()
+            gc.collect()
+            base = _status_kib("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the resident-set high-water mark
+            run()
+            peaks.append((_status_kib("VmHWM") - base) * 1024)
+            del run
+            gc.collect()
+        conn.send(("ok", peaks))
+    except BaseException as exc:  # report, never hang the parent
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def peak_memory(workloads: list[Workload], *, device: torch.device, warm: list[Workload | None] | None = None,
+                threads: int = 1, timeout: float = 3600.0) -> list[int]:
+    """Bytes one run of each workload needs beyond its inputs (see the module docstring for how).
+
+    On CUDA each workload runs in this process (built, run once to warm up, then measured). On CPU
+    the workloads run one after another in one fresh subprocess with ``threads`` torch threads;
+    each is preceded by one run of its ``warm`` workload (a tiny problem of the same kind), its
+    inputs are built, and only the run itself is measured.
+    """
+    warm = warm or [None] * len(workloads)
+    if device.type == "cuda":
+        peaks = []
+        for workload in workloads:
+            run = workload.build()
+            run()
+            _sync(device)
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            run()
+            _sync(device)
+            peaks.append(int(torch.cuda.max_memory_allocated(device) - base))
+            del run
+            gc.collect()
+            torch.cuda.empty_cache()
+        return peaks
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    saved = {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "OMP_NUM_THREADS")}
+    os.environ.update(MALLOC_MMAP_THRESHOLD_=str(64 * 1024), MALLOC_TRIM_THRESHOLD_=str(128 * 1024),
+                      OMP_NUM_THREADS=str(threads))
+    try:
+        proc = ctx.Process(target=_memory_child, args=(list(zip(workloads, warm)), threads, child), daemon=True)
+        proc.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            raise RuntimeError(f"memory measurement took over {timeout:.0f}s")
+        status, payload = parent.recv()
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if status != "ok":
+        raise RuntimeError(f"memory measurement failed: {payload}")
+    return [int(p) for p in payload]
+
+
+# ----------------------------------------------------------------------------------------------
+# traffic
+
+
+def _token_bytes(batch: int, head_kv: int, head_dim: int, itemsize: int) -> int:
+    return 2 * batch * head_kv * head_dim * itemsize  # K and V
+
+
+def needed_halo_tokens(meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str) -> list[int]:
+    """Per rank: how many other ranks' tokens its queries see at all (the least any plan must
+    receive), counted per batch row and summed; computed from the mask model, not the planner."""
+    seg_start, seg_end = segment_bounds(meta, spec)
+    lo, hi = spec.band()
+    L = meta.seq_len
+    needed = []
+    for r in range(world_size):
+        q_idx = layout_mod.global_index(L, world_size, layout, r)
+        first = torch.maximum(seg_start[:, q_idx], q_idx + int(max(lo, -L)))
+        last = torch.minimum(seg_end[:, q_idx], q_idx + int(min(hi, L)) + 1)
+        total = 0
+        for b in range(meta.batch):
+            keep = last[b] > first[b]
+            cover = torch.zeros(L + 1, dtype=torch.int64)
+            cover.index_add_(0, first[b][keep], torch.ones(int(keep.sum()), dtype=torch.int64))
+            cover.index_add_(0, last[b][keep], -torch.ones(int(keep.sum()), dtype=torch.int64))
+            seen = torch.cumsum(cover, 0)[:L] > 0
+            seen[q_idx] = False  # own tokens travel nowhere
+            total += int(seen.sum())
+        needed.append(total)
+    return needed
+
+
+def traffic(meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str, head_kv: int, head_dim: int,
+            itemsize: int) -> list[dict]:
+    """Forward K/V bytes per rank for our plan, a full ring and an all-gather, plus the halo the
+    mask needs. A full ring delivers every other shard to every rank and forwards as much; an
+    all-gather receives the same P-1 shards per rank (and, in a ring all-gather, sends as many)."""
+    P, L = world_size, meta.seq_len
+    sizes = layout_mod.local_lengths(L, P, layout)
+    token = _token_bytes(meta.batch, head_kv, head_dim, itemsize)
+    needed = needed_halo_tokens(meta, spec, world_size=P, layout=layout)
+    rows = []
+    for r in range(P):
+        st = build_plan(meta, spec, world_size=P, layout=layout, rank=r, head_kv=head_kv, head_dim=head_dim,
+                        itemsize=itemsize).stats
+        others = (L - sizes[r]) * token
+        rows.append(dict(
+            rank=r, local_len=sizes[r], ours_sent=st.kv_bytes_sent, ours_recv=st.kv_bytes_recv, ours_rounds=st.rounds,
+            ours_peers_recv=list(st.peers_recv), ring_sent=(P - 1) * sizes[r] * token, ring_recv=st.ring_kv_bytes_recv,
+            ring_rounds=P - 1, allgather_sent=(P - 1) * sizes[r] * token, allgather_recv=others, allgather_rounds=1,
+            halo_needed_recv=needed[r] * token, kernel_calls=st.kernel_calls,
+            entries_computed=st.entries_computed, entries_visible=st.entries_visible))
+        assert rows[-1]["ring_recv"] == others
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# baselines as plans: the same ring and kernels, different traffic
+
+
+def full_ring_plan(meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str, rank: int,
+                   head_kv: int, head_dim: int, itemsize: int) -> RankPlan:
+    """A plan that visits every shard, as ring attention does: in round ``t`` the rank receives the
+    whole shard of rank ``rank - t`` (straight from its owner) and sends its whole shard to
+    ``rank + t``; the kernel calls are exactly the visible pairs (nothing extra is computed), so
+    the baseline differs from our plan only in what travels and how many rounds it takes."""
+    P, L, B = world_size, meta.seq_len, meta.batch
+    idx = [layout_mod.global_index(L, P, layout, r) for r in range(P)]
+    own = build_plan(meta, spec, world_size=P, layout=layout, rank=rank, head_kv=head_kv, head_dim=head_dim,
+                     itemsize=itemsize)
+    token = _token_bytes(B, head_kv, head_dim, itemsize)
+    rounds = []
+    calls = []
+    for t in range(1, P):
+        src = (rank - t) % P
+        lp = build_local_plan(meta, spec, q_idx=idx[rank], k_idx=idx[src])
+        step_calls = lp.local.calls if lp.local is not None else ()
+        calls.extend(step_calls)
+        rounds.append(Round(offset=t, recv=Step(source=src, spans=((0, idx[src].numel()),), calls=step_calls),
+                            send_to=(rank + t) % P, send_spans=((0, idx[rank].numel()),)))
+    local_calls = own.local.calls if own.local is not None else ()
+    all_calls = list(local_calls) + calls
+    recv_tokens = L - idx[rank].numel()
+    stats = PlanStats(
+        rank=rank, world_size=P, kernel_calls=len(all_calls), rounds=P - 1,
+        peers_recv=tuple((rank - t) % P for t in range(1, P)), peers_send=tuple((rank + t) % P for t in range(1, P)),
+        kv_bytes_recv=recv_tokens * token, kv_bytes_sent=(P - 1) * idx[rank].numel() * token,
+        grad_bytes_recv=(P - 1) * idx[rank].numel() * token * 4 // itemsize,
+        grad_bytes_sent=recv_tokens * token * 4 // itemsize,
+        ring_kv_bytes_recv=recv_tokens * token,
+        entries_computed=sum(c.entries_computed for c in all_calls),
+        entries_visible=sum(c.entries_visible for c in all_calls))
+    return RankPlan(rank=rank, world_size=P, batch=B, local_len=idx[rank].numel(), local=own.local,
+                    rounds=tuple(rounds), stats=stats)
+
+
+def all_gather_plan(meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str, rank: int) -> RankPlan:
+    """The single-device plan of ``rank``'s queries against every key in global order: what a rank
+    computes after an all-gather of K/V (Llama-3-style context parallelism, PyTorch's
+    FlexAttention CP). Run it with ``Comm(single=True)`` on the gathered (B, L, K, D) K/V."""
+    q_idx = layout_mod.global_index(meta.seq_len, world_size, layout, rank)
+    return build_local_plan(meta, spec, q_idx=q_idx, k_idx=torch.arange(meta.seq_len))
+
+
+# ----------------------------------------------------------------------------------------------
+# execution helpers
+
+
+class TimedBackend:
+    """Wraps a varlen backend and adds up the time of its kernel calls: CUDA events on a GPU
+    (summed by :meth:`seconds`, which synchronises), else the calling thread's CPU time, which a
+    shared, busy machine does not inflate by preempting the rank."""
+
+    def __init__(self, inner, device: torch.device):
+        self.inner = inner
+        self.name = inner.name
+        self.device = device
+        self._cpu = 0.0
+        self._events: list = []
+
+    def not_supported_reasons(self, **kw) -> list[str]:
+        return self.inner.not_supported_reasons(**kw)
+
+    def reset(self) -> None:
+        self._cpu, self._events = 0.0, []
+
+    def seconds(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        return self._cpu
+
+    def _timed(self, fn, *args, **kw):
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn(*args, **kw)
+            end.record()
+            self._events.append((start, end))
+            return result
+        t0 = time.thread_time()
+        result = fn(*args, **kw)
+        self._cpu += time.thread_time() - t0
+        return result
+
+    def forward(self, *args, **kw):
+        return self._timed(self.inner.forward, *args, **kw)
+
+    def backward(self, *args, **kw):
+        return self._timed(self.inner.backward, *args, **kw)
+
+
+class SimComm(Comm):
+    """Stands in for the process group when one process runs every rank's plan in turn (a single
+    GPU simulating world size P). A receive of K/V copies the spans the plan names out of the
+    sender's shard, as the network would deliver them; dK/dV partial sums coming back are received
+    as zeros and sent ones are dropped (their cost is traffic, counted from the plan). The rank's
+    compute is therefore exactly what it would do in a real job. Everything else is a
+    single-process :class:`~cp_attention.comm.Comm`.
+
+    ``k_shards``/``v_shards``: every rank's (B, S_r, K, D) shard, in rank order.
+    """
+
+    def __init__(self, plan: RankPlan, k_shards: list[torch.Tensor], v_shards: list[torch.Tensor]):
+        super().__init__(single=True)
+        self.rank, self.world_size = plan.rank, plan.world_size
+        self._rounds = {r.offset: r for r in plan.schedule()}
+        self._k, self._v = k_shards, v_shards
+        self._sim_ops: list = []
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        pass
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self._sim_ops.append((tensor, src, tag))
+
+    def commit(self, *args, **kwargs):
+        ops, self._sim_ops = self._sim_ops, []
+        for buf, src, tag in ops:
+            if tag >= self.world_size:  # dK/dV partial sums of my spans
+                buf.zero_()
+                continue
+            at = 0
+            for a, b in self._rounds[tag].recv.spans:
+                buf[0, :, at:at + b - a].copy_(self._k[src][:, a:b])
+                buf[1, :, at:at + b - a].copy_(self._v[src][:, a:b])
+                at += b - a
+        return super().commit(*args, **kwargs)  # nothing queued there: a completed exchange
+
+
+# ----------------------------------------------------------------------------------------------
+# results files
+
+
+def write_results(path: str, *, benchmark: str, machine: dict, config: dict, results: list[dict]) -> str:
+    """Write one benchmark run as JSON (creating the folder); returns ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    payload = dict(schema=SCHEMA, benchmark=benchmark, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                   argv=[os.path.basename(sys.argv[0])] + sys.argv[1:], machine=machine, config=config,
+                   results=results)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=False)
+        f.write("\n")
+    return path
+
+
+def load_results(path: str) -> dict:
+    with open(path) as f:
+        payload = json.load(f)
+    if payload.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: unknown results schema {payload.get('schema')!r}")
+    return payload

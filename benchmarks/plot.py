@@ -1,0 +1,209 @@
+"""PNG plots from the benchmark JSON files of one results folder (needs matplotlib: ``pip install -e ".[bench]"``).
+
+    python benchmarks/plot.py benchmarks/results/cpu      # writes the PNGs next to the JSON files
+
+* ``attention_time.png`` (from every ``attention*.json``, merged): forward+backward time versus L,
+  one panel per mask measured at two lengths or more, one line per implementation, log-log. On a
+  GPU in milliseconds; on a CPU relative to cp_flash at the smallest L of the panel (a CPU run
+  reports ratios, not absolute times).
+* ``cp_traffic.png`` (from ``cp*.json``): K/V MiB received by the busiest rank versus the window
+  (as a fraction of the shard length S), at the largest world size: ours (both layouts), a full
+  ring, an all-gather, and the halo the mask needs.
+* ``cp_speedup.png`` (from ``cp*.json``): compute speedup of the slowest rank over world size 1,
+  per mask, for ours, the full ring and the all-gather.
+* ``model_speedup.png`` (from ``model*.json``): cp_flash's training tokens/s over sdpa and eager.
+
+Returns the list of files written; missing inputs are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+
+STYLE = {"cp_flash": ("C0", "o", "-"), "sdpa_causal": ("C2", "s", "--"), "sdpa_dense": ("C1", "^", "--"),
+         "eager_dense": ("C3", "v", ":"), "ours": ("C0", "o", "-"), "full_ring": ("C1", "^", "--"),
+         "all_gather": ("C3", "v", ":")}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _load(folder: str, prefix: str) -> list[dict]:
+    return [harness.load_results(p) for p in sorted(glob.glob(os.path.join(folder, f"{prefix}*.json")))]
+
+
+def _machine_title(payload: dict) -> str:
+    m = payload["machine"]
+    if m.get("note"):
+        return m["note"]
+    return f"{m.get('gpu') if m['device'] == 'cuda' else 'CPU'}; torch {m['torch']}"
+
+
+def plot_attention(payload: dict, path: str) -> str:
+    plt = _pyplot()
+    rows = [r for r in payload["results"] if not r.get("summary") and r.get("pass") == "fwd_bwd" and "time" in r]
+    lengths = {}
+    for r in rows:
+        lengths.setdefault(r["mask"], set()).add(r["seq_len"])
+    masks = [m for m, ls in lengths.items() if len(ls) > 1]  # a panel needs two lengths
+    gpu = payload["machine"]["device"] == "cuda"
+    cols = min(3, len(masks))
+    nrows = (len(masks) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    for ax, mask in zip(axes.flat, masks):
+        mine = [r for r in rows if r["mask"] == mask]
+        ours = sorted((r for r in mine if r["impl"] == "cp_flash"), key=lambda r: r["seq_len"])
+        unit = 1e-3 if gpu else (ours[0]["time"]["median_s"] if ours else 1.0)
+        for impl in dict.fromkeys(r["impl"] for r in mine):
+            pts = sorted((r for r in mine if r["impl"] == impl), key=lambda r: r["seq_len"])
+            color, marker, line = STYLE.get(impl, ("k", ".", "-"))
+            ax.plot([r["seq_len"] for r in pts], [r["time"]["median_s"] / unit for r in pts], color=color,
+                    marker=marker, linestyle=line, label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(mask, fontsize=10)
+        ax.set_xlabel("L (tokens)")
+        ax.set_ylabel("ms" if gpu else "time / cp_flash at smallest L")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(masks):]:
+        ax.axis("off")
+    fig.suptitle(f"attention forward+backward, world size 1 ({_machine_title(payload)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path
+
+
+def plot_traffic(payload: dict, path: str) -> str:
+    plt = _pyplot()
+    table = [r for r in payload["results"] if r.get("traffic")]
+    P = max(r["world_size"] for r in table)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    windows = {lay: sorted((r for r in table if r["world_size"] == P and r["layout"] == lay and r["kind"] == "window"),
+                           key=lambda r: r["window_over_shard"]) for lay in ("zigzag", "contiguous")}
+    mib = harness.MIB
+    zz = windows["zigzag"]
+    x = [r["window_over_shard"] for r in zz]
+    ax.plot(x, [r["ring_sent_max"] / mib for r in zz], color="C1", marker="^", linestyle="--", label="full ring")
+    ax.plot(x, [r["allgather_recv_max"] / mib for r in zz], color="C3", marker="v", linestyle=":", label="all-gather")
+    for lay, marker in (("zigzag", "o"), ("contiguous", "s")):
+        pts = windows[lay]
+        ax.plot([r["window_over_shard"] for r in pts], [r["ours_recv_max"] / mib for r in pts], color="C0",
+                marker=marker, linestyle="-" if lay == "zigzag" else "-.", label=f"ours ({lay})")
+    ax.plot(x, [r["halo_needed_recv_max"] / mib for r in zz], color="k", linewidth=5, alpha=0.15, zorder=0,
+            label="halo the mask needs (zigzag)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("window W / shard length S")
+    ax.set_ylabel("K/V MiB received, busiest rank (forward)")
+    ax.set_title(f"K/V traffic at world size {P}, L = {payload['config']['seq_len']} "
+                 f"({payload['config']['kv_heads']} K/V heads x {payload['config']['head_dim']}, "
+                 f"{payload['config']['dtype']})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path
+
+
+def plot_speedup(payload: dict, path: str) -> str:
+    plt = _pyplot()
+    rows = [r for r in payload["results"] if not r.get("traffic") and "speedup_vs_world_size_1" in r]
+    masks = list(dict.fromkeys(r["mask"] for r in rows))
+    cols = min(3, len(masks))
+    nrows = (len(masks) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    sizes = sorted({r["world_size"] for r in rows})
+    for ax, mask in zip(axes.flat, masks):
+        for approach in ("ours", "full_ring", "all_gather"):
+            pts = sorted((r for r in rows if r["mask"] == mask and (r["approach"] == approach or r["world_size"] == 1)),
+                         key=lambda r: r["world_size"])
+            pts = [r for r in pts if r["world_size"] == 1 or r["approach"] == approach]
+            if len(pts) < 2:
+                continue
+            color, marker, line = STYLE[approach]
+            ax.plot([r["world_size"] for r in pts], [r["speedup_vs_world_size_1"] for r in pts], color=color,
+                    marker=marker, linestyle=line, label=approach)
+        ax.plot(sizes, sizes, color="k", alpha=0.3, linewidth=1, label="ideal")
+        ax.set_xticks(sizes)
+        ax.set_title(mask, fontsize=10)
+        ax.set_xlabel("world size P")
+        ax.set_ylabel("compute speedup (slowest rank)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(masks):]:
+        ax.axis("off")
+    fig.suptitle(f"per-rank compute, forward+backward, L = {payload['config']['seq_len']} "
+                 f"({_machine_title(payload)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path
+
+
+def plot_model(payload: dict, path: str) -> str:
+    plt = _pyplot()
+    summary = [s for s in payload["results"] if s.get("summary")]
+    labels = list(dict.fromkeys(f"{s['model']} {s['data']}\nL={s['seq_len']}" for s in summary))
+    baselines = list(dict.fromkeys(s["baseline"] for s in summary))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(labels), 3.6))
+    width = 0.8 / max(1, len(baselines))
+    for i, base in enumerate(baselines):
+        vals = [next((s["speedup"] for s in summary if s["baseline"] == base and
+                      f"{s['model']} {s['data']}\nL={s['seq_len']}" == lab), 0.0) for lab in labels]
+        ax.bar([j + i * width for j in range(len(labels))], vals, width, label=f"vs {base}", color=f"C{i + 1}")
+    ax.axhline(1.0, color="k", linewidth=1, alpha=0.5)
+    ax.set_xticks([j + width * (len(baselines) - 1) / 2 for j in range(len(labels))])
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("cp_flash training tokens/s ratio")
+    ax.set_title(f"training step, one device ({_machine_title(payload)})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("folder", help="folder holding attention*.json, cp*.json, model*.json")
+    parser.add_argument("--out", default=None, help="where to write the PNGs (default: the folder)")
+    args = parser.parse_args(argv)
+    out = args.out or args.folder
+    os.makedirs(out, exist_ok=True)
+    written = []
+    attention = _load(args.folder, "attention")
+    if attention:  # every attention run of the folder, merged (a later run wins for the same point)
+        merged = {}
+        for payload in attention:
+            for r in payload["results"]:
+                if not r.get("summary"):
+                    merged[(r["mask"], r["seq_len"], r["impl"], r["pass"])] = r
+        written.append(plot_attention(dict(attention[0], results=list(merged.values())),
+                                      os.path.join(out, "attention_time.png")))
+    for payload in _load(args.folder, "cp")[-1:]:
+        written.append(plot_traffic(payload, os.path.join(out, "cp_traffic.png")))
+        written.append(plot_speedup(payload, os.path.join(out, "cp_speedup.png")))
+    for payload in _load(args.folder, "model")[-1:]:
+        written.append(plot_model(payload, os.path.join(out, "model_speedup.png")))
+    for path in written:
+        print(f"wrote {path}")
+    return written
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The benchmark scripts run end to end in their tiny --smoke mode, their JSON says what it must, the
+plots are drawn from it, and the traffic claims of the README hold at the plan level.
+
+The smoke runs happen once per module (in this process; bench_cp spawns gloo ranks, the memory
+measurements a fresh process), then every test reads their JSON.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+BENCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks")
+sys.path.insert(0, os.path.abspath(BENCH_DIR))
+
+import harness  # noqa: E402
+
+from cp_attention import attention  # noqa: E402
+from cp_attention import layout as layout_mod  # noqa: E402
+from cp_attention.backends import BACKENDS  # noqa: E402
+from cp_attention.comm import Comm  # noqa: E402
+from cp_attention.masks import MaskSpec, dense_mask  # noqa: E402
+from cp_attention.plan import build_plan  # noqa: E402
+from cp_attention.ring import ring_attention  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """Run the three benchmark scripts in --smoke mode into one folder; return it."""
+    out = str(tmp_path_factory.mktemp("bench"))
+    threads = torch.get_num_threads()
+    try:
+        for name in ("bench_attention", "bench_cp", "bench_model"):
+            assert importlib.import_module(name).main(["--smoke", "--out", out]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the scripts run single-threaded
+    return out
+
+
+def _rows(path):
+    payload = harness.load_results(path)
+    return payload, [r for r in payload["results"] if not r.get("summary") and not r.get("traffic")]
+
+
+def test_attention_smoke(smoke):
+    payload, rows = _rows(os.path.join(smoke, "attention.json"))
+    assert payload["machine"]["device"] == "cpu" and payload["config"]["backend"] == "reference"
+    cases = {(r["mask"], r["seq_len"], r["pass"]) for r in rows}
+    assert len(cases) == 2 * 2 * 2  # masks x lengths x passes
+    for case in cases:
+        impls = {r["impl"]: r for r in rows if (r["mask"], r["seq_len"], r["pass"]) == case}
+        assert set(impls) == {"cp_flash", "sdpa_dense", "eager_dense"}  # sdpa_causal only for "causal"
+        for r in impls.values():
+            t = r["time"]
+            assert 0 < t["min_s"] <= t["median_s"] <= t["max_s"]
+            case_mask = harness.parse_mask(r["mask"], r["seq_len"])
+            meta = case_mask.meta(r["seq_len"])
+            assert r["visible_pairs"] == int(dense_mask(meta, case_mask.spec).sum())
+            assert r["flops"] == harness.flops(meta, case_mask.spec, heads=2, head_dim=16,
+                                               backward=r["pass"] == "fwd_bwd")
+            if r["pass"] == "fwd_bwd":  # tiny runs may fit in pages already resident: >= 0
+                assert isinstance(r["peak_bytes"], int) and r["peak_bytes"] >= 0
+        assert impls["sdpa_dense"]["mask_bytes"] == case[1] ** 2 and impls["cp_flash"]["mask_bytes"] == 0
+        if case[2] == "fwd":  # cp_flash computes what SDPA computes with the dense mask
+            assert impls["cp_flash"]["max_abs_diff_vs_sdpa_dense"] < 1e-5
+    assert max(r["peak_bytes"] for r in rows if r["pass"] == "fwd_bwd") > 0
+    summary = [r for r in payload["results"] if r.get("summary")]
+    assert {s["baseline"] for s in summary} == {"sdpa_dense", "eager_dense"}
+    assert all(s["speedup"] > 0 and ("memory_fraction" not in s or s["pass"] == "fwd_bwd") for s in summary)
+
+
+def test_cp_smoke(smoke):
+    payload, rows = _rows(os.path.join(smoke, "cp.json"))
+    by = {(r["mask"], r["world_size"], r["approach"]): r for r in rows}
+    masks = payload["config"]["masks"]
+    assert set(by) == {(m, 1, "ours") for m in masks} | {(m, 2, a) for m in masks
+                                                          for a in ("ours", "full_ring", "all_gather")}
+    for (mask, P, approach), r in by.items():
+        assert r["mode"] == ("local" if P == 1 else "spawn")
+        assert len(r["compute_s_per_rank"]) == P and all(c > 0 for c in r["compute_s_per_rank"])
+        assert r["max_abs_diff_vs_ours"] < 1e-5  # every approach computes the same attention
+        if P == 2:
+            ours, ring = by[(mask, 2, "ours")], by[(mask, 2, "full_ring")]
+            assert max(ours["kv_bytes_sent_per_rank"]) < max(ring["kv_bytes_sent_per_rank"])
+            assert all(a <= b for a, b in zip(ours["kv_bytes_recv_per_rank"], r["kv_bytes_recv_per_rank"]))
+    traffic = [r for r in payload["results"] if r.get("traffic")]
+    assert {t["layout"] for t in traffic} == {"zigzag", "contiguous"}
+    assert all(t["ours_recv_max"] <= t["allgather_recv_max"] for t in traffic)
+
+
+def test_model_smoke(smoke):
+    payload, rows = _rows(os.path.join(smoke, "model.json"))
+    assert {r["impl"] for r in rows} == {"cp_flash", "sdpa", "eager"}
+    losses = [r["first_loss"] for r in rows]
+    assert max(losses) - min(losses) < 1e-4 * max(losses)  # same weights, data and masks
+    assert all(r["tokens_per_s"] > 0 and r["peak_bytes"] >= 0 for r in rows) and max(r["peak_bytes"] for r in rows) > 0
+
+
+def test_plots_from_smoke_json(smoke):
+    written = importlib.import_module("plot").main([smoke])
+    names = {os.path.basename(p) for p in written}
+    assert names == {"attention_time.png", "cp_traffic.png", "cp_speedup.png", "model_speedup.png"}
+    for path in written:
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        assert os.path.getsize(path) > 5000
+
+
+# ----------------------------------------------------------------------------------------------
+# plan-level claims (no timing)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_window_quarter_shard_sends_at_most_a_third(layout):
+    """World size 4, W = S/4: our plan sends at most 1/3 of a full ring's and of an all-gather's
+    K/V bytes, on every rank, and receives at most 1/3 too."""
+    L, P = 4096, 4
+    S = L // P
+    case = harness.parse_mask(f"window:{S // 4}", L)
+    rows = harness.traffic(case.meta(L), case.spec, world_size=P, layout=layout, head_kv=2, head_dim=64, itemsize=2)
+    assert sum(r["ours_sent"] for r in rows) > 0
+    for r in rows:
+        assert r["ours_sent"] <= r["ring_sent"] / 3 and r["ours_sent"] <= r["allgather_sent"] / 3
+        assert r["ours_recv"] <= r["ring_recv"] / 3 and r["ours_recv"] <= r["allgather_recv"] / 3
+        assert r["ring_recv"] == r["allgather_recv"] == (L - S) * 2 * 2 * 64 * 2
+        assert r["ours_recv"] <= r["halo_needed_recv"]  # exactly the W-1 tokens before each slice
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("mask", ["documents", "documents+window"])
+def test_documents_no_longer_than_a_shard_send_only_their_halo(layout, mask):
+    """Documents of at most S tokens: every rank receives no more than the K/V its queries see."""
+    L, P = 4096, 4
+    case = harness.parse_mask(f"documents:{L // P}", L, seed=3)
+    assert max(case.documents) <= L // P and len(case.documents) > P
+    spec = MaskSpec(window=300) if mask == "documents+window" else case.spec
+    rows = harness.traffic(case.meta(L), spec, world_size=P, layout=layout, head_kv=2, head_dim=64, itemsize=2)
+    assert sum(r["ours_sent"] for r in rows) == sum(r["ours_recv"] for r in rows)
+    for r in rows:
+        assert r["ours_recv"] <= r["halo_needed_recv"] < r["ring_recv"]
+
+
+def test_halo_and_pairs_match_the_dense_mask():
+    L, P = 96, 3
+    for name in ("causal", "window:7", "chunked:20", "documents:40"):
+        case = harness.parse_mask(name, L, seed=1)
+        meta = case.meta(L)
+        dense = dense_mask(meta, case.spec)[0]
+        assert harness.visible_pairs(meta, case.spec) == int(dense.sum())
+        assert torch.equal(case.dense(L), dense)
+        for layout in ("zigzag", "contiguous"):
+            needed = harness.needed_halo_tokens(meta, case.spec, world_size=P, layout=layout)
+            for r in range(P):
+                q_idx = layout_mod.global_index(L, P, layout, r)
+                seen = dense[q_idx].any(0)
+                seen[q_idx] = False
+                assert needed[r] == int(seen.sum()), (name, layout, r)
+
+
+def test_document_lengths_are_a_realistic_mix():
+    lengths = harness.document_lengths(65536, seed=0)
+    assert sum(lengths) == 65536 and min(lengths) >= 1 and max(lengths) <= 65536
+    assert 30 < len(lengths) < 200 and max(lengths) > 4 * min(lengths)
+    short = harness.document_lengths(8192, seed=0)
+    assert sum(short) == 8192 and short[:-1] == lengths[:len(short) - 1]  # one mix, cut to length
+
+
+# ----------------------------------------------------------------------------------------------
+# the execution helpers compute the right attention
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_simulated_ranks_and_baseline_plans_match_one_device(layout):
+    """Every rank of a world of 3 run in turn with SimComm, for our plan, the full ring and the
+    all-gather, gives that rank's shard of the single-device output; a full ring's and an
+    all-gather's gradients of q equal ours."""
+    L, P, H, K, D = 150, 3, 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, L, H, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, L, K, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, L, K, D, generator=gen, dtype=torch.float64)
+    case = harness.parse_mask("documents:60", L, seed=2)
+    spec = MaskSpec(window=23)
+    meta = case.meta(L)
+    full = attention(q, k, v, window=23, position_ids=case.position_ids(L))
+    ks = [layout_mod.shard(k, 1, P, layout, r) for r in range(P)]
+    vs = [layout_mod.shard(v, 1, P, layout, r) for r in range(P)]
+    ref = BACKENDS["reference"]
+    for r in range(P):
+        q_r = layout_mod.shard(q, 1, P, layout, r)
+        want = layout_mod.shard(full, 1, P, layout, r)
+        ours = build_plan(meta, spec, world_size=P, layout=layout, rank=r, head_kv=K, head_dim=D, itemsize=8)
+        ring = harness.full_ring_plan(meta, spec, world_size=P, layout=layout, rank=r, head_kv=K, head_dim=D,
+                                      itemsize=8)
+        assert ring.stats.kv_bytes_recv == ring.stats.ring_kv_bytes_recv >= ours.stats.kv_bytes_recv
+        grads = []
+        for plan in (ours, ring):
+            qq = q_r.clone().requires_grad_()
+            out = ring_attention(qq, ks[r], vs[r], None, plan, harness.SimComm(plan, ks, vs), ref,
+                                 scale=D ** -0.5, softcap=None)
+            torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+            out.sum().backward()
+            grads.append(qq.grad)
+        qq = q_r.clone().requires_grad_()
+        gathered = harness.all_gather_plan(meta, spec, world_size=P, layout=layout, rank=r)
+        out = ring_attention(qq, k, v, None, gathered, Comm(single=True), ref, scale=D ** -0.5, softcap=None)
+        torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+        out.sum().backward()
+        torch.testing.assert_close(grads[1], grads[0], atol=1e-10, rtol=0)
+        torch.testing.assert_close(qq.grad, grads[0], atol=1e-10, rtol=0)
+
+
+def test_timed_backend_counts_kernel_time():
+    timed = harness.TimedBackend(BACKENDS["reference"], torch.device("cpu"))
+    q = torch.randn(300, 2, 16)
+    cu = torch.tensor([0, 300], dtype=torch.int32)
+    timed.forward(q, q, q, cu, cu, 300, 300, scale=0.25, causal=True)
+    first = timed.seconds()
+    assert first > 0
+    timed.reset()
+    assert timed.seconds() == 0
