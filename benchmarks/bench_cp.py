@@ -157,22 +157,35 @@ def _rank_main(rank, world_size, cfg):
         plans = _plans(cfg, case, world_size, rank)
         reference = None
         for approach, plan in plans.items():
-            compute, wall = [], []
-            for i in range(cfg["warmup"] + cfg["repeats"]):
-                timed.reset()
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                out = _step(approach, plan, shards, comm, timed, scale, gather)
-                if use_cuda:
-                    torch.cuda.synchronize(device)
-                elapsed = time.perf_counter() - t0
-                if i >= cfg["warmup"]:
-                    compute.append(timed.seconds())
-                    wall.append(elapsed)
+            out, compute, wall = _repeat(
+                cfg, timed, lambda: dist.barrier(group=group),
+                lambda: _step(approach, plan, shards, comm, timed, scale, gather),
+                (lambda: torch.cuda.synchronize(device)) if use_cuda else (lambda: None))
             reference = out if reference is None else reference
-            records.append(dict(mask=mask, approach=approach, rank=rank, compute_s=compute, wall_s=wall,
-                                max_abs_diff_vs_ours=float((out.float() - reference.float()).abs().max())))
+            records.append(_record(mask, approach, rank, compute, wall, out, reference))
     return records
+
+
+def _repeat(cfg, timed, before, run, sync):
+    """Warm-up then repeats of ``run``: (last output, per-repeat compute seconds, wall seconds)."""
+    compute, wall = [], []
+    out = None
+    for i in range(cfg["warmup"] + cfg["repeats"]):
+        timed.reset()
+        before()
+        t0 = time.perf_counter()
+        out = run()
+        sync()
+        elapsed = time.perf_counter() - t0
+        if i >= cfg["warmup"]:
+            compute.append(timed.seconds())
+            wall.append(elapsed)
+    return out, compute, wall
+
+
+def _record(mask, approach, rank, compute, wall, out, reference) -> dict:
+    return dict(mask=mask, approach=approach, rank=rank, compute_s=compute, wall_s=wall,
+                max_abs_diff_vs_ours=float((out.float() - reference.float()).abs().max()))
 
 
 def _simulate(cfg, world_size):
@@ -198,22 +211,11 @@ def _simulate(cfg, world_size):
                 else:
                     mine = shards[rank]
                     comm = harness.SimComm(plan, [s[1] for s in shards], [s[2] for s in shards])
-                compute, wall = [], []
-                for i in range(cfg["warmup"] + cfg["repeats"]):
-                    timed.reset()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    t0 = time.perf_counter()
-                    out = _step(approach, plan, mine, comm, timed, scale)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    elapsed = time.perf_counter() - t0
-                    if i >= cfg["warmup"]:
-                        compute.append(timed.seconds())
-                        wall.append(elapsed)
+                sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+                out, compute, wall = _repeat(cfg, timed, sync, lambda: _step(approach, plan, mine, comm, timed, scale),
+                                             sync)
                 reference = out if reference is None else reference
-                records.append(dict(mask=mask, approach=approach, rank=rank, compute_s=compute, wall_s=wall,
-                                    max_abs_diff_vs_ours=float((out.float() - reference.float()).abs().max())))
+                records.append(_record(mask, approach, rank, compute, wall, out, reference))
     return records
 
 
