@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_partials", "apply_sinks"]
+__all__ = ["merge_partials", "merge_into_", "apply_sinks"]
 
 
 def merge_partials(
@@ -19,15 +19,25 @@ def merge_partials(
 
         lse = log(exp(lse_a) + exp(lse_b))
         out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
-            = out_a - sigmoid(lse_b - lse_a) * (out_a - out_b)
 
     computed against the larger of the two log-sum-exps so nothing overflows. A row that saw no key
     in either part (both ``lse = -inf``) stays ``out = 0, lse = -inf``; no NaN is produced.
     Inputs may be any float dtype; the result is in the dtype of ``out_a``/``lse_a`` (the ring keeps
-    its accumulators in float32, or float64 for float64 inputs).
+    its accumulators in float32, or float64 for float64 inputs). The inputs are not modified
+    (:func:`merge_into_` is the in-place form the ring uses).
 
     Shapes: out (T, H, D), lse (H, T).
     """
+    out_THD, lse_HT = out_a_THD.clone(), lse_a_HT.clone()
+    merge_into_(out_THD, lse_HT, out_b_THD, lse_b_HT)
+    return out_THD, lse_HT
+
+
+def merge_into_(
+    out_a_THD: torch.Tensor, lse_a_HT: torch.Tensor, out_b_THD: torch.Tensor, lse_b_HT: torch.Tensor
+) -> None:
+    """:func:`merge_partials` written into ``out_a``/``lse_a`` (views are fine), with one temporary
+    of ``out_b``'s size instead of three. Shapes: out (T, H, D), lse (H, T)."""
     acc = lse_a_HT.dtype
     lse_b_HT = lse_b_HT.to(acc)
     m_HT = torch.maximum(lse_a_HT, lse_b_HT)
@@ -35,12 +45,12 @@ def merge_partials(
     w_a_HT = torch.exp(lse_a_HT - m_HT)
     w_b_HT = torch.exp(lse_b_HT - m_HT)
     total_HT = w_a_HT + w_b_HT
-    lse_HT = m_HT + torch.log(total_HT)
     inv_HT = torch.where(total_HT > 0, 1.0 / total_HT, torch.zeros_like(total_HT))
-    w_a_TH1 = (w_a_HT * inv_HT).t().unsqueeze(-1)
-    w_b_TH1 = (w_b_HT * inv_HT).t().unsqueeze(-1)
-    out_THD = out_a_THD * w_a_TH1.to(out_a_THD.dtype) + out_b_THD.to(out_a_THD.dtype) * w_b_TH1.to(out_a_THD.dtype)
-    return out_THD, lse_HT
+    lse_a_HT.copy_(m_HT + torch.log(total_HT))
+    dtype = out_a_THD.dtype
+    w_a_TH1 = (w_a_HT * inv_HT).t().unsqueeze(-1).to(dtype)
+    w_b_TH1 = (w_b_HT * inv_HT).t().unsqueeze(-1).to(dtype)
+    out_a_THD.mul_(w_a_TH1).add_(out_b_THD.to(dtype) * w_b_TH1)
 
 
 def apply_sinks(

@@ -5,6 +5,10 @@ its K/V, post the next round's exchange, then compute the block and merge it int
 accumulators by log-sum-exp. Sinks are applied after the last merge. Only local q, k, v, out and
 lse are kept for backward.
 
+Accumulators are full-length, so they are never zero-filled copies of a result: the first result
+that covers an accumulator whole (the local block, at world size 1 the only one) becomes it, and
+later ones are merged or added into it in place.
+
 Backward: walk the same rounds, fetching the same remote K/V spans; dQ accumulates locally, and the
 dK/dV partial sums of each received span go back to its owner, who adds them to its own.
 
@@ -17,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .comm import Comm, Pending
-from .merge import apply_sinks, merge_partials
+from .merge import apply_sinks, merge_into_
 from .plan import RankPlan, Round, Step
 
 __all__ = ["ring_attention"]
@@ -45,27 +49,76 @@ def _post_kv(comm: Comm, rnd: Round, k_BLKD, v_BLKD, tag: int) -> tuple[Pending,
     return comm.commit("a K/V exchange"), buf
 
 
-def _forward_step(step: Step, backend, q_THD, k_SKD, v_SKD, out_THD, lse_HT, scale, softcap):
+class _Outputs:
+    """The merged out (T, H, D) and lse (H, T) of a rank's queries, in the accumulation dtype."""
+
+    def __init__(self, T: int, H: int, D: int, dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = (T, H, D), dtype, device
+        self.out_THD: torch.Tensor | None = None
+        self.lse_HT: torch.Tensor | None = None
+
+    def merge(self, rows: slice, o_THD: torch.Tensor, l_HT: torch.Tensor) -> None:
+        if self.out_THD is None and o_THD.shape == self.shape:  # covers every row: adopt it
+            self.out_THD, self.lse_HT = o_THD.to(self.dtype), l_HT.to(self.dtype)
+            return
+        self.result()  # allocate: zeros, lse = -inf (the merge identity)
+        merge_into_(self.out_THD[rows], self.lse_HT[:, rows], o_THD, l_HT)
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.out_THD is None:
+            self.out_THD = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.lse_HT = torch.full(self.shape[1::-1], float("-inf"), dtype=self.dtype, device=self.device)
+        return self.out_THD, self.lse_HT
+
+
+class _Sum:
+    """A sum of partial gradients over row ranges of one (S, ...) tensor in the accumulation dtype.
+    The first part covering every row becomes the sum (backends return new tensors they do not
+    keep), later ones are added in place."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.value: torch.Tensor | None = None
+
+    @classmethod
+    def over(cls, buffer: torch.Tensor) -> "_Sum":
+        """A sum into an existing zero-filled ``buffer`` (a send buffer)."""
+        total = cls(buffer.shape, buffer.dtype, buffer.device)
+        total.value = buffer
+        return total
+
+    def add(self, rows: slice, part: torch.Tensor) -> None:
+        if self.value is None and tuple(part.shape) == self.shape and part.dtype == self.dtype:
+            self.value = part
+            return
+        self.result()[rows] += part
+
+    def result(self) -> torch.Tensor:
+        if self.value is None:
+            self.value = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.value
+
+
+def _forward_step(step: Step, backend, q_THD, k_SKD, v_SKD, outputs: _Outputs, scale, softcap):
     for c in step.calls:
         cu_q, cu_k = c.cu_seqlens_on(q_THD.device)
         o_THD, l_HT = backend.forward(
             q_THD[c.q_start:c.q_end], k_SKD[c.k_start:c.k_end], v_SKD[c.k_start:c.k_end], cu_q, cu_k,
             c.max_seqlen_q, c.max_seqlen_k, scale=scale, causal=c.causal, window=c.window, softcap=softcap)
-        rows = slice(c.q_start, c.q_end)
-        out_THD[rows], lse_HT[:, rows] = merge_partials(out_THD[rows], lse_HT[:, rows], o_THD, l_HT)
+        outputs.merge(slice(c.q_start, c.q_end), o_THD, l_HT)
 
 
-def _backward_step(step: Step, backend, dout_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, dq_THD, dk_SKD, dv_SKD,
-                   scale, softcap):
+def _backward_step(step: Step, backend, dout_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, dq: _Sum, dk: _Sum,
+                   dv: _Sum, scale, softcap):
     for c in step.calls:
         cu_q, cu_k = c.cu_seqlens_on(q_THD.device)
         rows, keys = slice(c.q_start, c.q_end), slice(c.k_start, c.k_end)
-        dq, dk, dv = backend.backward(
+        dq_part, dk_part, dv_part = backend.backward(
             dout_THD[rows], q_THD[rows], k_SKD[keys], v_SKD[keys], out_THD[rows], lse_HT[:, rows], cu_q, cu_k,
             c.max_seqlen_q, c.max_seqlen_k, scale=scale, causal=c.causal, window=c.window, softcap=softcap)
-        dq_THD[rows] += dq
-        dk_SKD[keys] += dk
-        dv_SKD[keys] += dv
+        dq.add(rows, dq_part)
+        dk.add(keys, dk_part)
+        dv.add(keys, dv_part)
 
 
 def _packed(x_BLKD: torch.Tensor) -> torch.Tensor:
@@ -95,12 +148,11 @@ class _RingAttention(torch.autograd.Function):
         B, L, H, D = q.shape
         acc = _accum_dtype(q.dtype)
         q_THD = _packed(q)
-        out_THD = torch.zeros(B * L, H, D, dtype=acc, device=q.device)
-        lse_HT = torch.full((H, B * L), float("-inf"), dtype=acc, device=q.device)
+        outputs = _Outputs(B * L, H, D, acc, q.device)
         rounds = plan.schedule()
         pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
         if plan.local is not None:
-            _forward_step(plan.local, backend, q_THD, _packed(k), _packed(v), out_THD, lse_HT, scale, softcap)
+            _forward_step(plan.local, backend, q_THD, _packed(k), _packed(v), outputs, scale, softcap)
         for i, rnd in enumerate(rounds):
             wait, buf = pending
             wait.wait()
@@ -108,7 +160,8 @@ class _RingAttention(torch.autograd.Function):
                 pending = _post_kv(comm, rounds[i + 1], k, v, rounds[i + 1].offset)
             if buf is not None:
                 _forward_step(rnd.recv, backend, q_THD, buf[0].reshape(-1, *buf.shape[3:]),
-                              buf[1].reshape(-1, *buf.shape[3:]), out_THD, lse_HT, scale, softcap)
+                              buf[1].reshape(-1, *buf.shape[3:]), outputs, scale, softcap)
+        out_THD, lse_HT = outputs.result()
         if sinks is not None:
             out_THD, lse_HT = apply_sinks(out_THD, lse_HT, sinks)
         out = out_THD.to(q.dtype).reshape(B, L, H, D)
@@ -126,9 +179,8 @@ class _RingAttention(torch.autograd.Function):
         P = plan.world_size
         q_THD, out_THD = _packed(q), _packed(out)
         dout_THD = _packed(dout.contiguous())
-        dq_THD = torch.zeros(B * L, H, D, dtype=acc, device=q.device)
-        dk_BLKD = torch.zeros(B, Lk, K, D, dtype=acc, device=q.device)
-        dv_BLKD = torch.zeros(B, Lk, K, D, dtype=acc, device=q.device)
+        dq = _Sum((B * L, H, D), acc, q.device)
+        dk, dv = _Sum((B * Lk, K, D), acc, q.device), _Sum((B * Lk, K, D), acc, q.device)
         rounds = plan.schedule()
         grads_in_flight: list[tuple[Pending, torch.Tensor | None, Round]] = []
 
@@ -136,6 +188,7 @@ class _RingAttention(torch.autograd.Function):
             wait, gbuf, rnd = entry
             wait.wait()
             if gbuf is not None:  # dK/dV partial sums of my span, computed by rnd.send_to
+                dk_BLKD, dv_BLKD = dk.result().view(B, Lk, K, D), dv.result().view(B, Lk, K, D)
                 at = 0
                 for a, b in rnd.send_spans:
                     dk_BLKD[:, a:b] += gbuf[0][:, at:at + b - a]
@@ -145,7 +198,7 @@ class _RingAttention(torch.autograd.Function):
         pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
         if plan.local is not None:
             _backward_step(plan.local, backend, dout_THD, q_THD, _packed(k), _packed(v), out_THD, lse_HT,
-                           dq_THD, _packed(dk_BLKD), _packed(dv_BLKD), scale, softcap)
+                           dq, dk, dv, scale, softcap)
         for i, rnd in enumerate(rounds):
             wait, buf = pending
             wait.wait()
@@ -157,8 +210,9 @@ class _RingAttention(torch.autograd.Function):
             if buf is not None:
                 gbuf_out = torch.zeros(buf.shape, dtype=acc, device=q.device)
                 _backward_step(rnd.recv, backend, dout_THD, q_THD, buf[0].reshape(-1, K, D),
-                               buf[1].reshape(-1, K, D), out_THD, lse_HT, dq_THD,
-                               gbuf_out[0].reshape(-1, K, D), gbuf_out[1].reshape(-1, K, D), scale, softcap)
+                               buf[1].reshape(-1, K, D), out_THD, lse_HT, dq,
+                               _Sum.over(gbuf_out[0].reshape(-1, K, D)), _Sum.over(gbuf_out[1].reshape(-1, K, D)),
+                               scale, softcap)
                 comm.send(gbuf_out, rnd.recv.source, P + rnd.offset)
             gbuf_in = None
             if rnd.send_to is not None:
@@ -173,7 +227,8 @@ class _RingAttention(torch.autograd.Function):
             # d loss / d sink_h = -sum_t exp(sink_h - lse_ht) * sum_d(dout * out)_ht
             delta_HT = (dout_THD.to(acc) * out_THD.to(acc)).sum(-1).t()
             dsinks = -(torch.exp(sinks.to(acc)[:, None] - lse_HT) * delta_HT).sum(1).to(sinks.dtype)
-        return (dq_THD.to(q.dtype).reshape(B, L, H, D), dk_BLKD.to(k.dtype), dv_BLKD.to(v.dtype), dsinks,
+        return (dq.result().to(q.dtype).reshape(B, L, H, D), dk.result().to(k.dtype).reshape(B, Lk, K, D),
+                dv.result().to(v.dtype).reshape(B, Lk, K, D), dsinks,
                 None, None, None, None, None)
 
 

@@ -19,6 +19,8 @@ For example ``Lq = 3, Lk = 5, causal=True, window=(1, 0)`` keeps (1 = visible)::
     0 0 0 0 1
 
 A query that sees no key gets ``out = 0`` and ``lse = -inf``, never NaN.
+Every returned tensor is new: neither a view of an input nor kept by the backend, so the caller
+may adopt it as an accumulator and write into it.
 ``lse`` is float32 (float64 for float64 inputs) with layout (H_q, total_q).
 """
 

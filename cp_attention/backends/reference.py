@@ -66,18 +66,18 @@ def _tile_rows(cu_seqlens_q: torch.Tensor) -> list[tuple[int, int]]:
 
 
 class _Tile:
-    """One query tile: rows ``[q0, q1)``, key span ``[k0, k1)`` and the column ranges (relative to
-    ``k0``) that need masking, each with its additive mask on the compute device."""
+    """One query tile: rows ``[q0, q1)``, key span ``[k0, k1)``, the column ranges ``(a, b)``
+    (relative to ``k0``) that need masking and the rows' visible key intervals ``lo``/``hi``
+    (absolute, on the compute device; None when no column needs masking)."""
 
-    __slots__ = ("q0", "q1", "k0", "k1", "partial")
+    __slots__ = ("q0", "q1", "k0", "k1", "ranges", "lo", "hi")
 
-    def __init__(self, q0, q1, k0, k1, partial):
-        self.q0, self.q1, self.k0, self.k1, self.partial = q0, q1, k0, k1, partial
+    def __init__(self, q0, q1, k0, k1, ranges, lo, hi):
+        self.q0, self.q1, self.k0, self.k1, self.ranges, self.lo, self.hi = q0, q1, k0, k1, ranges, lo, hi
 
 
-def _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, device, dtype) -> list[_Tile]:
-    """The tiles that see at least one key, with their spans and masked column ranges (each with
-    its additive mask: 0 where visible, -inf where hidden, (T, 1, width) in ``dtype``)."""
+def _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, device) -> list[_Tile]:
+    """The tiles that see at least one key, with their spans and masked column ranges."""
     lo_T, hi_T = row_key_intervals(cu_seqlens_q, cu_seqlens_k, causal=causal, window=window)
     tiles = []
     for q0, q1 in _tile_rows(cu_seqlens_q):
@@ -96,25 +96,22 @@ def _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, device, dtype) -> list[_T
             ranges = [(k0, k1)]
         else:
             ranges = [(a, b) for a, b in ((k0, full0), (full1, k1)) if b > a]
-        partial = []
-        if ranges:
-            lo_dev, hi_dev = lo.to(device)[:, None], hi.to(device)[:, None]
-            for a, b in ranges:
-                j_S = torch.arange(a, b, device=device)[None, :]
-                bias_TS = torch.zeros(q1 - q0, b - a, dtype=dtype, device=device)
-                bias_TS.masked_fill_((j_S < lo_dev) | (j_S >= hi_dev), float("-inf"))
-                partial.append((a - k0, b - k0, bias_TS[:, None, :]))
-        tiles.append(_Tile(q0, q1, k0, k1, partial))
+        bounds = (lo.to(device)[:, None], hi.to(device)[:, None]) if ranges else (None, None)
+        tiles.append(_Tile(q0, q1, k0, k1, [(a - k0, b - k0) for a, b in ranges], *bounds))
     return tiles
 
 
 def _mask_(s_KMS: torch.Tensor, tile: _Tile, groups: int) -> None:
     """Add -inf to the hidden scores of a tile's (K, M, S) buffer, in its partial columns only
-    (an add broadcast over heads is several times faster than ``masked_fill_``)."""
+    (an add broadcast over heads is several times faster than ``masked_fill_``). The (T, 1, width)
+    additive masks are built here, one tile at a time, so they never add up to O(Tq * window)."""
     K, M, S = s_KMS.shape
     s_KTGS = s_KMS.view(K, M // groups, groups, S)
-    for a, b, bias_T1S in tile.partial:
-        s_KTGS[..., a:b].add_(bias_T1S)
+    for a, b in tile.ranges:
+        j_S = torch.arange(tile.k0 + a, tile.k0 + b, device=s_KMS.device)[None, :]
+        bias_TS = torch.zeros(tile.q1 - tile.q0, b - a, dtype=s_KMS.dtype, device=s_KMS.device)
+        bias_TS.masked_fill_((j_S < tile.lo) | (j_S >= tile.hi), float("-inf"))
+        s_KTGS[..., a:b].add_(bias_TS[:, None, :])
 
 
 def _rows_KMD(x_THD: torch.Tensor, kv_heads: int, acc: torch.dtype, scale: float | None = None) -> torch.Tensor:
@@ -178,7 +175,7 @@ class ReferenceBackend:
         acc = _compute_dtype(q.dtype)
         out_THD = torch.zeros(Tq, H, D, dtype=q.dtype, device=q.device)
         lse_HT = torch.full((H, Tq), float("-inf"), dtype=acc, device=q.device)
-        tiles = _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, q.device, acc)
+        tiles = _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, q.device)
         scratch = _Scratch(tiles, K, G, acc, q.device, buffers=1) if tiles else None
         k_KSD, v_KSD = k.transpose(0, 1), v.transpose(0, 1)  # strided views
         out_KTGD = out_THD.view(Tq, K, G, D).transpose(0, 1)
@@ -213,7 +210,7 @@ class ReferenceBackend:
         dq_THD = torch.zeros(Tq, H, D, dtype=acc, device=q.device)
         dk_SKD = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv_SKD = torch.zeros(v.shape, dtype=acc, device=v.device)
-        tiles = _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, q.device, acc)
+        tiles = _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, q.device)
         scratch = _Scratch(tiles, K, G, acc, q.device, buffers=2) if tiles else None
         k_KSD, v_KSD = k.transpose(0, 1), v.transpose(0, 1)  # strided views
         dk_KSD, dv_KSD = dk_SKD.transpose(0, 1), dv_SKD.transpose(0, 1)
