@@ -108,20 +108,13 @@ def estimated_bytes(impl: str, model: str, size: str, seq_len: int) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny models, 1 repeat (CI)")
-    parser.add_argument("--device", default="auto")
+    harness.add_run_arguments(parser, warmup=1, repeats=3, smoke="tiny models")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=None, help="default: both (--smoke: gemma3)")
     parser.add_argument("--data", nargs="+", choices=DATA, default=None, help="default: both (--smoke: packed)")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     parser.add_argument("--seq-lens", type=int, nargs="+")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on GPU")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    parser.add_argument("--tag", default="")
-    parser.add_argument("--note", default=None, help="machine description stored with the results")
     args = parser.parse_args(argv)
 
     device = harness.pick_device(args.device)

@@ -19,7 +19,9 @@ What it provides:
   :func:`all_gather_plan` (the baselines as plans run by the same ring and kernels),
   :class:`TimedBackend` (time spent in kernel calls) and :class:`SimComm` (every rank of a world in
   one process, for a single GPU).
-* :func:`write_results` / :func:`load_results`: one JSON file per benchmark run.
+* :func:`write_results` / :func:`load_results` / :func:`latest_results`: one JSON file per
+  benchmark run; :func:`add_run_arguments` / :func:`add_shape_arguments`: the command-line options
+  every script shares.
 
 Legend: ``B`` batch rows, ``L`` global length, ``S`` a rank's local length, ``H`` query heads,
 ``K`` K/V heads, ``D`` head dim, ``P`` world size.
@@ -27,7 +29,9 @@ Legend: ``B`` batch rows, ``L`` global length, ``S`` a rank's local length, ``H`
 
 from __future__ import annotations
 
+import argparse
 import gc
+import glob
 import importlib.util
 import json
 import math
@@ -596,3 +600,37 @@ def load_results(path: str) -> dict:
     if payload.get("schema") != SCHEMA:
         raise ValueError(f"{path}: unknown results schema {payload.get('schema')!r}")
     return payload
+
+
+def latest_results(folder: str, prefix: str) -> dict | None:
+    """The last (by name) ``PREFIX*.json`` results of ``folder``, or None when there is none."""
+    paths = sorted(glob.glob(os.path.join(folder, f"{prefix}*.json")))
+    return load_results(paths[-1]) if paths else None
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, warmup: int, repeats: int, smoke: str,
+                      threads: str = "torch threads on CPU") -> None:
+    """How a script runs and where it writes: --smoke, --device, --warmup, --repeats, --threads,
+    --out, --tag, --note."""
+    parser.add_argument("--smoke", action="store_true", help=f"{smoke}, 1 repeat (CI)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--threads", type=int, default=1, help=threads)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--tag", default="", help="results file suffix: NAME_TAG.json")
+    parser.add_argument("--note", default=None, help="machine description stored with the results")
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The attention problem: --masks, --heads, --kv-heads, --head-dim, --dtype, --backend."""
+    parser.add_argument("--masks", nargs="+", help="causal, window:W, documents, documents:N, chunked:C")
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--kv-heads", type=int)
+    parser.add_argument("--head-dim", type=int)
+    parser.add_argument("--dtype")
+    parser.add_argument("--backend", default=None, help="cp_flash backend (default: reference on CPU, auto on GPU)")

@@ -52,6 +52,25 @@ def _machine_title(payload: dict) -> str:
     return f"{m.get('gpu') if m['device'] == 'cuda' else 'CPU'}; torch {m['torch']}"
 
 
+def _panels(plt, masks: list[str]):
+    """One panel per mask, three per row: (figure, axes iterable, one per mask)."""
+    cols = min(3, len(masks))
+    nrows = (len(masks) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    for ax in list(axes.flat)[len(masks):]:
+        ax.axis("off")
+    return fig, list(axes.flat)[:len(masks)]
+
+
+def _save(plt, fig, path: str, suptitle: str | None = None) -> str:
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path
+
+
 def plot_attention(payload: dict, path: str) -> str:
     plt = _pyplot()
     rows = [r for r in payload["results"] if not r.get("summary") and r.get("pass") == "fwd_bwd" and "time" in r]
@@ -60,10 +79,8 @@ def plot_attention(payload: dict, path: str) -> str:
         lengths.setdefault(r["mask"], set()).add(r["seq_len"])
     masks = [m for m, ls in lengths.items() if len(ls) > 1]  # a panel needs two lengths
     gpu = payload["machine"]["device"] == "cuda"
-    cols = min(3, len(masks))
-    nrows = (len(masks) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
-    for ax, mask in zip(axes.flat, masks):
+    fig, axes = _panels(plt, masks)
+    for ax, mask in zip(axes, masks):
         mine = [r for r in rows if r["mask"] == mask]
         ours = sorted((r for r in mine if r["impl"] == "cp_flash"), key=lambda r: r["seq_len"])
         unit = 1e-3 if gpu else (ours[0]["time"]["median_s"] if ours else 1.0)
@@ -79,13 +96,7 @@ def plot_attention(payload: dict, path: str) -> str:
         ax.set_ylabel("ms" if gpu else "time / cp_flash at smallest L")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(masks):]:
-        ax.axis("off")
-    fig.suptitle(f"attention forward+backward, world size 1 ({_machine_title(payload)})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, f"attention forward+backward, world size 1 ({_machine_title(payload)})")
 
 
 def plot_traffic(payload: dict, path: str) -> str:
@@ -114,21 +125,16 @@ def plot_traffic(payload: dict, path: str) -> str:
                  f"{payload['config']['dtype']})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_speedup(payload: dict, path: str) -> str:
     plt = _pyplot()
     rows = [r for r in payload["results"] if not r.get("traffic") and "speedup_vs_world_size_1" in r]
     masks = list(dict.fromkeys(r["mask"] for r in rows))
-    cols = min(3, len(masks))
-    nrows = (len(masks) + cols - 1) // cols
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+    fig, axes = _panels(plt, masks)
     sizes = sorted({r["world_size"] for r in rows})
-    for ax, mask in zip(axes.flat, masks):
+    for ax, mask in zip(axes, masks):
         for approach in ("ours", "full_ring", "all_gather"):
             pts = sorted((r for r in rows if r["mask"] == mask and (r["approach"] == approach or r["world_size"] == 1)),
                          key=lambda r: r["world_size"])
@@ -145,14 +151,8 @@ def plot_speedup(payload: dict, path: str) -> str:
         ax.set_ylabel("compute speedup (slowest rank)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(masks):]:
-        ax.axis("off")
-    fig.suptitle(f"per-rank compute, forward+backward, L = {payload['config']['seq_len']} "
-                 f"({_machine_title(payload)})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, f"per-rank compute, forward+backward, L = {payload['config']['seq_len']} "
+                                 f"({_machine_title(payload)})")
 
 
 def plot_model(payload: dict, path: str) -> str:
@@ -172,10 +172,7 @@ def plot_model(payload: dict, path: str) -> str:
     ax.set_ylabel("cp_flash training tokens/s ratio")
     ax.set_title(f"training step, one device ({_machine_title(payload)})", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def main(argv=None) -> list[str]:
@@ -195,11 +192,13 @@ def main(argv=None) -> list[str]:
                     merged[(r["mask"], r["seq_len"], r["impl"], r["pass"])] = r
         written.append(plot_attention(dict(attention[0], results=list(merged.values())),
                                       os.path.join(out, "attention_time.png")))
-    for payload in _load(args.folder, "cp")[-1:]:
-        written.append(plot_traffic(payload, os.path.join(out, "cp_traffic.png")))
-        written.append(plot_speedup(payload, os.path.join(out, "cp_speedup.png")))
-    for payload in _load(args.folder, "model")[-1:]:
-        written.append(plot_model(payload, os.path.join(out, "model_speedup.png")))
+    cp = harness.latest_results(args.folder, "cp")
+    if cp is not None:
+        written.append(plot_traffic(cp, os.path.join(out, "cp_traffic.png")))
+        written.append(plot_speedup(cp, os.path.join(out, "cp_speedup.png")))
+    model = harness.latest_results(args.folder, "model")
+    if model is not None:
+        written.append(plot_model(model, os.path.join(out, "model_speedup.png")))
     for path in written:
         print(f"wrote {path}")
     return written

@@ -78,10 +78,9 @@ def attention_table(folder: str) -> list[str]:
 
 
 def cp_tables(folder: str) -> list[str]:
-    paths = sorted(glob.glob(os.path.join(folder, "cp*.json")))
-    if not paths:
+    payload = harness.latest_results(folder, "cp")
+    if payload is None:
         return []
-    payload = harness.load_results(paths[-1])
     rows = [r for r in payload["results"] if not r.get("traffic")]
     get = {(r["mask"], r["world_size"], r["approach"]): r for r in rows}
     lines = [f"Per rank, L = {payload['config']['seq_len']}, {payload['config']['layout']} layout, forward K/V "
@@ -118,10 +117,9 @@ def cp_tables(folder: str) -> list[str]:
 
 
 def model_table(folder: str) -> list[str]:
-    paths = sorted(glob.glob(os.path.join(folder, "model*.json")))
-    if not paths:
+    payload = harness.latest_results(folder, "model")
+    if payload is None:
         return []
-    payload = harness.load_results(paths[-1])
     summary = [s for s in payload["results"] if s.get("summary")]
     lines = ["| model | data | L | tokens/s vs sdpa | vs eager | peak memory vs sdpa | vs eager | max loss diff |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]

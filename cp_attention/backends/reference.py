@@ -101,17 +101,26 @@ def _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, device) -> list[_Tile]:
     return tiles
 
 
-def _mask_(s_KMS: torch.Tensor, tile: _Tile, groups: int) -> None:
-    """Add -inf to the hidden scores of a tile's (K, M, S) buffer, in its partial columns only
-    (an add broadcast over heads is several times faster than ``masked_fill_``). The (T, 1, width)
-    additive masks are built here, one tile at a time, so they never add up to O(Tq * window)."""
+def _tile_masks(tile: _Tile, dtype: torch.dtype, device) -> list[tuple[int, int, torch.Tensor]]:
+    """The additive masks of a tile's partial columns: ``(a, b, bias)`` with bias (T, 1, b - a),
+    0 where visible and -inf where hidden. Built for one tile at a time (and shared by its head
+    blocks), so they never add up to O(Tq * window)."""
+    masks = []
+    for a, b in tile.ranges:
+        j_S = torch.arange(tile.k0 + a, tile.k0 + b, device=device)[None, :]
+        bias_TS = torch.zeros(tile.q1 - tile.q0, b - a, dtype=dtype, device=device)
+        bias_TS.masked_fill_((j_S < tile.lo) | (j_S >= tile.hi), float("-inf"))
+        masks.append((a, b, bias_TS[:, None, :]))
+    return masks
+
+
+def _mask_(s_KMS: torch.Tensor, masks: list[tuple[int, int, torch.Tensor]], groups: int) -> None:
+    """Add a tile's masks (:func:`_tile_masks`) to its (K, M, S) score buffer, in the partial
+    columns only (an add broadcast over heads is several times faster than ``masked_fill_``)."""
     K, M, S = s_KMS.shape
     s_KTGS = s_KMS.view(K, M // groups, groups, S)
-    for a, b in tile.ranges:
-        j_S = torch.arange(tile.k0 + a, tile.k0 + b, device=s_KMS.device)[None, :]
-        bias_TS = torch.zeros(tile.q1 - tile.q0, b - a, dtype=s_KMS.dtype, device=s_KMS.device)
-        bias_TS.masked_fill_((j_S < tile.lo) | (j_S >= tile.hi), float("-inf"))
-        s_KTGS[..., a:b].add_(bias_TS[:, None, :])
+    for a, b, bias_T1S in masks:
+        s_KTGS[..., a:b].add_(bias_T1S)
 
 
 def _rows_KMD(x_THD: torch.Tensor, kv_heads: int, acc: torch.dtype, scale: float | None = None) -> torch.Tensor:
@@ -183,6 +192,7 @@ class ReferenceBackend:
         for tile in tiles:
             q0, q1, k0, k1 = tile.q0, tile.q1, tile.k0, tile.k1
             T = q1 - q0
+            masks = _tile_masks(tile, acc, q.device)
             q_KMD = _rows_KMD(q[q0:q1], K, acc, scale)
             for h0, h1 in _head_blocks(K, T * G * (k1 - k0)):
                 heads = slice(h0, h1)
@@ -190,7 +200,7 @@ class ReferenceBackend:
                                   out=scratch.view(0, h1 - h0, T * G, k1 - k0))
                 if softcap is not None:
                     s_KMS.div_(softcap).tanh_().mul_(softcap)
-                _mask_(s_KMS, tile, G)
+                _mask_(s_KMS, masks, G)
                 m_KM1 = s_KMS.amax(dim=-1, keepdim=True)
                 m_KM1.masked_fill_(torch.isneginf(m_KM1), 0.0)  # rows that see nothing
                 p_KMS = s_KMS.sub_(m_KM1).exp_()
@@ -219,6 +229,7 @@ class ReferenceBackend:
             q0, q1, k0, k1 = tile.q0, tile.q1, tile.k0, tile.k1
             T = q1 - q0
             keys = slice(k0, k1)
+            masks = _tile_masks(tile, acc, q.device)
             q_KMD = _rows_KMD(q[q0:q1], K, acc, scale)  # scaled: dK = dS^T (scale * Q)
             do_KMD = _rows_KMD(dout[q0:q1], K, acc)
             # delta = rowsum(dO * O); rows that see nothing get lse = +inf, so exp(s - lse) = 0
@@ -235,7 +246,7 @@ class ReferenceBackend:
                 if softcap is not None:
                     tanh_KMS = s_KMS.div_(softcap).tanh_()
                     s_KMS = tanh_KMS * softcap
-                _mask_(s_KMS, tile, G)
+                _mask_(s_KMS, masks, G)
                 p_KMS = s_KMS.sub_(lse_KM1[heads]).exp_()
                 dv_KSD[heads, keys].baddbmm_(p_KMS.transpose(1, 2), do_tile)
                 ds_KMS = torch.bmm(do_tile, v_tile.transpose(1, 2), out=scratch.view(1, *shape))  # dP
