@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import struct
+import threading
+import weakref
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,12 +24,17 @@ from .masks import (MaskSpec, SequenceMeta, doc_starts, doc_starts_from_cu_seqle
 from .plan import PlanStats, RankPlan, build_plan
 from .ring import ring_attention
 
-__all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats"]
+__all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats", "BatchRecord", "batch_of"]
 
 _ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar("cp_attention_ctx", default=None)
 _LAST_STATS: list[PlanStats | None] = [None]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PLAN_CACHE_SIZE = 16
+
+
+def active_context() -> ContextParallel | None:
+    """The innermost active :func:`context_parallel` context of this thread, or None."""
+    return _ACTIVE.get()
 
 
 def last_plan_stats() -> PlanStats | None:
@@ -37,14 +44,107 @@ def last_plan_stats() -> PlanStats | None:
 
 @dataclass(frozen=True, eq=False)
 class BatchRecord:
-    """What :meth:`ContextParallel.shard_batch` learned about the full batch: its length, its global
-    documents (position restarts and padding) and the global number of label tokens."""
+    """What one :meth:`ContextParallel.shard_batch` call learned about its full batch: its length, its
+    global documents (position restarts, ``cu_seq_lens``/``seq_idx`` boundaries and the padding of
+    ``attention_mask``) and the global number of label tokens.
 
+    A record is bound to the tensors that call returned (see :func:`batch_of`) and to its context
+    ``cp``: a forward on those tensors uses this record, whichever context is active when it runs
+    (or when autograd recomputes it under gradient checkpointing)."""
+
+    cp: "ContextParallel"
     seq_len: int
     meta: SequenceMeta
     num_items: torch.Tensor | None
+    local_position_ids: torch.Tensor = field(repr=False)
     padded: bool = False
     crc: int = 0  # checksum of ``meta``, compared across ranks before every attention call
+
+
+_BATCH_ATTR = "_cp_attention_batch"
+
+
+def batch_of(*tensors) -> BatchRecord | None:
+    """The :class:`BatchRecord` of the ``shard_batch`` call that returned any of ``tensors`` (the
+    first one found), or None. Tensors derived from them (``.to()``, arithmetic) carry no record."""
+    for t in tensors:
+        record = getattr(t, _BATCH_ATTR, None) if isinstance(t, torch.Tensor) else None
+        if record is not None:
+            return record
+    return None
+
+
+AMBIGUOUS = object()
+"""Returned by :meth:`ContextParallel.current_batch` when several sharded batches are alive."""
+
+# Keys a packing collator (transformers' DataCollatorWithFlattening) adds next to (B, L) tensors:
+# they describe the documents of the one packed row, are translated into the batch's documents and
+# are not passed on (the model's layers get the documents from the record instead).
+_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _document_opens(documents: dict, seq_len: int) -> torch.Tensor | None:
+    """(1, L) bool document openings of one packed row from a packing collator's keys
+    (``cu_seq_lens_q``/``_k`` boundaries, ``seq_idx`` changes), after checking them; None if none."""
+    if not documents:
+        return None
+    opens = torch.zeros(1, seq_len, dtype=torch.bool)
+    opens[0, 0] = True
+    bounds = {}
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if documents.get(name) is None:
+            continue
+        cu = torch.as_tensor(documents[name]).detach().to("cpu", torch.int64)
+        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) \
+                or int(cu[-1]) != seq_len:
+            raise ValueError(f"shard_batch: {name} must hold the (N+1,) document boundaries 0 = c_0 <= ... <= "
+                             f"c_N = L of the packed row, with L = {seq_len}; got {cu.tolist()[:16]}")
+        opens[0, cu[:-1].clamp(max=seq_len - 1)] = True
+        bounds[name] = cu
+    if len(bounds) == 2 and not torch.equal(*bounds.values()):
+        raise ValueError("shard_batch: cu_seq_lens_q and cu_seq_lens_k differ; a packed row for training has "
+                         "the same documents for queries and keys")
+    for name in ("max_length_q", "max_length_k"):
+        value = documents.get(name)
+        if value is None:
+            continue
+        longest = max(int(d) for d in torch.diff(next(iter(bounds.values())))) if bounds else 1
+        if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)) or int(value) < longest:
+            raise ValueError(f"shard_batch: {name} must be an int no smaller than the longest document "
+                             f"({longest} tokens), got {value!r}")
+    seq_idx = documents.get("seq_idx")
+    if seq_idx is not None:
+        seq_idx = torch.as_tensor(seq_idx).detach().to("cpu", torch.int64)
+        if tuple(seq_idx.shape) != (1, seq_len):
+            raise ValueError(f"shard_batch: seq_idx must have shape (1, L) = (1, {seq_len}), got "
+                             f"{tuple(seq_idx.shape)}")
+        opens[0, 1:] |= seq_idx[0, 1:] != seq_idx[0, :-1]
+    return opens
+
+
+def _alive(refs: list[weakref.ref]) -> bool:
+    return any(ref() is not None for ref in refs)
+
+
+def _as_group(group, mesh_dim: str | None = None):
+    """A process group from a ProcessGroup, None (the WORLD group) or a DeviceMesh (1-D, or with the
+    name of its context-parallel dimension in ``mesh_dim``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if mesh_dim is not None:
+            if mesh_dim not in (group.mesh_dim_names or ()):
+                raise ValueError(f"mesh_dim={mesh_dim!r} is not a dimension of the DeviceMesh "
+                                 f"(its dimensions: {group.mesh_dim_names})")
+            return group.get_group(mesh_dim)
+        if group.ndim != 1:
+            raise ValueError(f"context_parallel got a {group.ndim}-D DeviceMesh with dimensions "
+                             f"{group.mesh_dim_names}; pass its context-parallel dimension: group=mesh['cp'] "
+                             f"or context_parallel(mesh, mesh_dim='cp')")
+        return group.get_group()
+    if mesh_dim is not None:
+        raise ValueError("mesh_dim names a dimension of a DeviceMesh; group is not a DeviceMesh")
+    return group
 
 
 class ContextParallel:
@@ -56,12 +156,17 @@ class ContextParallel:
     """
 
     def __init__(self, group=None, layout: str = "zigzag", timeout: float | None = None):
-        self.comm = Comm(group, timeout=timeout)
+        group = _as_group(group)
+        self.comm = Comm(group, timeout=timeout, fresh_scope=True)
         self.group = group
         self.layout = layout_mod.check_layout(layout)
         self._plans: dict = {}
         self._metas: dict = {}
         self._batch: BatchRecord | None = None
+        # the records of this context's shard_batch calls, with weak references to the tensors each
+        # returned: a batch is alive while any of them is
+        self._records: list[tuple[list[weakref.ref], BatchRecord]] = []
+        self._records_lock = threading.Lock()
 
     @property
     def rank(self) -> int:
@@ -78,30 +183,48 @@ class ContextParallel:
         """This rank's shard of a full-length tensor along ``dim`` (differentiable)."""
         return layout_mod.shard(x, dim, self.world_size, self.layout, self.rank)
 
-    def shard_batch(self, *, shift_labels: bool = True, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+    def current_batch(self):
+        """The record of this context's only live sharded batch, None when there is none, or
+        :data:`AMBIGUOUS` when several batches returned by :meth:`shard_batch` are still alive (a
+        forward must then name its batch through the tensors it got from ``shard_batch``)."""
+        with self._records_lock:
+            self._records = [(refs, rec) for refs, rec in self._records if _alive(refs)]
+            if not self._records:
+                return None
+            return self._records[0][1] if len(self._records) == 1 else AMBIGUOUS
+
+    def shard_batch(self, *, shift_labels: bool = True, document_starts: torch.Tensor | None = None,
+                    **inputs) -> dict[str, torch.Tensor]:
         """Shard a full batch for a transformers model; returns the dict of local tensors.
 
-        Every (B, L, ...) tensor (``input_ids``, ``inputs_embeds``, ``attention_mask``,
-        ``position_ids``, ``labels``, ...) is sharded along dim 1 with this context's layout.
+        ``inputs`` are what a data collator returns for the whole (unsharded) batch: every
+        (B, L, ...) tensor (``input_ids``, ``inputs_embeds``, ``attention_mask``, ``position_ids``,
+        ``labels``, ``token_type_ids``, ...) is sharded along dim 1 with this context's layout.
+        The output of transformers' ``DataCollatorWithFlattening`` is taken whole: its
+        ``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k`` and ``seq_idx``
+        describe the documents of the packed row; they are checked, turned into the batch's
+        documents and not passed on. Anything else (other scalars, lists, 1-D tensors) raises a
+        ValueError naming the key.
 
         * ``position_ids`` default to ``arange(L)`` so rotary embeddings see global positions.
-        * The batch's documents (wherever ``position_ids`` do not increase by one, and padding in
-          ``attention_mask``) are recorded here, so every attention layer under
-          ``attn_implementation="cp_flash"`` knows them, including layers that receive no
-          ``position_ids`` (Llama 4, ModernBERT).
+        * ``document_starts`` (B, L) bool: further tokens that open a document (optional).
+        * The batch's documents (wherever ``position_ids`` do not increase by one, the collator's
+          document boundaries, ``document_starts`` and padding in ``attention_mask``) are recorded in a
+          :class:`BatchRecord` bound to the returned tensors: every attention layer under
+          ``attn_implementation="cp_flash"`` that runs on them uses these documents, including
+          layers that receive no ``position_ids`` (Llama 4, ModernBERT), and including forwards
+          recomputed by gradient checkpointing after this context has exited. Several sharded
+          batches may be alive at once (prefetching).
         * ``labels`` are shifted by one token globally before sharding (``shift_labels``, so no
           label is lost at a shard boundary; pass ``shift_labels=False`` for masked-LM labels),
-          and ``num_items_in_batch`` (global count of label tokens) is added: each rank's loss is
-          then its token-weighted share and, under ``cp_flash``, ``out.loss`` reports the sum over
-          ranks, the single-device loss. ``loss.backward()`` gives each rank its share of the
-          gradients; summed over the group (as data-parallel reduction does) they are the
-          single-device gradients.
+          and ``num_items_in_batch`` is added: the global count of label tokens (or the
+          ``num_items_in_batch`` passed in, e.g. counted over accumulated micro-batches) divided by
+          the world size. Each rank's ``out.loss`` is then ``P`` times its token-weighted share:
+          the **mean** over the group of the ranks' losses is the single-device loss, and the
+          mean of their gradients (what DDP, FSDP2 and ``all_reduce(AVG)`` compute) is the
+          single-device gradient.
         """
-        if not tensors:
-            raise ValueError("shard_batch needs at least one (B, L, ...) tensor, e.g. input_ids=...")
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor) or t.dim() < 2:
-                raise ValueError(f"shard_batch: {name} must be a (B, L, ...) tensor")
+        tensors, opens, num_items_given = self._translate_inputs(inputs)
         ref_name = "input_ids" if "input_ids" in tensors else next(iter(tensors))
         B, L = tensors[ref_name].shape[:2]
         device = tensors[ref_name].device
@@ -113,7 +236,14 @@ class ContextParallel:
                                  f"({B}, {L}, ...) like {ref_name}")
         if L < self.world_size:
             raise ValueError(f"shard_batch: sequence length {L} is shorter than the world size {self.world_size}")
-        tensors = dict(tensors)
+        if opens is not None and B != 1:
+            raise ValueError(f"shard_batch: cu_seq_lens_*/seq_idx describe one packed row, but the batch has {B} "
+                             f"rows; describe the documents of several rows with position_ids")
+        if document_starts is not None:
+            if tuple(document_starts.shape) != (B, L) or document_starts.dtype != torch.bool:
+                raise ValueError(f"shard_batch: document_starts must be a (B, L) = ({B}, {L}) bool tensor, got "
+                                 f"{document_starts.dtype} {tuple(document_starts.shape)}")
+            opens = document_starts.cpu() if opens is None else (opens | document_starts.cpu())
         position_ids = tensors.pop("position_ids", None)
         if position_ids is None:
             position_ids = torch.arange(L, device=device).expand(B, L)
@@ -122,25 +252,62 @@ class ContextParallel:
         if valid is not None and valid.dim() != 2:
             raise ValueError("shard_batch: attention_mask must be a 2D (B, L) padding mask")
         meta = SequenceMeta(batch=B, seq_len=L, doc_start=doc_starts(
-            B, L, position_ids=position_ids, valid=None if valid is None else valid.bool()))
+            B, L, position_ids=position_ids, valid=None if valid is None else valid.bool(), opens=opens))
         out: dict[str, torch.Tensor] = {}
         labels = tensors.pop("labels", None)
         num_items = None
         if labels is not None:
-            target = labels
+            target = tensors.get("shift_labels", labels)
             if shift_labels and "shift_labels" not in tensors:
                 target = torch.full_like(labels, -100)
                 target[:, :-1] = labels[:, 1:]
                 out["shift_labels"] = self.shard(target).contiguous()
-            num_items = (target != -100).sum()
+            num_items = num_items_given if num_items_given is not None else (target != -100).sum()
             out["labels"] = self.shard(labels).contiguous()
-            out["num_items_in_batch"] = num_items
+            # each rank's loss is P x its share, so the MEAN over ranks is the single-device loss
+            out["num_items_in_batch"] = num_items.to(device, torch.float32) / self.world_size
         for name, t in tensors.items():
             out[name] = self.shard(t).contiguous()
         out["position_ids"] = self.shard(position_ids).contiguous()
-        self._batch = BatchRecord(seq_len=L, meta=meta, num_items=num_items, padded=valid is not None,
-                                  crc=_meta_crc(meta))
+        # the record keeps its own copy of the position ids: it must not keep the returned tensors
+        # alive, whose lifetime tells whether the batch is still in use
+        record = BatchRecord(cp=self, seq_len=L, meta=meta, num_items=num_items,
+                             local_position_ids=out["position_ids"].clone(), padded=valid is not None,
+                             crc=_meta_crc(meta))
+        for t in out.values():
+            setattr(t, _BATCH_ATTR, record)
+        with self._records_lock:
+            self._records = [(refs, rec) for refs, rec in self._records if _alive(refs)]
+            self._records.append(([weakref.ref(t) for t in out.values()], record))
+        self._batch = record
         return out
+
+    @staticmethod
+    def _translate_inputs(inputs: dict):
+        """Split a collator's batch into (B, L, ...) tensors to shard, document openings (1, L) bool
+        from ``cu_seq_lens_*``/``seq_idx`` (or None) and a given ``num_items_in_batch`` (or None)."""
+        if not inputs:
+            raise ValueError("shard_batch needs at least one (B, L, ...) tensor, e.g. input_ids=...")
+        tensors: dict[str, torch.Tensor] = {}
+        documents: dict = {}
+        num_items = None
+        for name, value in inputs.items():
+            if name in _DOCUMENT_KEYS:
+                documents[name] = value
+            elif name == "num_items_in_batch":
+                if value is not None:
+                    num_items = torch.as_tensor(value).detach().sum()
+            elif isinstance(value, torch.Tensor) and value.dim() >= 2:
+                tensors[name] = value
+            else:
+                what = f"a {value.dim()}-D tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"shard_batch: {name} is {what}; it takes (B, L, ...) tensors to shard, "
+                                 f"num_items_in_batch and the document keys of a packing collator "
+                                 f"({', '.join(_DOCUMENT_KEYS)}); drop {name} or pass it to the model yourself")
+        if not tensors:
+            raise ValueError("shard_batch needs at least one (B, L, ...) tensor, e.g. input_ids=...")
+        L = next(iter(tensors.values())).shape[1]
+        return tensors, _document_opens(documents, L), num_items
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Every rank's shard along ``dim``, reassembled in original token order, on every rank.
@@ -181,8 +348,12 @@ class ContextParallel:
 
 
 @contextlib.contextmanager
-def context_parallel(group=None, layout: str = "zigzag", timeout: float | None = None):
+def context_parallel(group=None, layout: str = "zigzag", timeout: float | None = None, *,
+                     mesh_dim: str | None = None):
     """Make ``group`` (None: the default WORLD group) the context-parallel group of the block.
+
+    ``group``: a ProcessGroup, a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]`` of a (dp, cp) mesh), or a
+    DeviceMesh with the name of its context-parallel dimension in ``mesh_dim``.
 
     Inside, :func:`attention` with ``group=None`` shards over this group with this layout::
 
@@ -198,7 +369,7 @@ def context_parallel(group=None, layout: str = "zigzag", timeout: float | None =
     exception escaping the block (or raised inside attention) is recorded for the group, so ranks
     waiting on this one raise at once, naming it, instead of waiting for the timeout.
     """
-    cp = ContextParallel(group, layout, timeout)
+    cp = ContextParallel(_as_group(group, mesh_dim), layout, timeout)
     token = _ACTIVE.set(cp)
     try:
         yield cp
@@ -346,9 +517,14 @@ class _Resolved:
     layout: str
 
 
-def _resolve(group, layout) -> _Resolved:
+def _resolve(group, layout, bound: ContextParallel | None = None) -> _Resolved:
+    """The context a call runs in: ``bound`` (the context of the batch record the call uses), else
+    the active context or ``group``, else a single device."""
     active = _ACTIVE.get()
-    if group is None and active is not None:
+    group = _as_group(group)
+    if bound is not None:
+        cp = bound
+    elif group is None and active is not None:
         cp = active
     elif group is not None:
         cp = active if active is not None and active.group is group else None
@@ -423,7 +599,7 @@ def _attend(q, k, v, mask_args: dict, *, position_ids=None, cu_seqlens=None, sin
     """:func:`attention` with the mask arguments as a dict; ``batch`` supplies the global document
     metadata recorded by :meth:`ContextParallel.shard_batch` instead of ``position_ids``;
     ``local_error``: a caller's check that failed on this rank, raised on every rank like ours."""
-    res = _resolve(group, layout)
+    res = _resolve(group, layout, None if batch is None else batch.cp)
     comm = res.comm
     error: Exception | None = None
     spec = impl = None

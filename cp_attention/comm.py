@@ -91,10 +91,13 @@ class Comm:
     ``group=None`` means the default (WORLD) group when torch.distributed is initialised, and a
     single-process "group" of size 1 otherwise; ``single=True`` is always that size-1 group.
     ``timeout``: seconds any wait for the peers may take (see :func:`resolve_timeout`).
+    ``fresh_scope``: failures are recorded under a new scope of the group (one per
+    :func:`~cp_attention.context_parallel` block, counted alike on every rank), so a failure of an
+    earlier block does not fail a later one; False shares the group's current scope.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, single: bool = False,
-                 timeout: float | None = None):
+                 timeout: float | None = None, fresh_scope: bool = False):
         self.group = group
         self.timeout = resolve_timeout(timeout)
         self.distributed = not single and dist.is_available() and dist.is_initialized()
@@ -115,7 +118,7 @@ class Comm:
         if self.distributed and self.world_size > 1:
             self._store = _default_store()
             members = ",".join(str(self._global(r)) for r in range(self.world_size))
-            self._failed_key = f"cp_attention/failed/{zlib.crc32(members.encode()):08x}"
+            self._failed_key = f"cp_attention/failed/{zlib.crc32(members.encode()):08x}/{_scope(members, fresh_scope)}"
 
     def __repr__(self) -> str:
         return f"Comm(rank={self.rank}, world_size={self.world_size}, backend={self.backend})"
@@ -276,6 +279,20 @@ class Comm:
                      for kind, t, peer, tag in ops]
         peers = ", ".join(str(p) for p in sorted({peer for _, _, peer, _ in ops}))
         return Pending(self, works, [t for _, t, _, _ in ops], f"{what} with rank(s) {peers}")
+
+
+_SCOPES: dict[str, int] = {}
+_SCOPES_LOCK = threading.Lock()
+
+
+def _scope(members: str, fresh: bool) -> int:
+    """The failure scope of a group (by its global ranks): a per-process counter of the contexts
+    opened on it, the same on every rank because every rank opens them in the same order. Guarded
+    by a lock (contexts may be opened from several threads)."""
+    with _SCOPES_LOCK:
+        if fresh:
+            _SCOPES[members] = _SCOPES.get(members, 0) + 1
+        return _SCOPES.get(members, 0)
 
 
 class _Waiter:

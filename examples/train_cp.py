@@ -3,8 +3,10 @@
 Each step packs random documents of varying length into rows of ``--seq-len`` tokens
 (``position_ids`` restart at 0 at every document; the first token of a document gets label -100,
 so nothing is predicted across a document boundary), shards the batch with ``cp.shard_batch`` and
-runs forward and backward under ``attn_implementation="cp_flash"``. Each rank's backward gives its
-share of the gradients: they are summed over the group (all-reduce) before ``optimizer.step()``.
+runs forward and backward under ``attn_implementation="cp_flash"`` with the model wrapped in
+``DistributedDataParallel`` over the CP ranks: each rank's ``out.loss`` is P times its share of the
+loss, so DDP's gradient mean is the single-device gradient and the mean of the ranks' losses is the
+single-device loss (backward runs after the ``context_parallel`` block, as most training loops do).
 
 Rank 0 also trains an identical copy of the model on one device, with an identical optimizer:
 the same weights under ``attn_implementation="eager"``, each document run alone (the ground
@@ -24,6 +26,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 import cp_attention
 from cp_attention.launch import run_ranks
@@ -83,29 +86,32 @@ def _rank_main(rank, world_size, args, device="cpu"):
     torch.set_num_threads(1)
     device = torch.device(device)
     model = tiny_model(args.model, "cp_flash", seed=args.seed).to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if rank == 0:
         reference = tiny_model(args.model, "eager", seed=args.seed).to(device).train()
         reference.load_state_dict(model.state_dict())
+    model = DistributedDataParallel(model)  # gradients averaged over the CP ranks
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if rank == 0:
         ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
     records = []
     for step in range(args.steps):
-        ids, position_ids, labels, rows = packed_batch(step, args, model.config.vocab_size)
+        ids, position_ids, labels, rows = packed_batch(step, args, model.module.config.vocab_size)
         ids, position_ids, labels = ids.to(device), position_ids.to(device), labels.to(device)
         with cp_attention.context_parallel(layout=args.layout) as cp:
             batch = cp.shard_batch(input_ids=ids, position_ids=position_ids, labels=labels)
             out = model(**batch, use_cache=False)
-            out.loss.backward()  # out.loss: the single-device loss; the gradients: this rank's share
-        for grad in _all_grads(model):
-            dist.all_reduce(grad)  # sum of the shares = the single-device gradient
+        out.loss.backward()  # DDP averages the gradients over the ranks: the single-device gradient
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)  # the mean of the ranks' losses is the single-device loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:
             ref_loss = _reference_step(reference, ref_optimizer, ids, labels, rows, device)
-            records.append(dict(step=step + 1, docs=sum(len(r) for r in rows), cp=out.loss.item(), single=ref_loss))
+            records.append(dict(step=step + 1, docs=sum(len(r) for r in rows), cp=loss.item() / world_size,
+                                single=ref_loss))
     if rank != 0:
         return None
-    param_diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+    param_diff = max((p - q).abs().max().item() for p, q in zip(model.module.parameters(), reference.parameters()))
     return dict(records=records, param_diff=param_diff)
 
 

@@ -12,7 +12,7 @@ import torch
 
 import cp_attention
 from cp_attention.launch import run_ranks
-from cp_attention.tiny_models import tiny_config, tiny_model
+from cp_attention.tiny_models import FAMILIES, is_causal_lm, tiny_config, tiny_model
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface  # noqa: E402  loading the modeling code registers cp_flash
@@ -83,28 +83,39 @@ def test_from_pretrained_llama4_beyond_one_chunk(tmp_path):
     assert err < 1e-4
 
 
-@pytest.mark.parametrize("family,cfg", [("qwen3", dict(window=6)), ("llama4", dict(chunk=8)),
-                                        ("gemma2", dict(window=5))])
+GENERATE_FAMILIES = [(f, dict(chunk=8) if f == "llama4" else dict(window=6)) for f in FAMILIES if is_causal_lm(f)]
+
+
+def _generate_both(family, cfg, ids, **kw):
+    """(tokens, logits) of greedy generate under eager and under cp_flash, same weights."""
+    kw = dict(max_new_tokens=kw.pop("max_new_tokens", 20), do_sample=False, output_logits=True,
+              return_dict_in_generate=True, **kw)
+    out = [tiny_model(family, impl, **cfg).generate(ids, **kw) for impl in ("eager", "cp_flash")]
+    return [o.sequences for o in out], [torch.stack(o.logits) for o in out]
+
+
+@pytest.mark.parametrize("family,cfg", GENERATE_FAMILIES)
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_generate_matches_eager(family, cfg, cache):
     # queries after cached keys, sliding-window caches that drop keys, chunks; static caches go
-    # through transformers.generation.utils' flash-name branch
-    eager = tiny_model(family, "eager", **cfg)
-    model = tiny_model(family, "cp_flash", **cfg)
-    prompt = torch.randint(3, 128, (1, 13))
-    kw = dict(max_new_tokens=20, do_sample=False, cache_implementation=cache)
-    assert torch.equal(model.generate(prompt, **kw), eager.generate(prompt, **kw))
+    # through transformers.generation.utils' flash-name branch, and families with one mask type
+    # (Mistral, Phi-3) hand the prepared CPMask back to transformers' mask builders
+    tokens, logits = _generate_both(family, cfg, torch.randint(3, 128, (1, 13)), cache_implementation=cache)
+    assert torch.equal(*tokens)
+    assert (logits[0] - logits[1]).abs().max() < 1e-4
 
 
-def test_generate_with_left_padding_matches_eager():
-    eager = tiny_model("qwen3", "eager", window=6)
-    model = tiny_model("qwen3", "cp_flash", window=6)
+@pytest.mark.parametrize("family,cfg", [("qwen3", dict(window=6)), ("mistral", dict(window=6)), ("phi3", {})])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_with_left_padding_matches_eager(family, cfg, cache):
     ids = torch.randint(3, 128, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :5] = 0
     ids[1, :5] = 0
-    kw = dict(max_new_tokens=12, do_sample=False, attention_mask=mask, pad_token_id=0)
-    assert torch.equal(model.generate(ids, **kw), eager.generate(ids, **kw))
+    tokens, logits = _generate_both(family, cfg, ids, max_new_tokens=12, attention_mask=mask, pad_token_id=0,
+                                    cache_implementation=cache)
+    assert torch.equal(*tokens)
+    assert (logits[0] - logits[1]).abs().max() < 1e-4
 
 
 def test_padding_mask_single_device_matches_eager_on_real_tokens():

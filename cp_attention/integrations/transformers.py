@@ -14,9 +14,15 @@ imported (lazily, so ``import cp_attention`` stays cheap). Registration installs
   for a flash-attn package or hub kernel, swap gpt-oss to a hub kernel, refuse chunked masks...).
   They replace ``is_flash_attention_requested`` in the modules listed in :data:`FLASH_NAME_SITES`
   by a wrapper that answers False for "cp_flash" only, for transformers >= 5.17 and < 6;
-* a wrapper of the causal-LM and masked-LM losses that, for a batch from ``cp.shard_batch`` on
-  several ranks, reports the loss summed over ranks (the single-device loss) while each rank's
-  backward keeps its own share.
+Nothing else of transformers is changed: losses, other attention implementations and models that
+do not use "cp_flash" behave exactly as without ``import cp_attention``.
+
+Which batch a layer attends over: the :class:`~cp_attention.api.BatchRecord` of the
+``cp.shard_batch`` call that returned the tensors of the forward. The layer finds it on the
+``position_ids`` it receives, else on the :class:`CPMask` (bound when the model built its masks, from
+the padding mask or the context's only live batch). A forward recomputed by gradient checkpointing
+gets the same ``CPMask`` and ``position_ids`` again, so it runs on the same batch and group even after
+the ``context_parallel`` block has exited.
 
 Legend: ``B`` batch, ``L``/``Lq`` query tokens, ``Lk`` key tokens, ``H`` heads, ``D`` head dim.
 """
@@ -92,7 +98,13 @@ class CPMask:
     kv_offset: int
     valid: torch.Tensor | None
     opens: torch.Tensor | None
+    batch: object = field(default=None, repr=False)
     plans: dict = field(default_factory=dict, repr=False)
+
+    # generate() with a static cache prepares the masks in advance; models that build one mask (no
+    # ``layer_types``: Mistral, Phi-3) hand it back to ``create_*_mask``, whose argument check reads
+    # ``.ndim`` and only treats ``ndim == 2`` as a padding mask: a CPMask stands for a prepared mask.
+    ndim = 4
 
     def contiguous(self) -> CPMask:
         """transformers' generation calls ``.contiguous()`` on prepared masks: nothing to do."""
@@ -118,6 +130,8 @@ def _hf_document_starts(mask_function, batch_size: int, length: int) -> torch.Te
 def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                   mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> CPMask:
     """The mask function registered for "cp_flash": returns a :class:`CPMask`, never (L x L) data."""
+    if isinstance(attention_mask, CPMask):  # prepared by generate for this forward: keep its padding
+        attention_mask = attention_mask.valid
     valid = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
@@ -129,8 +143,11 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
     opens = None
     if q_offset == 0 and kv_offset == 0 and q_length == kv_length:
         opens = _hf_document_starts(mask_function, batch_size, q_length)
+    batch = api.batch_of(attention_mask)
+    if batch is None and api.active_context() is not None:
+        batch = api.active_context().current_batch()
     return CPMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
-                  kv_offset=int(kv_offset), valid=valid, opens=opens)
+                  kv_offset=int(kv_offset), valid=valid, opens=opens, batch=batch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -157,7 +174,7 @@ def _llama4_temperature(positions: torch.Tensor, module) -> torch.Tensor:
     return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
 
 
-def _fix_llama4_temperature(q_BLHD: torch.Tensor, module, cp) -> torch.Tensor:
+def _fix_llama4_temperature(q_BLHD: torch.Tensor, module, batch: api.BatchRecord) -> torch.Tensor:
     """Llama 4 scales NoPE-layer queries by a temperature of ``arange(local length)``; on a shard the
     true positions are global. Rescale by temperature(global) / temperature(local) (1 wherever the
     temperature does not change, i.e. below ``floor_scale``)."""
@@ -165,7 +182,8 @@ def _fix_llama4_temperature(q_BLHD: torch.Tensor, module, cp) -> torch.Tensor:
         return q_BLHD
     L = q_BLHD.shape[1]
     local = torch.arange(L)
-    glob = global_index(cp._batch.seq_len, cp.world_size, cp.layout, cp.rank)
+    cp = batch.cp
+    glob = global_index(batch.seq_len, cp.world_size, cp.layout, cp.rank)
     ratio = _llama4_temperature(glob, module) / _llama4_temperature(local, module)
     if bool((ratio == 1).all()):
         return q_BLHD
@@ -202,7 +220,15 @@ def _local_meta(info: CPMask | None, batch: api.BatchRecord | None, B: int, Lq: 
         if cu is not None:
             raise ValueError("cp_flash: cu_seq_lens_* with a non-empty KV cache is not supported")
         pos = kwargs.get("position_ids")
-        if pos is not None and pos.shape[-1] > 1 and bool((pos[..., 1:] != pos[..., :-1] + 1).any()):
+        restarts = None
+        if pos is not None and pos.shape[-1] > 1:
+            restarts = (pos[..., 1:] != pos[..., :-1] + 1).cpu()
+            if info is not None and info.valid is not None:  # padding restarts positions, not documents
+                ok = torch.zeros(B, Lq, dtype=torch.bool)
+                seen = info.valid[:, q_off:q_off + Lq].cpu()
+                ok[:, :seen.shape[1]] = seen
+                restarts = restarts & ok[:, 1:] & ok[:, :-1]
+        if restarts is not None and bool(restarts.any()):
             raise ValueError("cp_flash: packed documents (restarting position_ids) after a non-empty KV cache "
                              "are not supported")
     if info is not None:
@@ -221,6 +247,53 @@ def _local_meta(info: CPMask | None, batch: api.BatchRecord | None, B: int, Lq: 
     return meta, torch.arange(q_off, q_off + Lq), torch.arange(kv_off, kv_off + Lk)
 
 
+def torch_context_parallel_active() -> bool:
+    """Whether torch's own ``context_parallel`` (``torch.distributed.tensor.experimental``, what
+    accelerate's CP runs) is active: it replaces ``F.scaled_dot_product_attention`` by a wrapper
+    registered in its ``_replaced_functions`` (torch 2.7-2.13; older versions could instead push a
+    ``DistributeFunction`` torch-function mode)."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    if sdpa is not torch._C._nn.scaled_dot_product_attention:
+        for name in ("torch.distributed.tensor.experimental._context_parallel._attention",
+                     "torch.distributed.tensor.experimental._attention"):
+            try:
+                replaced = getattr(importlib.import_module(name), "_replaced_functions", {})
+            except ImportError:
+                continue
+            if sdpa in replaced:
+                return True
+    modes = torch.overrides._get_current_function_mode_stack()
+    return any(type(m).__name__ == "DistributeFunction" for m in modes)
+
+
+def _bound_batch(info: CPMask | None, position_ids) -> tuple[api.BatchRecord | None, Exception | None]:
+    """The sharded batch a layer call runs on, and an error if it cannot be told: the record on its
+    ``position_ids`` (exact), else the one its mask was bound to, else the active context's only
+    live batch (no cp_flash mask, e.g. a prebuilt dict of masks)."""
+    batch = api.batch_of(position_ids)
+    if batch is not None:
+        return batch, None
+    if info is not None:
+        batch = info.batch
+    elif api.active_context() is not None:
+        batch = api.active_context().current_batch()
+    if batch is api.AMBIGUOUS:
+        return None, ValueError(
+            "cp_flash: several batches returned by cp.shard_batch are alive and this forward does not say "
+            "which one it runs on (this model does not hand position_ids to its attention layers); run each "
+            "batch's forward before sharding the next one, or delete the other batches' tensors first")
+    mine = None if batch is None else batch.local_position_ids
+    if isinstance(position_ids, torch.Tensor) and mine is not None and position_ids.shape[-1] == mine.shape[-1]:
+        # other lengths (a KV cache, another batch) are refused by the length checks that follow
+        if not bool((position_ids.to(mine.device) == mine).all()):
+            return batch, ValueError(
+                "cp_flash: the model got position_ids that cp.shard_batch did not return for this batch; pass "
+                "the position_ids (and every other tensor) of one cp.shard_batch call to the model")
+    return batch, None
+
+
 def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                        dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
                        softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
@@ -234,6 +307,13 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     if isinstance(attention_mask, torch.Tensor):
         raise ValueError("cp_flash received a dense attention_mask tensor: its masks come from the mask "
                          "function registered with it; pass a 2D padding mask (or none) and position_ids")
+    if torch_context_parallel_active():
+        raise RuntimeError(
+            "cp_flash: torch's context_parallel (accelerate's ParallelismConfig(cp_size > 1)) is active: it shards "
+            "the sequence itself and cp_flash would attend within one shard. cp_flash does its own context "
+            "parallelism: use cp_attention.context_parallel() + cp.shard_batch(), or CPTrainer from "
+            "cp_attention.integrations.trainer, without torch's context_parallel (or use "
+            "attn_implementation='sdpa' with torch's context_parallel, for plain causal masks only)")
     info = attention_mask if isinstance(attention_mask, CPMask) else None
     spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling,
                            is_causal=kwargs.get("is_causal"))
@@ -244,26 +324,32 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     Lk = k.shape[1]
     mask_args = dict(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size, softcap=spec.softcap,
                      scale=spec.scale)
-    cp = api._ACTIVE.get()
-    if cp is not None and cp.world_size > 1:
-        batch = cp._batch
-        if batch is None:
-            raise ValueError("cp_flash under context parallelism needs the batch's global positions: shard the "
-                             "inputs with cp.shard_batch(input_ids=..., position_ids=..., labels=...)")
+    batch, local_error = _bound_batch(info, kwargs.get("position_ids"))
+    active = api.active_context()
+    if batch is None and active is not None and active.world_size > 1:
+        local_error = local_error or ValueError(
+            "cp_flash under context parallelism needs the batch's global positions: shard the inputs with "
+            "cp.shard_batch(input_ids=..., position_ids=..., labels=...) and pass its outputs to the model")
+    if local_error is not None:  # raised on every rank of the group together, before any K/V moves
+        if batch is None and active is not None and active.world_size > 1:
+            api._attend(q, k, v, mask_args, sinks=s_aux, local_error=local_error)
+        elif batch is not None and batch.cp.world_size > 1:
+            api._attend(q, k, v, mask_args, sinks=s_aux, batch=batch, local_error=local_error)
+        raise local_error
+    if batch is not None and batch.cp.world_size > 1:
         if Lq != Lk or (info is not None and (info.q_offset or info.kv_offset)):
             raise ValueError("cp_flash: a non-empty KV cache is not supported under context parallelism "
                              f"(queries {Lq}, keys {Lk}); call the model with use_cache=False")
-        local_error = None  # this shard's padding: raised on every rank through the engine's checks
         if info is not None and info.valid is not None and not batch.padded:
             local_error = ValueError("cp_flash: the model got a padding attention_mask that cp.shard_batch did "
                                      "not see; pass attention_mask to cp.shard_batch with the other inputs")
         if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-            raise ValueError("cp_flash: cu_seq_lens_* are not used under context parallelism; describe packed "
-                             "documents with position_ids given to cp.shard_batch")
-        q = _fix_llama4_temperature(q, module, cp)
+            raise ValueError("cp_flash: cu_seq_lens_* are not used under context parallelism; pass the collator's "
+                             "whole batch (cu_seq_lens_* included) to cp.shard_batch, which takes the documents "
+                             "from them")
+        q = _fix_llama4_temperature(q, module, batch)
         out = api._attend(q, k, v, mask_args, sinks=s_aux, batch=batch, local_error=local_error)
         return out, None
-    batch = cp._batch if cp is not None else None
     plan_spec = MaskSpec(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size)
     key_ = (plan_spec, B, Lq, Lk, batch is not None)
     plans = info.plans if info is not None else {}
@@ -275,41 +361,6 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     out = ring_attention(q, k, v, s_aux, plans[key_], Comm(single=True), impl, scale=spec.resolved_scale(q.shape[3]),
                          softcap=spec.softcap)
     return out, None
-
-
-# ----------------------------------------------------------------------------------------------
-# loss reporting under context parallelism
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """Forward: the loss summed over the group (the single-device loss). Backward: identity, so each
-    rank's backward produces only its own share of the gradients."""
-
-    @staticmethod
-    def forward(ctx, loss, comm: Comm):
-        return comm.all_reduce(loss.detach().clone())
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _wrap_loss(fn):
-    if getattr(fn, "_cp_attention_wrapped", False):
-        return fn
-
-    def loss_with_cp(*args, **kwargs):
-        loss = fn(*args, **kwargs)
-        cp = api._ACTIVE.get()
-        batch = cp._batch if cp is not None else None
-        if (cp is not None and cp.world_size > 1 and batch is not None and batch.num_items is not None
-                and kwargs.get("num_items_in_batch") is batch.num_items):
-            loss = _SumOverRanks.apply(loss, cp.comm)
-        return loss
-
-    loss_with_cp._cp_attention_wrapped = True
-    loss_with_cp.__wrapped__ = fn
-    return loss_with_cp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,14 +405,10 @@ def register() -> None:
                           f"{'.'.join(map(str, MIN_VERSION))} and < {'.'.join(map(str, MAX_VERSION))}, found "
                           f"{'.'.join(map(str, version))}")
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.loss import loss_utils
 
     AttentionInterface.register(NAME, cp_flash_attention)
     AttentionMaskInterface.register(NAME, cp_flash_mask)
     for site in FLASH_NAME_SITES:
         if _adapt_flash_name_check(site) and site not in _ADAPTED:
             _ADAPTED.append(site)
-    for loss_name in ("ForCausalLM", "ForMaskedLM"):
-        if loss_name in loss_utils.LOSS_MAPPING:
-            loss_utils.LOSS_MAPPING[loss_name] = _wrap_loss(loss_utils.LOSS_MAPPING[loss_name])
     _REGISTERED[0] = True

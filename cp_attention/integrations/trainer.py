@@ -1,0 +1,155 @@
+"""transformers ``Trainer`` under context parallelism: :class:`CPTrainer`.
+
+An ordinary Trainer script changes two lines (the class and the attention implementation) and is
+launched with ``torchrun``; every rank of a context-parallel group then trains on one shard of each
+sequence::
+
+    from cp_attention.integrations.trainer import CPTrainer
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="cp_flash")
+    trainer = CPTrainer(model=model, args=args, train_dataset=ds,
+                        data_collator=DataCollatorWithFlattening())     # or any padding collator
+    trainer.train()                                  # torchrun --nproc_per_node=N train.py
+
+What one training step does, on every rank:
+
+1. The data loader hands each rank its own micro-batch, as in plain data-parallel training (so the
+   global batch is still ``per_device_train_batch_size x world size`` and no hyperparameter
+   changes). The ranks of a CP group all-gather their micro-batches and join them along the
+   sequence: each row of the joined batch is the ranks' rows one after the other, each kept a
+   document of its own (no token attends across, no label is predicted across).
+2. :meth:`~cp_attention.api.ContextParallel.shard_batch` shards the joined batch; the model runs on
+   this rank's shard with the documents of the whole batch, and backward runs inside the context.
+3. Trainer's own loss scaling is kept: ``num_items_in_batch`` counts the label tokens of every
+   rank's micro-batch once, each rank's loss is its tokens' sum divided by it times the number of
+   processes, and DDP / FSDP2 average the gradients over all processes: the result is the gradient
+   of the single-device loss of the global batch. The logged loss is that single-device loss.
+
+Legend: ``B`` rows, ``L_r`` the sequence length of rank ``r``'s micro-batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Trainer
+
+from ..api import context_parallel
+
+__all__ = ["CPTrainer", "join_micro_batches"]
+
+_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _segments(part: dict, B: int, L: int) -> torch.Tensor:
+    """(B, L) int64 document ids of one micro-batch from its collator keys (``seq_idx``, or
+    ``cu_seq_lens_q`` for one packed row); zeros where it has none."""
+    if part.get("seq_idx") is not None:
+        return torch.as_tensor(part["seq_idx"]).to("cpu", torch.int64).expand(B, L)
+    cu = part.get("cu_seq_lens_q", part.get("cu_seq_lens_k"))
+    if cu is not None:
+        if B != 1:
+            raise ValueError(f"CPTrainer: cu_seq_lens_* describe one packed row, but the micro-batch has {B} rows")
+        cu = torch.as_tensor(cu).to("cpu", torch.int64)
+        return (torch.searchsorted(cu[1:].contiguous(), torch.arange(L), right=True)).unsqueeze(0)
+    return torch.zeros(B, L, dtype=torch.int64)
+
+
+def join_micro_batches(parts: list[dict]) -> tuple[dict, torch.Tensor]:
+    """Join the micro-batches of a CP group's ranks (in rank order) along the sequence dimension.
+
+    Every part must hold the same keys and the same number of rows ``B``; (B, L_r, ...) tensors are
+    concatenated along dim 1 and ``position_ids`` default to ``arange(L_r)`` per part. Returns the
+    joined tensors (on the first part's device) and (B, sum L_r) bool document starts: every part
+    boundary, and the boundaries given by a packing collator's ``seq_idx`` / ``cu_seq_lens_*``
+    (which are not passed on). The first label of every part after the first is set to -100 (and
+    the matching ``shift_labels`` entry), so no token predicts the next part's first token;
+    Trainer's ``num_items_in_batch`` does not count those labels either.
+    """
+    keys = [sorted(k for k, v in p.items() if v is not None) for p in parts]
+    if any(k != keys[0] for k in keys):
+        raise ValueError(f"CPTrainer: the ranks of a context-parallel group got micro-batches with different keys "
+                         f"{keys}; use one collator on every rank")
+    ref = "input_ids" if "input_ids" in parts[0] else next(k for k, v in parts[0].items()
+                                                           if isinstance(v, torch.Tensor) and v.dim() >= 2)
+    rows = [int(p[ref].shape[0]) for p in parts]
+    if len(set(rows)) != 1:
+        raise ValueError(f"CPTrainer: the ranks of a context-parallel group got micro-batches of {rows} rows; they "
+                         f"are joined row by row, so they need the same number of rows: set "
+                         f"dataloader_drop_last=True, or pack with DataCollatorWithFlattening (always 1 row)")
+    B = rows[0]
+    device = parts[0][ref].device
+    lengths = [int(p[ref].shape[1]) for p in parts]
+    joined: dict = {}
+    for name in keys[0]:
+        if name in _DOCUMENT_KEYS:
+            continue
+        values = [p[name] for p in parts]
+        if not all(isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == n for v, n in zip(values, lengths)):
+            raise ValueError(f"CPTrainer: micro-batch key {name!r} is not a (B, L, ...) tensor; CPTrainer joins and "
+                             f"shards (B, L, ...) tensors and the document keys of packing collators only")
+        joined[name] = torch.cat([v.to(device).expand(B, *v.shape[1:]) for v in values], dim=1)
+    if "position_ids" not in joined:
+        joined["position_ids"] = torch.cat([torch.arange(n, device=device).expand(B, n) for n in lengths], dim=1)
+    opens = []
+    for p, n in zip(parts, lengths):
+        seg = _segments(p, B, n)
+        part_opens = torch.ones(B, n, dtype=torch.bool)
+        part_opens[:, 1:] = seg[:, 1:] != seg[:, :-1]
+        opens.append(part_opens)
+    at = 0  # torch.cat made new tensors: the labels can be edited in place
+    for n in lengths[:-1]:
+        at += n
+        if "labels" in joined:
+            joined["labels"][:, at] = -100
+        if "shift_labels" in joined:
+            joined["shift_labels"][:, at - 1] = -100
+    return joined, torch.cat(opens, dim=1)
+
+
+class CPTrainer(Trainer):
+    """A :class:`transformers.Trainer` whose training steps run under context parallelism.
+
+    Args (besides Trainer's own):
+        cp_group: the context-parallel group: None (every process: CP size = world size), a
+            ProcessGroup, a 1-D DeviceMesh (``mesh["cp"]``) or a DeviceMesh with ``cp_mesh_dim``.
+            Processes outside it (other data-parallel replicas) train on other data, as usual.
+        cp_mesh_dim: the name of the CP dimension when ``cp_group`` is a multi-dimensional mesh.
+        cp_layout: "zigzag" (default) or "contiguous".
+        cp_timeout: seconds a rank waits for its peers (see :func:`~cp_attention.context_parallel`).
+
+    The model must use ``attn_implementation="cp_flash"``. Gradient checkpointing
+    (``gradient_checkpointing=True``, reentrant or not), gradient accumulation and DDP/FSDP2 as set
+    up by Trainer work unchanged. Label smoothing and ``compute_loss_func`` compute the loss outside
+    the model from local labels and are refused; so is ``average_tokens_across_devices=False``
+    (Trainer would then normalise each process's loss by its own tokens, not the global batch's).
+    Evaluation and prediction run without context parallelism, on each process's own batch.
+    """
+
+    def __init__(self, *args, cp_group=None, cp_mesh_dim: str | None = None, cp_layout: str = "zigzag",
+                 cp_timeout: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.label_smoother is not None or self.compute_loss_func is not None:
+            raise ValueError("CPTrainer computes the loss inside the model on each rank's shard; label smoothing and "
+                             "compute_loss_func see only local logits and labels: set label_smoothing_factor=0 and "
+                             "drop compute_loss_func")
+        if not self.args.average_tokens_across_devices:
+            raise ValueError("CPTrainer needs average_tokens_across_devices=True: each rank's loss must be normalised "
+                             "by the label tokens of the whole global batch")
+        implementation = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if implementation != "cp_flash":
+            raise ValueError(f"CPTrainer trains models loaded with attn_implementation='cp_flash', this one uses "
+                             f"{implementation!r}")
+        self.cp_group, self.cp_mesh_dim, self.cp_layout, self.cp_timeout = cp_group, cp_mesh_dim, cp_layout, cp_timeout
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Join the CP group's micro-batches, shard them, then Trainer's own step on this shard."""
+        with context_parallel(self.cp_group, self.cp_layout, self.cp_timeout, mesh_dim=self.cp_mesh_dim) as cp:
+            parts = [inputs] if cp.world_size == 1 else cp.comm.all_gather_object(_to_cpu(inputs))
+            joined, starts = join_micro_batches([inputs if r == cp.rank else p for r, p in enumerate(parts)])
+            local = cp.shard_batch(**joined, document_starts=starts)
+            if num_items_in_batch is not None:  # Trainer's count over every rank's micro-batch
+                local.pop("num_items_in_batch", None)
+            return super().training_step(model, local, num_items_in_batch)
+
+
+def _to_cpu(inputs: dict) -> dict:
+    return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}

@@ -1,0 +1,69 @@
+"""An ordinary transformers Trainer script, trained under context parallelism with two changed lines.
+
+    torchrun --nproc_per_node=2 examples/train_trainer.py --out /tmp/cp      # CPTrainer, cp_flash, CP = 2
+    python examples/train_trainer.py --single --out /tmp/single               # plain Trainer, eager, 1 process
+
+The data: random documents of 5-60 tokens packed by transformers' ``DataCollatorWithFlattening``
+(padding-free, one row per micro-batch); the model: a tiny random Mistral with a sliding window of
+8 tokens on every layer, gradient checkpointing on. The lines that differ from a plain Trainer
+script are marked ``# CP``. With ``--single`` the same data trains on one process with
+``attn_implementation="eager"`` and a per-device batch of ``--batch x --world`` samples (the
+global batch of the CP run). Each run writes ``losses.json`` (Trainer's logged loss per step) and
+``params.pt`` (the final weights) to ``--out``; the two runs match to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+from cp_attention.integrations.trainer import CPTrainer  # CP
+from cp_attention.tiny_models import tiny_model
+
+
+def dataset(n: int = 32, seed: int = 0, vocab: int = 128) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(3, vocab, (int(torch.randint(5, 61, (1,), generator=g)),), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="folder for losses.json and params.pt")
+    parser.add_argument("--single", action="store_true", help="plain Trainer on one process, eager attention")
+    parser.add_argument("--batch", type=int, default=2, help="per-device batch of the CP run (samples)")
+    parser.add_argument("--world", type=int, default=2, help="with --single: the CP run's process count")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    model = tiny_model("mistral", "eager" if args.single else "cp_flash", seed=0, window=8)  # CP: cp_flash
+    training_args = TrainingArguments(
+        output_dir=args.out, per_device_train_batch_size=args.batch * (args.world if args.single else 1),
+        max_steps=args.steps, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": args.reentrant},
+        train_sampling_strategy="sequential", dataloader_drop_last=True,
+        ddp_backend=None if args.single else "gloo")
+    trainer_class = Trainer if args.single else CPTrainer  # CP
+    trainer = trainer_class(model=model, args=training_args, train_dataset=dataset(),
+                            data_collator=DataCollatorWithFlattening())
+    trainer.train()
+    if int(os.environ.get("RANK", 0)) == 0:
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        with open(os.path.join(args.out, "losses.json"), "w") as f:
+            json.dump(losses, f)
+        torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()},
+                   os.path.join(args.out, "params.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Training through the real tools: DDP and FSDP2 over CP and dp x cp meshes, gradient checkpointing
+(reentrant and not, backward inside and after the context), transformers' packing collator passed
+whole, Trainer under torchrun, stale batches, errors that leave the group usable, torch's own
+context parallelism, DeviceMesh groups, and no side effect of ``import cp_attention``.
+
+Ground truth: the same weights under "eager" on one process, each packed document run alone
+(tests/training_workers.py); the gradient convention under test is the ecosystem's: the MEAN over
+ranks (what DDP and FSDP2 compute) is the single-device gradient, the MEAN of the ranks' losses the
+single-device loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import training_workers as tw
+from cp_attention.launch import free_port, run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _assert_exact(results: list[dict]) -> None:
+    assert results and all(results)
+    for rank, per_setup in enumerate(results):
+        for name, e in per_setup.items():
+            assert e["loss_err"] <= tw.REL_TOL, f"rank {rank} {name}: loss relative error {e['loss_err']:.2e}"
+            assert e["grad_err"] <= tw.REL_TOL, (f"rank {rank} {name}: gradient error {e['grad_err']:.2e} of the "
+                                                 f"largest gradient (mean norm ratio {e['grad_ratio']:.3f})")
+
+
+def test_ddp_fsdp2_checkpointing_collator_cp2():
+    """2 ranks, CP = 2: DDP and FSDP2 over the CP ranks, every checkpointing mode, backward inside
+    and after the block, the flattening collator's output and packed rows."""
+    _assert_exact(run_ranks(2, tw.run_setups, tw.CP2_SETUPS, 1, timeout=600))
+
+
+def test_ddp_fsdp2_over_dp_x_cp_mesh():
+    """4 ranks as dp = 2 x cp = 2: DDP / FSDP2 over the flattened mesh average the two replicas'
+    single-device gradients; the CP mean of the losses is each replica's loss."""
+    _assert_exact(run_ranks(4, tw.run_setups, tw.DPCP_SETUPS, 2, timeout=900))
+
+
+def test_ddp_cp4():
+    """4 ranks, CP = 4 (shards of 24 tokens, window 6, documents across shards)."""
+    _assert_exact(run_ranks(4, tw.run_setups, tw.CP2_SETUPS[:3], 1, timeout=900))
+
+
+@pytest.fixture(scope="module")
+def extras():
+    return run_ranks(2, tw.run_extras, timeout=600)
+
+
+def test_stale_batch_uses_its_own_documents(extras):
+    for found in extras:
+        assert found["stale_a"] <= 1e-4 and found["stale_b"] <= 1e-4, found
+        assert found["unambiguous"] <= 1e-4, found
+
+
+def test_ambiguous_batch_raises_on_every_rank(extras):
+    for found in extras:
+        assert found["ambiguous"].startswith("ValueError") and "several batches" in found["ambiguous"], found
+
+
+def test_device_mesh_groups(extras):
+    for found in extras:
+        assert found["mesh_dim"] <= 1e-4, found
+        assert "mesh_dim='cp'" in found["mesh_2d_unnamed"], found
+
+
+def test_torch_context_parallel_active_is_refused(extras):
+    for found in extras:
+        assert found["torch_cp"].startswith("RuntimeError") and "torch's context_parallel" in found["torch_cp"]
+
+
+def _torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", script, *args]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("repeat", range(2))
+def test_errors_leave_the_group_usable_and_exit_cleanly(repeat):
+    proc = _torchrun(os.path.join(ROOT, "tests", "cp_errors_script.py"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "SIGABRT" not in proc.stderr and "terminate called" not in proc.stderr
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == [0, 1], proc.stdout[-2000:]
+    for r in results:
+        assert "cp.shard_batch" in r["forgot"], r
+        assert r["fresh"] <= 1e-4 and r["same"] <= 1e-4, r
+    failure = {r["rank"]: r["failure"] for r in results}
+    assert failure[1] == "own: injected failure on rank 1"
+    assert failure[0].startswith("RankFailedError rank=1") and "injected failure on rank 1" in failure[0]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_trainer_under_torchrun_equals_single_device(tmp_path, reentrant):
+    """examples/train_trainer.py: CPTrainer on 2 gloo processes (cp_flash, packing collator, gradient
+    checkpointing) against a plain single-process Trainer (eager) on the same global batches."""
+    script = os.path.join(ROOT, "examples", "train_trainer.py")
+    extra = ["--reentrant"] if reentrant else []
+    cp = _torchrun(script, "--out", str(tmp_path / "cp"), *extra)
+    assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
+    single = subprocess.run([sys.executable, script, "--single", "--out", str(tmp_path / "single"), *extra],
+                            env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert single.returncode == 0, single.stderr[-3000:]
+    losses = [json.load(open(tmp_path / run / "losses.json")) for run in ("cp", "single")]
+    assert len(losses[0]) == len(losses[1]) == 4
+    for step, (a, b) in enumerate(zip(*losses)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step + 1}: CP loss {a} vs single-device {b}"
+    params = [torch.load(tmp_path / run / "params.pt") for run in ("cp", "single")]
+    initial = tw.tiny_model("mistral", "eager", seed=0, window=8).state_dict()
+    moved = max(float((params[1][k] - initial[k]).abs().max()) for k in initial)
+    assert moved > 1e-3, "training did not change the weights: the comparison would prove nothing"
+    for k, v in params[1].items():
+        assert float((params[0][k] - v).abs().max()) <= 1e-5 * max(1.0, float(v.abs().max())), k
+
+
+_TRAINER_LOSS = r"""
+import sys, torch
+if sys.argv[1] == "import":
+    import cp_attention
+from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+from cp_attention.tiny_models import tiny_model
+torch.set_num_threads(1)
+model = tiny_model("qwen3", "eager", seed=0)
+g = torch.Generator().manual_seed(0)
+data = [{"input_ids": torch.randint(3, 128, (24,), generator=g).tolist()} for _ in range(4)]
+class Tok:  # what DataCollatorForLanguageModeling needs of a tokenizer
+    pad_token_id = 0
+    def pad(self, features, return_tensors="pt", **kw):
+        return {"input_ids": torch.tensor([f["input_ids"] for f in features])}
+args = TrainingArguments(output_dir=sys.argv[2], per_device_train_batch_size=4, max_steps=1, report_to=[],
+                         use_cpu=True, save_strategy="no", logging_steps=1, seed=0)
+trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=DataCollatorForLanguageModeling(Tok(), mlm=False))
+trainer.train()
+print("LOSS", repr([e["loss"] for e in trainer.state.log_history if "loss" in e][0]))
+"""
+
+
+def test_import_leaves_an_eager_models_trainer_loss_unchanged(tmp_path):
+    losses = []
+    for mode in ("plain", "import"):
+        proc = subprocess.run([sys.executable, "-c", _TRAINER_LOSS, mode, str(tmp_path / mode)], env=ENV,
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses.append([line for line in proc.stdout.splitlines() if line.startswith("LOSS")][0])
+    assert losses[0] == losses[1], losses
