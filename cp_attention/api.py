@@ -571,8 +571,9 @@ def attention(
 
         chunk_size: query and key must lie in the same chunk of their document (Llama 4).
         softcap: ``softcap * tanh(scores / softcap)`` on the scaled scores (Gemma 2).
-        sinks: (H,) one extra value-less logit per head (gpt-oss). Its gradient is this rank's
-            share: sum it over the group (as data-parallel gradient reduction does).
+        sinks: (H,) one extra value-less logit per head (gpt-oss). Its gradient, like every
+            replicated parameter's, comes from this rank's loss: reduce it over the group with the
+            rest (the mean, when each rank's loss is P times its share as ``shard_batch`` makes it).
         scale: score multiplier; None means ``D ** -0.5``.
         group: the process group; None means the active :func:`context_parallel` group, or a
             single device when none is active.

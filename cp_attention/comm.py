@@ -17,8 +17,10 @@ names the failing rank when it gives up:
 * point-to-point waits on CUDA (NCCL) only order the streams and never block the CPU; a stalled
   exchange is caught by the next attention call's (polled) agreement exchange.
 
-After a failure the group's ring is out of step: every later call on this group raises
-:class:`RankFailedError` (create a new process group, or restart the job, to continue).
+Failures are recorded per scope: one per :func:`~cp_attention.context_parallel` block (see
+``fresh_scope``). After a real failure the group's ring may be out of step: every later call in
+that block raises :class:`RankFailedError` (create a new process group, or restart the job, to
+continue). Errors that every rank raises together are not failures and are never recorded.
 """
 
 from __future__ import annotations

@@ -126,10 +126,13 @@ _TRAINER_LOSS = r"""
 import sys, torch
 if sys.argv[1] == "import":
     import cp_attention
-from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
-from cp_attention.tiny_models import tiny_model
+from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Qwen3Config, Trainer, TrainingArguments
+assert ("cp_attention" in sys.modules) == (sys.argv[1] == "import")  # the plain run never imports it
 torch.set_num_threads(1)
-model = tiny_model("qwen3", "eager", seed=0)
+torch.manual_seed(0)
+config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, num_hidden_layers=2, pad_token_id=0)
+model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 g = torch.Generator().manual_seed(0)
 data = [{"input_ids": torch.randint(3, 128, (24,), generator=g).tolist()} for _ in range(4)]
 class Tok:  # what DataCollatorForLanguageModeling needs of a tokenizer
@@ -152,3 +155,31 @@ def test_import_leaves_an_eager_models_trainer_loss_unchanged(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         losses.append([line for line in proc.stdout.splitlines() if line.startswith("LOSS")][0])
     assert losses[0] == losses[1], losses
+
+
+def test_join_micro_batches_keeps_parts_apart():
+    """CPTrainer's join of the ranks' micro-batches: part boundaries open documents, the first label
+    of a later part is never predicted, positions restart per part, collator keys are translated."""
+    from cp_attention.integrations.trainer import join_micro_batches
+
+    a = dict(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]), labels=torch.tensor([[5, 6, 7], [8, 9, 10]]),
+             attention_mask=torch.tensor([[1, 1, 1], [0, 1, 1]]))
+    b = dict(input_ids=torch.tensor([[11, 12], [13, 14]]), labels=torch.tensor([[11, 12], [13, 14]]),
+             attention_mask=torch.ones(2, 2, dtype=torch.long))
+    joined, starts = join_micro_batches([a, b])
+    assert joined["input_ids"].tolist() == [[5, 6, 7, 11, 12], [8, 9, 10, 13, 14]]
+    assert joined["labels"].tolist() == [[5, 6, 7, -100, 12], [8, 9, 10, -100, 14]]
+    assert joined["position_ids"].tolist() == [[0, 1, 2, 0, 1]] * 2
+    assert starts.tolist() == [[True, False, False, True, False]] * 2
+    assert joined["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 1, 1]]
+    # the flattening collator's document keys become document starts and are not passed on
+    c = dict(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[-100, 2, -100, 4]]),
+             position_ids=torch.tensor([[0, 1, 0, 1]]), cu_seq_lens_q=torch.tensor([0, 2, 4], dtype=torch.int32),
+             cu_seq_lens_k=torch.tensor([0, 2, 4], dtype=torch.int32), max_length_q=2, max_length_k=2,
+             seq_idx=torch.tensor([[0, 0, 1, 1]], dtype=torch.int32))
+    joined, starts = join_micro_batches([c, dict(c)])
+    assert sorted(joined) == ["input_ids", "labels", "position_ids"]
+    assert starts.tolist() == [[True, False, True, False] * 2]
+    with pytest.raises(ValueError, match="same number of rows"):
+        join_micro_batches([a, dict(b, input_ids=b["input_ids"][:1], labels=b["labels"][:1],
+                                    attention_mask=b["attention_mask"][:1])])
