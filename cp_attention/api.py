@@ -80,7 +80,7 @@ AMBIGUOUS = object()
 # Keys a packing collator (transformers' DataCollatorWithFlattening) adds next to (B, L) tensors:
 # they describe the documents of the one packed row, are translated into the batch's documents and
 # are not passed on (the model's layers get the documents from the record instead).
-_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def _document_opens(documents: dict, seq_len: int) -> torch.Tensor | None:
@@ -292,7 +292,7 @@ class ContextParallel:
         documents: dict = {}
         num_items = None
         for name, value in inputs.items():
-            if name in _DOCUMENT_KEYS:
+            if name in DOCUMENT_KEYS:
                 documents[name] = value
             elif name == "num_items_in_batch":
                 if value is not None:
@@ -303,7 +303,7 @@ class ContextParallel:
                 what = f"a {value.dim()}-D tensor" if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"shard_batch: {name} is {what}; it takes (B, L, ...) tensors to shard, "
                                  f"num_items_in_batch and the document keys of a packing collator "
-                                 f"({', '.join(_DOCUMENT_KEYS)}); drop {name} or pass it to the model yourself")
+                                 f"({', '.join(DOCUMENT_KEYS)}); drop {name} or pass it to the model yourself")
         if not tensors:
             raise ValueError("shard_batch needs at least one (B, L, ...) tensor, e.g. input_ids=...")
         L = next(iter(tensors.values())).shape[1]

@@ -183,3 +183,28 @@ def test_join_micro_batches_keeps_parts_apart():
     with pytest.raises(ValueError, match="same number of rows"):
         join_micro_batches([a, dict(b, input_ids=b["input_ids"][:1], labels=b["labels"][:1],
                                     attention_mask=b["attention_mask"][:1])])
+
+
+def test_shard_batch_takes_the_flattening_collator_output_whole():
+    """Every key of DataCollatorWithFlattening is sharded or translated; anything else is refused by
+    name; the documents come from cu_seq_lens / seq_idx even without position_ids."""
+    import cp_attention
+
+    docs = tw.documents(0)
+    batch = tw.flattened(docs)
+    with cp_attention.context_parallel() as cp:
+        local = cp.shard_batch(**batch)
+        assert sorted(local) == ["input_ids", "labels", "num_items_in_batch", "position_ids", "shift_labels"]
+        record = cp_attention.api.batch_of(local["input_ids"])
+        starts = record.meta.doc_start[0]
+        no_pos = cp.shard_batch(**{k: v for k, v in batch.items() if k != "position_ids"})
+        assert torch.equal(cp_attention.api.batch_of(no_pos["input_ids"]).meta.doc_start[0], starts)
+        lengths = [d.numel() for d in docs]
+        expected = torch.repeat_interleave(torch.tensor([0, *lengths[:-1]]).cumsum(0), torch.tensor(lengths))
+        assert torch.equal(starts, expected)
+        assert float(local["num_items_in_batch"]) == sum(n - 1 for n in lengths)
+        with pytest.raises(ValueError, match="foo"):
+            cp.shard_batch(**batch, foo=3)
+        bad = dict(batch, cu_seq_lens_q=batch["cu_seq_lens_q"][:-1])
+        with pytest.raises(ValueError, match="cu_seq_lens_q"):
+            cp.shard_batch(**bad)

@@ -32,11 +32,9 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from ..api import context_parallel
+from ..api import DOCUMENT_KEYS, context_parallel
 
 __all__ = ["CPTrainer", "join_micro_batches"]
-
-_DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def _segments(part: dict, B: int, L: int) -> torch.Tensor:
@@ -80,7 +78,7 @@ def join_micro_batches(parts: list[dict]) -> tuple[dict, torch.Tensor]:
     lengths = [int(p[ref].shape[1]) for p in parts]
     joined: dict = {}
     for name in keys[0]:
-        if name in _DOCUMENT_KEYS:
+        if name in DOCUMENT_KEYS:
             continue
         values = [p[name] for p in parts]
         if not all(isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == n for v, n in zip(values, lengths)):
