@@ -74,6 +74,27 @@ def batch_of(*tensors) -> BatchRecord | None:
     return None
 
 
+# Every live sharded batch of this process, for one case only: a forward recomputed by gradient
+# checkpointing of a whole model call, after its context has exited, in a model whose attention
+# layers get no position_ids (see recomputed_batch). Guarded by the lock; entries die with the
+# tensors shard_batch returned.
+_LIVE: list[tuple[list[weakref.ref], "BatchRecord"]] = []
+_LIVE_LOCK = threading.Lock()
+
+
+def recomputed_batch(batch_size: int, local_len: int):
+    """The sharded batch an attention layer recomputed during backward (activation checkpointing)
+    most likely ran on when nothing binds it: the only live multi-rank batch with this shape; None
+    if there is none, :data:`AMBIGUOUS` if several."""
+    with _LIVE_LOCK:
+        _LIVE[:] = [(refs, rec) for refs, rec in _LIVE if _alive(refs)]
+        found = [rec for _, rec in _LIVE if rec.cp.world_size > 1 and rec.meta.batch == batch_size
+                 and rec.local_position_ids.shape[-1] == local_len]
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else AMBIGUOUS
+
+
 AMBIGUOUS = object()
 """Returned by :meth:`ContextParallel.current_batch` when several sharded batches are alive."""
 
@@ -276,9 +297,13 @@ class ContextParallel:
                              crc=_meta_crc(meta))
         for t in out.values():
             setattr(t, _BATCH_ATTR, record)
+        refs = [weakref.ref(t) for t in out.values()]
         with self._records_lock:
-            self._records = [(refs, rec) for refs, rec in self._records if _alive(refs)]
-            self._records.append(([weakref.ref(t) for t in out.values()], record))
+            self._records = [(r, rec) for r, rec in self._records if _alive(r)]
+            self._records.append((refs, record))
+        with _LIVE_LOCK:
+            _LIVE[:] = [(r, rec) for r, rec in _LIVE if _alive(r)]
+            _LIVE.append((refs, record))
         self._batch = record
         return out
 

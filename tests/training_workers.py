@@ -109,7 +109,31 @@ def train_step(model, batch_full: dict, cp_group, *, backward: str, layout: str 
     return float(loss) / cp.world_size
 
 
+class _CheckpointWholeModel(torch.nn.Module):
+    """torch.utils.checkpoint around the whole model call (non-reentrant): its recompute, masks
+    included, runs during backward, after the context_parallel block; gradients averaged over the
+    group by hand (all_reduce of the sum, divided by the group size) after backward."""
+
+    def __init__(self, model, group):
+        super().__init__()
+        self.module, self.group = model, group
+
+    def forward(self, **batch):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(lambda **kw: self.module(**kw), use_reentrant=False, **batch)
+
+    def average_grads(self):
+        for p in self.module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.group)
+            p.grad /= dist.get_world_size(self.group)
+
+
 def _wrap(model, how: str, group, mesh=None):
+    if how == "checkpoint-whole":
+        return _CheckpointWholeModel(model, group)
     if how == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -133,6 +157,9 @@ CP2_SETUPS = (
     ("ddp/mistral/flatten/gc-nonreentrant/after", "mistral", "flatten", "ddp", False, "after"),
     ("ddp/gemma3/rows/gc-nonreentrant/inside", "gemma3", "rows", "ddp", False, "inside"),
     ("fsdp2/mistral/flatten/gc-nonreentrant/after", "mistral", "flatten", "fsdp2", False, "after"),
+    ("checkpoint-whole/qwen3/flatten/after", "qwen3", "flatten", "checkpoint-whole", None, "after"),
+    ("checkpoint-whole/llama4/flatten/after", "llama4", "flatten", "checkpoint-whole", None, "after"),
+    ("checkpoint-whole/cohere2/rows/after", "cohere2", "rows", "checkpoint-whole", None, "after"),
 )
 DPCP_SETUPS = (
     ("ddp/mistral/flatten/after", "mistral", "flatten", "ddp", None, "after"),
@@ -161,6 +188,8 @@ def run_setups(rank: int, world_size: int, setups, dp: int) -> dict:
         replicas = [documents(seed) for seed in range(dp)]
         make = flattened if collator == "flatten" else rows
         loss = train_step(wrapped, make(replicas[dp_rank]), mesh["cp"], backward=backward)
+        if isinstance(wrapped, _CheckpointWholeModel):
+            wrapped.average_grads()
         ref_losses, ref_grads = ground_truth(ref, replicas)
         # the CP mean of the losses is this replica's loss; DDP/FSDP2 average the replicas' gradients
         results[name] = errors(loss, full_grads(wrapped), ref_losses[dp_rank], ref_grads)

@@ -146,6 +146,8 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
     batch = api.batch_of(attention_mask)
     if batch is None and api.active_context() is not None:
         batch = api.active_context().current_batch()
+    elif batch is None and torch._C._current_graph_task_id() != -1:  # recomputed during backward
+        batch = api.recomputed_batch(batch_size, q_length)
     return CPMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
                   kv_offset=int(kv_offset), valid=valid, opens=opens, batch=batch)
 
