@@ -273,7 +273,8 @@ class ContextParallel:
         if valid is not None and valid.dim() != 2:
             raise ValueError("shard_batch: attention_mask must be a 2D (B, L) padding mask")
         meta = SequenceMeta(batch=B, seq_len=L, doc_start=doc_starts(
-            B, L, position_ids=position_ids, valid=None if valid is None else valid.bool(), opens=opens))
+            B, L, position_ids=position_ids, valid=None if valid is None else valid.bool(), opens=opens),
+            position=position_ids.detach().to("cpu", torch.int64).contiguous())
         out: dict[str, torch.Tensor] = {}
         labels = tensors.pop("labels", None)
         num_items = None
@@ -468,8 +469,9 @@ def _float_bits(x: float | None) -> int:
 def _meta_crc(meta: SequenceMeta) -> int:
     """A checksum of the global sequence metadata (length, rows, every token's document start)."""
     crc = zlib.crc32(struct.pack("<qq", meta.batch, meta.seq_len))
-    if meta.doc_start is not None:
-        crc = zlib.crc32(meta.doc_start.to(torch.int64).contiguous().numpy().tobytes(), crc)
+    for per_token in (meta.doc_start, meta.position):
+        if per_token is not None:
+            crc = zlib.crc32(per_token.to(torch.int64).contiguous().numpy().tobytes(), crc)
     return crc
 
 
@@ -594,7 +596,9 @@ def attention(
                 0 1 1 1 0
                 0 0 1 1 1
 
-        chunk_size: query and key must lie in the same chunk of their document (Llama 4).
+        chunk_size: query and key must lie in the same chunk of their document (Llama 4): the same
+            ``position // chunk_size``, positions from ``position_ids`` (with ``cu_seqlens``,
+            counted from 0 at each document's first token).
         softcap: ``softcap * tanh(scores / softcap)`` on the scaled scores (Gemma 2).
         sinks: (H,) one extra value-less logit per head (gpt-oss). Its gradient, like every
             replicated parameter's, comes from this rank's loss: reduce it over the group with the
@@ -682,7 +686,8 @@ def _make_meta(comm: Comm, layout: str, seq_len: int, B: int, position_ids, cu_s
         padded[:, :position_ids.shape[1]] = position_ids.detach().to(comm.device, torch.int64)
         parts = [p[:, :n].cpu() for p, n in zip(comm.all_gather(padded, "the position_ids all-gather"), sizes)]
         pos_BL = layout_mod.unshard(parts, 1, layout)
-    return SequenceMeta(batch=B, seq_len=seq_len, doc_start=doc_starts_from_position_ids(pos_BL))
+    return SequenceMeta(batch=B, seq_len=seq_len, doc_start=doc_starts_from_position_ids(pos_BL),
+                        position=pos_BL.to(torch.int64).contiguous())
 
 
 def _cache_keys(layout: str, q, k, spec: MaskSpec, position_ids, cu_seqlens, batch):

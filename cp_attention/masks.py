@@ -5,7 +5,9 @@ into the same two facts per token, in *global* (unsharded) coordinates:
 
 * its global index ``i`` in ``[0, L)``;
 * the ``[start, end)`` range of its *attention segment*: the document it belongs to, further cut
-  into chunks of ``chunk_size`` tokens counted from the document's first token.
+  into chunks of ``chunk_size`` positions: two tokens of a document share a chunk when their
+  positions ``p`` (``position_ids``; without them, counted from 0 at each document's first token)
+  have the same ``p // chunk_size``, as transformers defines Llama 4's chunked attention.
 
 A query at global index ``q`` sees a key at global index ``k`` exactly when both lie in the same
 segment and ``lo <= k - q <= hi`` for the band ``(lo, hi)`` of :meth:`MaskSpec.band`.
@@ -47,8 +49,10 @@ class MaskSpec:
     """Sliding window with transformers' meaning: key ``k`` is visible from query ``q`` when
     ``0 <= q - k < window`` (causal) or ``|q - k| < window`` (bidirectional). None: unlimited."""
     chunk_size: int | None = None
-    """Chunked attention (Llama 4): query and key must also lie in the same ``chunk_size``-token
-    chunk of their document, chunks counted from the document's first token. None: no chunking."""
+    """Chunked attention (Llama 4): query and key must also lie in the same chunk of their document:
+    the same ``position // chunk_size``, with the tokens' ``position_ids`` (without them, positions
+    count from 0 at each document's first token). A document whose positions start at 5 with
+    ``chunk_size=4`` has chunks {5, 6, 7}, {8..11}, ... None: no chunking."""
     softcap: float | None = None
     """Logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)`` after
     scaling. None: off."""
@@ -90,11 +94,15 @@ class SequenceMeta:
 
     ``doc_start`` is None when every row is one document (the common unpacked case); otherwise a
     (B, L) int64 CPU tensor holding, for each token, the global index of its document's first token.
+    ``position`` is None when positions count from 0 at each document's first token; otherwise a
+    (B, L) int64 CPU tensor of every token's position (its ``position_ids``), which places chunk
+    boundaries (see :attr:`MaskSpec.chunk_size`).
     """
 
     batch: int
     seq_len: int
     doc_start: torch.Tensor | None = None
+    position: torch.Tensor | None = None
 
     def doc_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(start, end) of each token's document, both (B, L) int64, ``end`` exclusive."""
@@ -171,8 +179,11 @@ def segment_bounds(
     if spec.chunk_size is not None:
         C = spec.chunk_size
         idx_L = torch.arange(meta.seq_len)
-        start_BL = start_BL + ((idx_L - start_BL) // C) * C
-        end_BL = torch.minimum(end_BL, start_BL + C)
+        pos_BL = idx_L - start_BL if meta.position is None else meta.position.expand(meta.batch, meta.seq_len)
+        # within a document positions rise by one per token: its chunk opens pos % C tokens earlier
+        chunk_start_BL = idx_L - torch.remainder(pos_BL, C)
+        end_BL = torch.minimum(end_BL, chunk_start_BL + C)
+        start_BL = torch.maximum(start_BL, chunk_start_BL)
     return start_BL, end_BL
 
 

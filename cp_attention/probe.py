@@ -121,6 +121,7 @@ def _register_plain_causal() -> None:
 
     def plain_causal_attention(module, query, key, value, attention_mask, **kwargs):
         kwargs["sliding_window"] = None
+        kwargs.pop("position_ids", None)  # the true positions (for RoPE only): documents stay dropped
         return cp_flash_attention(_NoChunk(module), query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(PLAIN_CAUSAL, plain_causal_attention)

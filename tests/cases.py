@@ -102,7 +102,7 @@ def _meta_and_args(case: dict):
     elif docs is not None:
         cu_seqlens = torch.tensor([0] + list(torch.tensor(docs[1]).cumsum(0).tolist()), dtype=torch.int32)
         doc_start = doc_starts_from_cu_seqlens(cu_seqlens, L)
-    return SequenceMeta(batch=B, seq_len=L, doc_start=doc_start), position_ids, cu_seqlens
+    return SequenceMeta(batch=B, seq_len=L, doc_start=doc_start, position=position_ids), position_ids, cu_seqlens
 
 
 def run_cases(rank: int, world_size: int, cases: list[dict], layout: str, dtype_name: str = "float32",

@@ -12,8 +12,9 @@ the position does not increase by exactly one, so two documents may also merge);
 lengths)`` for one row with global ``cu_seqlens``.
 
 The oracle here builds its (L x L) mask from the documented semantics alone (no cp_attention
-code): key ``k`` is visible from query ``q`` when both lie in the same document and in the same
-``chunk_size`` chunk counted from the document's first token, and ``0 <= q - k < window``
+code): key ``k`` is visible from query ``q`` when both lie in the same document and have the same
+``position // chunk_size`` (positions from position_ids, else counted from 0 at each document's
+first token), and ``0 <= q - k < window``
 (causal) or ``|q - k| < window`` (bidirectional).
 
 Legend: ``B`` batch rows, ``L`` global length, ``H``/``K`` query/KV heads, ``D`` head dim.
@@ -58,8 +59,9 @@ def oracle_mask(case: dict) -> torch.Tensor:
                     opens[:, start] = True
     doc_start = torch.cummax(torch.where(opens, idx, torch.zeros_like(idx)), dim=1).values  # (B, L)
     same = doc_start[:, :, None] == doc_start[:, None, :]
-    if case.get("chunk_size") is not None:
-        chunk = (idx - doc_start) // case["chunk_size"]
+    if case.get("chunk_size") is not None:  # same position // chunk_size (positions from 0 without them)
+        pos = position_ids if position_ids is not None else idx - doc_start
+        chunk = torch.div(pos, case["chunk_size"], rounding_mode="floor")
         same &= chunk[:, :, None] == chunk[:, None, :]
     diff = idx[:, None] - idx[None, :]  # q - k
     band = diff >= 0 if case["causal"] else torch.ones(L, L, dtype=torch.bool)

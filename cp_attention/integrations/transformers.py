@@ -205,7 +205,7 @@ def _local_meta(info: CPMask | None, batch: api.BatchRecord | None, B: int, Lq: 
     T = max(q_off + Lq, kv_off + Lk)
     position_ids = opens = valid = None
     if batch is not None and not cached and batch.seq_len == Lq and batch.meta.batch == B:
-        meta = SequenceMeta(batch=B, seq_len=Lq, doc_start=batch.meta.doc_start)
+        meta = SequenceMeta(batch=B, seq_len=Lq, doc_start=batch.meta.doc_start, position=batch.meta.position)
         return meta, torch.arange(Lq), torch.arange(Lk)
     cu = kwargs.get("cu_seq_lens_q")
     if not cached:
@@ -245,7 +245,8 @@ def _local_meta(info: CPMask | None, batch: api.BatchRecord | None, B: int, Lq: 
     if position_ids is not None and T > Lq:
         position_ids = None
     meta = SequenceMeta(batch=B, seq_len=T, doc_start=doc_starts(
-        B, T, position_ids=position_ids, valid=valid, opens=opens))
+        B, T, position_ids=position_ids, valid=valid, opens=opens),
+        position=None if position_ids is None else position_ids.detach().to("cpu", torch.int64).expand(B, T))
     return meta, torch.arange(q_off, q_off + Lq), torch.arange(kv_off, kv_off + Lk)
 
 
