@@ -12,7 +12,8 @@ import struct
 import threading
 import weakref
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 import torch
 
@@ -475,27 +476,66 @@ def _meta_crc(meta: SequenceMeta) -> int:
     return crc
 
 
-# One int64 per field, exchanged by one all-gather before every multi-rank attention call. Fields in
-# _PER_RANK may differ between ranks; every other field must be equal on all ranks.
-_HEADER = ("error", "batch", "local_len", "heads", "kv_heads", "head_dim", "dtype", "layout", "causal",
-           "window", "chunk_size", "softcap", "scale", "sinks", "documents", "cu_seqlens_crc", "batch_length",
-           "batch_documents_crc", "plan_cached", "meta_cached", "cached_seq_len", "cached_meta_crc")
-_PER_RANK = ("error", "local_len", "plan_cached", "meta_cached", "cached_seq_len", "cached_meta_crc")
-_COL = {name: i for i, name in enumerate(_HEADER)}
+@dataclass(frozen=True)
+class _Header:
+    """One rank's side of the agreement exchange: what it was asked to compute and which plan inputs
+    it holds cached. One int64 per field (-1: none), all-gathered before every multi-rank attention
+    call; the fields in :attr:`PER_RANK` may differ between ranks, every other one must agree."""
+
+    error: int = 1                 # this rank's own checks failed (the rest is then -1)
+    batch: int = -1
+    local_len: int = -1
+    heads: int = -1
+    kv_heads: int = -1
+    head_dim: int = -1
+    dtype: int = -1                # index in _DTYPES
+    layout: int = -1               # index in layout.LAYOUTS
+    causal: int = -1
+    window: int = -1
+    chunk_size: int = -1
+    softcap: int = -1              # float bits
+    scale: int = -1                # float bits
+    sinks: int = -1
+    documents: int = -1            # 0 none, 1 position_ids, 2 cu_seqlens
+    cu_seqlens_crc: int = -1
+    batch_length: int = -1         # the shard_batch record's global length
+    batch_documents_crc: int = -1  # ... and its metadata checksum
+    plan_cached: int = -1          # this rank holds the plan cached
+    meta_cached: int = -1          # ... or the document metadata
+    cached_seq_len: int = -1       # the global length of the cached entry
+    cached_meta_crc: int = -1      # the metadata checksum of the cached entry
+
+    PER_RANK: ClassVar[frozenset] = frozenset({"error", "local_len", "plan_cached", "meta_cached",
+                                               "cached_seq_len", "cached_meta_crc"})
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([getattr(self, name) for name in self.names()], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, row: torch.Tensor) -> _Header:
+        return cls(**dict(zip(cls.names(), (int(x) for x in row.tolist()))))
 
 
-def _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached) -> torch.Tensor:
-    """This rank's header: what it was asked to compute and which plan inputs it holds cached.
-    ``cached``: (plan cached, metadata cached, their global length, their metadata checksum)."""
+def _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached) -> _Header:
+    """This rank's header. ``cached``: (plan cached, metadata cached, their global length, their
+    metadata checksum)."""
     crc = -1
     if cu_seqlens is not None:
         crc = zlib.crc32(cu_seqlens.detach().to("cpu", torch.int64).numpy().tobytes())
-    values = (0, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], _DTYPES.index(q.dtype),
-              layout_mod.LAYOUTS.index(layout), int(spec.causal), spec.window or -1, spec.chunk_size or -1,
-              _float_bits(spec.softcap), _float_bits(spec.scale), int(sinks is not None),
-              0 if position_ids is None and cu_seqlens is None else (1 if position_ids is not None else 2), crc,
-              -1 if batch is None else batch.seq_len, -1 if batch is None else batch.crc, *cached)
-    return torch.tensor(values, dtype=torch.int64)
+    plan_cached, meta_cached, cached_seq_len, cached_meta_crc = cached
+    return _Header(
+        error=0, batch=q.shape[0], local_len=q.shape[1], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
+        dtype=_DTYPES.index(q.dtype), layout=layout_mod.LAYOUTS.index(layout), causal=int(spec.causal),
+        window=spec.window or -1, chunk_size=spec.chunk_size or -1, softcap=_float_bits(spec.softcap),
+        scale=_float_bits(spec.scale), sinks=int(sinks is not None),
+        documents=0 if position_ids is None and cu_seqlens is None else (1 if position_ids is not None else 2),
+        cu_seqlens_crc=crc, batch_length=-1 if batch is None else batch.seq_len,
+        batch_documents_crc=-1 if batch is None else batch.crc, plan_cached=plan_cached, meta_cached=meta_cached,
+        cached_seq_len=cached_seq_len, cached_meta_crc=cached_meta_crc)
 
 
 def _collective_error(exc: Exception) -> Exception:
@@ -504,19 +544,16 @@ def _collective_error(exc: Exception) -> Exception:
     return exc
 
 
-def _exchange_headers(comm: Comm, header: torch.Tensor | None, error: Exception | None) -> torch.Tensor:
+def _exchange_headers(comm: Comm, header: _Header | None, error: Exception | None) -> list[_Header]:
     """All-gather every rank's header (one collective, polled, bounded by the comm's timeout).
 
     Raises on every rank if any rank failed its local checks (each failing rank its own error, the
     others a copy naming the first failing rank) or if ranks disagree on any shared field. Returns
-    the (P, len(_HEADER)) table."""
-    if header is None:
-        header = torch.full((len(_HEADER),), -1, dtype=torch.int64)
-    header = header.clone()
-    header[_COL["error"]] = int(error is not None)
-    table = torch.stack([h.cpu() for h in comm.all_gather(header.to(comm.device),
-                                                          "the agreement exchange of attention arguments")])
-    failed = [r for r in range(comm.world_size) if int(table[r, _COL["error"]])]
+    every rank's header, in rank order."""
+    mine = _Header() if header is None or error is not None else header
+    table = comm.all_gather(mine.to_tensor().to(comm.device), "the agreement exchange of attention arguments")
+    headers = [_Header.from_tensor(row.cpu()) for row in table]
+    failed = [r for r, h in enumerate(headers) if h.error]
     if failed:
         messages = comm.all_gather_object(None if error is None else (type(error).__name__, str(error)))
         if error is not None:  # every failing rank raises its own error
@@ -524,13 +561,13 @@ def _exchange_headers(comm: Comm, header: torch.Tensor | None, error: Exception 
         kind, message = messages[failed[0]]
         exc_type = TypeError if kind == "TypeError" else ValueError
         raise _collective_error(exc_type(f"rank {failed[0]} rejected its inputs: {message}"))
-    for col, name in enumerate(_HEADER):
-        column = table[:, col]
-        if name not in _PER_RANK and bool((column != column[0]).any()):
+    for name in _Header.names():
+        values = [getattr(h, name) for h in headers]
+        if name not in _Header.PER_RANK and any(v != values[0] for v in values):
             raise _collective_error(ValueError(
-                f"ranks disagree on {name}: {column.tolist()} (rank order); every rank of the context-parallel "
+                f"ranks disagree on {name}: {values} (rank order); every rank of the context-parallel "
                 f"group must call attention with the same arguments (and the same batch)"))
-    return table
+    return headers
 
 
 # ----------------------------------------------------------------------------------------------
@@ -745,15 +782,16 @@ def _plan_agreed(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks, ba
         cached = (int(plan_entry is not None), int(meta_entry is not None),
                   -1 if known is None else known[2], -1 if known is None else known[1])
         header = _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached)
-    table = _exchange_headers(comm, header, error)
+    headers = _exchange_headers(comm, header, error)
     try:
-        seq_len = layout_mod.infer_seq_len(table[:, _COL["local_len"]].tolist(), comm.world_size, layout)
+        seq_len = layout_mod.infer_seq_len([h.local_len for h in headers], comm.world_size, layout)
     except ValueError as exc:
         raise _collective_error(exc) from None
 
     def usable(flag: str) -> bool:
-        return (bool((table[:, _COL[flag]] == 1).all()) and bool((table[:, _COL["cached_seq_len"]] == seq_len).all())
-                and bool((table[:, _COL["cached_meta_crc"]] == table[0, _COL["cached_meta_crc"]]).all()))
+        """Every rank holds the entry, for this length and the same metadata."""
+        return all(getattr(h, flag) == 1 and h.cached_seq_len == seq_len
+                   and h.cached_meta_crc == headers[0].cached_meta_crc for h in headers)
 
     if usable("plan_cached"):
         return plan_entry[0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -185,12 +186,24 @@ class _Seq:
     work: int
 
 
-def _fit(rows_X, lo_X, hi_X, gid_X):
-    """Try to express each group of rows (ascending, live) as one bottom-right varlen sequence.
+class _Fit(NamedTuple):
+    """Per group of rows, (G,) tensors: can the group run as one bottom-right varlen sequence, and
+    with which arguments."""
 
-    Returns per group (first row, last row, K0, K1, left, right, left_free, right_free, ok), tensors
-    of shape (G,). ``left_free`` means no row pins the left side (any left >= Lk - 1 works).
-    """
+    first_G: torch.Tensor       # first query row of the group
+    last_G: torch.Tensor        # last query row
+    k0_G: torch.Tensor          # key range [k0, k1) of the whole group
+    k1_G: torch.Tensor
+    left_G: torch.Tensor        # the window's left reach, if pinned by a row (else -1)
+    right_G: torch.Tensor       # the window's right reach, if pinned (else -1)
+    left_free_G: torch.Tensor   # no row pins the left side: any left >= Lk - 1 works
+    right_free_G: torch.Tensor  # no row pins the right side
+    ok_G: torch.Tensor          # the group is exactly one sequence with these arguments
+    work_G: torch.Tensor        # score entries a tiled kernel computes for it
+
+
+def _fit(rows_X, lo_X, hi_X, gid_X) -> _Fit:
+    """Try to express each group of rows (ascending, live) as one bottom-right varlen sequence."""
     G = int(gid_X[-1]) + 1
     big = torch.iinfo(torch.int64).max
     f_G = torch.full((G,), big).scatter_reduce(0, gid_X, rows_X, "amin")
@@ -232,7 +245,8 @@ def _fit(rows_X, lo_X, hi_X, gid_X):
     t_rows = torch.zeros(n_tiles, dtype=torch.int64).scatter_add(0, tile_X, torch.ones_like(tile_X))
     tile_gid = torch.repeat_interleave(torch.arange(G), tiles_G)
     work_G = torch.zeros(G, dtype=torch.int64).scatter_add(0, tile_gid, t_rows * (t_hi - t_lo))
-    return f_G, l_G, k0_G, k1_G, left_G, right_G, left_free_G, right_free_G, ok_G, work_G
+    return _Fit(first_G=f_G, last_G=l_G, k0_G=k0_G, k1_G=k1_G, left_G=left_G, right_G=right_G,
+                left_free_G=left_free_G, right_free_G=right_free_G, ok_G=ok_G, work_G=work_G)
 
 
 def _runs(positions_X: torch.Tensor) -> torch.Tensor:
@@ -243,18 +257,17 @@ def _runs(positions_X: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(brk.to(torch.int64), 0) - 1
 
 
-def _collect(out: list[_Seq], fit, lo_X, hi_X, gid_X) -> torch.Tensor:
+def _collect(out: list[_Seq], fit: _Fit, lo_X, hi_X, gid_X) -> torch.Tensor:
     """Append fitted groups to ``out``; return the mask of rows whose group failed."""
-    f_G, l_G, k0_G, k1_G, left_G, right_G, lfree_G, rfree_G, ok_G, work_G = fit
-    vis_G = torch.zeros_like(f_G).scatter_add(0, gid_X, hi_X - lo_X)
-    for g in torch.nonzero(ok_G).flatten().tolist():
-        lq, lk = int(l_G[g] - f_G[g] + 1), int(k1_G[g] - k0_G[g])
+    vis_G = torch.zeros_like(fit.first_G).scatter_add(0, gid_X, hi_X - lo_X)
+    for g in torch.nonzero(fit.ok_G).flatten().tolist():
+        first, last, k0, k1 = (int(t[g]) for t in (fit.first_G, fit.last_G, fit.k0_G, fit.k1_G))
         out.append(_Seq(
-            q0=int(f_G[g]), q1=int(l_G[g]) + 1, k0=int(k0_G[g]), k1=int(k1_G[g]),
-            left=None if bool(lfree_G[g]) else int(left_G[g]),
-            right=None if bool(rfree_G[g]) else int(right_G[g]),
-            left_min=lk - 1, right_min=lq - 1, visible=int(vis_G[g]), work=int(work_G[g])))
-    return ~ok_G[gid_X]
+            q0=first, q1=last + 1, k0=k0, k1=k1,
+            left=None if bool(fit.left_free_G[g]) else int(fit.left_G[g]),
+            right=None if bool(fit.right_free_G[g]) else int(fit.right_G[g]),
+            left_min=k1 - k0 - 1, right_min=last - first, visible=int(vis_G[g]), work=int(fit.work_G[g])))
+    return ~fit.ok_G[gid_X]
 
 
 def _pair_sequences(tok: _Tokens, spec: MaskSpec, r: int, s: int) -> list[_Seq]:
