@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import struct
 import threading
+import time
 import weakref
 import zlib
 from dataclasses import dataclass, field, fields
@@ -25,7 +27,10 @@ from .masks import (MaskSpec, SequenceMeta, doc_starts, doc_starts_from_cu_seqle
 from .plan import PlanStats, RankPlan, build_plan
 from .ring import ring_attention
 
-__all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats", "BatchRecord", "batch_of"]
+__all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats", "forward_plan_stats", "BatchRecord",
+           "batch_of"]
+
+log = logging.getLogger(__name__)
 
 _ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar("cp_attention_ctx", default=None)
 _LAST_STATS: list[PlanStats | None] = [None]
@@ -39,8 +44,40 @@ def active_context() -> ContextParallel | None:
 
 
 def last_plan_stats() -> PlanStats | None:
-    """Statistics of the plan used by the most recent :func:`attention` call in this process."""
+    """Statistics of the plan used by the most recent attention call in this process (the bare
+    :func:`attention` or a ``cp_flash`` layer, at any world size)."""
     return _LAST_STATS[0]
+
+
+# Per thread: the (layer index, PlanStats) of every cp_flash layer call of the current forward.
+_FORWARD = threading.local()
+
+
+def forward_plan_stats() -> list[tuple[int | None, PlanStats]]:
+    """``(layer index, PlanStats)`` of every attention layer call of the most recent ``cp_flash``
+    model forward in this thread, in call order, at any world size (recomputations by gradient
+    checkpointing during backward are not counted again)."""
+    return list(getattr(_FORWARD, "calls", []))
+
+
+def begin_forward() -> None:
+    """Mark the start of a model forward for :func:`forward_plan_stats` (the integration calls it
+    when the model builds its masks); a no-op until a layer of the previous forward has run."""
+    if getattr(_FORWARD, "layer_ran", True):
+        _FORWARD.calls, _FORWARD.layer_ran = [], False
+
+
+def _note_stats(stats: PlanStats, layer: int | None = None, in_model: bool = False) -> None:
+    _LAST_STATS[0] = stats
+    if in_model and torch._C._current_graph_task_id() == -1:  # not a recomputation in backward
+        if not hasattr(_FORWARD, "calls"):
+            _FORWARD.calls = []
+        _FORWARD.calls.append((layer, stats))
+        _FORWARD.layer_ran = True
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("attention call%s: %d kernel calls, K/V sent %d B / received %d B in %d rounds, dK/dV %d B",
+                  "" if layer is None else f" (layer {layer})", stats.kernel_calls, stats.kv_bytes_sent,
+                  stats.kv_bytes_recv, stats.rounds, stats.grad_bytes_sent)
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,6 +134,9 @@ def recomputed_batch(batch_size: int, local_len: int):
 
 
 AMBIGUOUS = object()
+
+_INFO_SEEN: set = set()  # (world size, layout, backend) already announced at INFO, once per process
+_INFO_LOCK = threading.Lock()
 """Returned by :meth:`ContextParallel.current_batch` when several sharded batches are alive."""
 
 # Keys a packing collator (transformers' DataCollatorWithFlattening) adds next to (B, L) tensors:
@@ -177,11 +217,20 @@ class ContextParallel:
     that shares a mask reuses one plan and the metadata is exchanged once.
     """
 
-    def __init__(self, group=None, layout: str = "zigzag", timeout: float | None = None):
+    def __init__(self, group=None, layout: str = "zigzag", timeout: float | None = None, backend: str = "auto"):
         group = _as_group(group)
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
         self.comm = Comm(group, timeout=timeout, fresh_scope=True)
         self.group = group
         self.layout = layout_mod.check_layout(layout)
+        self.backend = backend
+        key = (self.comm.world_size, self.layout, backend)
+        with _INFO_LOCK:
+            if key not in _INFO_SEEN:
+                _INFO_SEEN.add(key)
+                log.info("context parallelism over %d rank(s), %s layout, backend %r (rank %d)",
+                         self.comm.world_size, self.layout, backend, self.comm.rank)
         self._plans: dict = {}
         self._metas: dict = {}
         self._batch: BatchRecord | None = None
@@ -376,11 +425,13 @@ class ContextParallel:
 
 @contextlib.contextmanager
 def context_parallel(group=None, layout: str = "zigzag", timeout: float | None = None, *,
-                     mesh_dim: str | None = None):
+                     mesh_dim: str | None = None, backend: str = "auto"):
     """Make ``group`` (None: the default WORLD group) the context-parallel group of the block.
 
     ``group``: a ProcessGroup, a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]`` of a (dp, cp) mesh), or a
-    DeviceMesh with the name of its context-parallel dimension in ``mesh_dim``.
+    DeviceMesh with the name of its context-parallel dimension in ``mesh_dim``. ``backend``: the
+    varlen backend of the block's attention calls that do not name one, ``cp_flash`` layers
+    included ("auto", or a name in ``cp_attention.backends.BACKENDS``).
 
     Inside, :func:`attention` with ``group=None`` shards over this group with this layout::
 
@@ -396,7 +447,7 @@ def context_parallel(group=None, layout: str = "zigzag", timeout: float | None =
     exception escaping the block (or raised inside attention) is recorded for the group, so ranks
     waiting on this one raise at once, naming it, instead of waiting for the timeout.
     """
-    cp = ContextParallel(_as_group(group, mesh_dim), layout, timeout)
+    cp = ContextParallel(_as_group(group, mesh_dim), layout, timeout, backend)
     token = _ACTIVE.set(cp)
     try:
         yield cp
@@ -610,7 +661,7 @@ def attention(
     position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     causal: bool = True, window: int | None = None, chunk_size: int | None = None,
     softcap: float | None = None, sinks: torch.Tensor | None = None, scale: float | None = None,
-    group=None, layout: str | None = None, backend: str = "auto",
+    group=None, layout: str | None = None, backend: str | None = None, mask: MaskSpec | None = None,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across a process group, honouring every mask.
 
@@ -644,7 +695,10 @@ def attention(
         group: the process group; None means the active :func:`context_parallel` group, or a
             single device when none is active.
         layout: "zigzag" or "contiguous"; None means the active context's layout (else zigzag).
-        backend: "auto" or a name in ``cp_attention.backends.BACKENDS`` ("reference").
+        backend: "auto" or a name in ``cp_attention.backends.BACKENDS``; None: the active
+            context's backend (``context_parallel(backend=...)``), else "auto".
+        mask: a :class:`~cp_attention.MaskSpec` instead of the keywords ``causal``, ``window``,
+            ``chunk_size``, ``softcap`` and ``scale`` (which must then keep their defaults).
 
     Returns:
         (B, L_local, H, D) in q's dtype (accumulation in float32), differentiable w.r.t. q, k, v
@@ -656,18 +710,33 @@ def attention(
         RankFailedError when another rank of the group failed (it is named) or did not answer
         within the context's ``timeout``.
     """
-    return _attend(q, k, v, dict(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale),
-                   position_ids=position_ids, cu_seqlens=cu_seqlens, sinks=sinks, group=group, layout=layout,
-                   backend=backend)
+    keywords = dict(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale)
+    local_error = None
+    if mask is not None:
+        if not isinstance(mask, MaskSpec):
+            local_error = TypeError(f"mask must be a cp_attention.MaskSpec, got {type(mask).__name__}")
+        elif keywords != dict(causal=True, window=None, chunk_size=None, softcap=None, scale=None):
+            local_error = ValueError("pass the mask either as mask=MaskSpec(...) or as the keywords causal, window, "
+                                     "chunk_size, softcap and scale, not both")
+    return attend(q, k, v, mask if mask is not None and local_error is None else keywords,
+                  position_ids=position_ids, cu_seqlens=cu_seqlens, sinks=sinks, group=group, layout=layout,
+                  backend=backend, local_error=local_error)
 
 
-def _attend(q, k, v, mask_args: dict, *, position_ids=None, cu_seqlens=None, sinks=None, group=None, layout=None,
-            backend="auto", batch: BatchRecord | None = None, local_error: Exception | None = None) -> torch.Tensor:
-    """:func:`attention` with the mask arguments as a dict; ``batch`` supplies the global document
-    metadata recorded by :meth:`ContextParallel.shard_batch` instead of ``position_ids``;
-    ``local_error``: a caller's check that failed on this rank, raised on every rank like ours."""
+def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None, sinks=None, group=None,
+           layout=None, backend: str | None = None, batch: BatchRecord | None = None,
+           local_error: Exception | None = None, layer: int | None = None) -> torch.Tensor:
+    """The engine entry behind :func:`attention` and the integrations (same arguments and result).
+
+    ``mask``: a MaskSpec or a dict of its keywords (checked on every rank together). ``batch``: the
+    record of a :meth:`ContextParallel.shard_batch` call, whose documents and context the call uses
+    instead of ``position_ids`` and the active context. ``local_error``: a caller's check that
+    failed on this rank, raised on every rank of the group together (before any K/V moves).
+    ``layer``: the model layer index, for :func:`forward_plan_stats` (a model's layers only)."""
     res = _resolve(group, layout, None if batch is None else batch.cp)
     comm = res.comm
+    if backend is None:
+        backend = res.cp.backend if res.cp is not None else "auto"
     error: Exception | None = None
     spec = impl = None
     try:  # every check that can fail on one rank only runs before the first collective
@@ -675,7 +744,7 @@ def _attend(q, k, v, mask_args: dict, *, position_ids=None, cu_seqlens=None, sin
             raise local_error
         if layout is not None:
             layout_mod.check_layout(layout)
-        spec = MaskSpec(**mask_args)
+        spec = mask if isinstance(mask, MaskSpec) else MaskSpec(**mask)
         _check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend)
         impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
     except (TypeError, ValueError) as exc:
@@ -686,8 +755,22 @@ def _attend(q, k, v, mask_args: dict, *, position_ids=None, cu_seqlens=None, sin
         plan = _plan_single(res, q, k, spec, position_ids, cu_seqlens)
     else:
         plan = _plan_agreed(res, q, k, spec, position_ids, cu_seqlens, sinks, batch, error)
-    _LAST_STATS[0] = plan.stats
+    _note_stats(plan.stats, layer, in_model=layer is not None or batch is not None)
     return ring_attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]),
+                          softcap=spec.softcap)
+
+
+def attend_local(q, k, v, plan: RankPlan, spec: MaskSpec, *, sinks=None, backend: str | None = None,
+                 layer: int | None = None) -> torch.Tensor:
+    """Single-device attention with a plan built by the caller (``plan.build_local_plan``: queries
+    and keys at arbitrary positions, e.g. after a KV cache): q (B, Lq, H, D), k/v (B, Lk, K, D) ->
+    (B, Lq, H, D). ``backend`` None: the active context's, else "auto"."""
+    active = _ACTIVE.get()
+    backend = backend or (active.backend if active is not None else "auto")
+    _check_inputs(q, k, v, None, None, sinks, backend, same_length=False)
+    impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
+    _note_stats(plan.stats, layer, in_model=True)
+    return ring_attention(q, k, v, sinks, plan, Comm(single=True), impl, scale=spec.resolved_scale(q.shape[3]),
                           softcap=spec.softcap)
 
 
@@ -741,8 +824,18 @@ def _cache_keys(layout: str, q, k, spec: MaskSpec, position_ids, cu_seqlens, bat
 
 
 def _build(comm: Comm, layout: str, meta: SequenceMeta, spec: MaskSpec, k) -> RankPlan:
-    return build_plan(meta, _plan_spec(spec), world_size=comm.world_size, layout=layout, rank=comm.rank,
+    start = time.perf_counter()
+    plan = build_plan(meta, _plan_spec(spec), world_size=comm.world_size, layout=layout, rank=comm.rank,
                       head_kv=k.shape[2], head_dim=k.shape[3], itemsize=k.element_size())
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("plan built in %.1f ms: rank %d of %d, %s layout, %d x %d tokens, %s", 1e3 * (time.perf_counter() - start),
+                  comm.rank, comm.world_size, layout, meta.batch, meta.seq_len, _plan_spec(spec))
+    return plan
+
+
+def _reused(plan: RankPlan) -> RankPlan:
+    log.debug("plan reused from the context's cache (rank %d of %d)", plan.rank, plan.world_size)
+    return plan
 
 
 def _plan_single(res: _Resolved, q, k, spec, position_ids, cu_seqlens) -> RankPlan:
@@ -757,9 +850,9 @@ def _plan_single(res: _Resolved, q, k, spec, position_ids, cu_seqlens) -> RankPl
         return make()
     _, plan_key, keep = _cache_keys(layout, q, k, spec, position_ids, cu_seqlens, None)
     entry = cp._lookup(cp._plans, plan_key)
-    if entry is None:
-        entry = cp._store(cp._plans, plan_key, (make(), 0, q.shape[1]), keep)
-    return entry[0]
+    if entry is not None:
+        return _reused(entry[0])
+    return cp._store(cp._plans, plan_key, (make(), 0, q.shape[1]), keep)[0]
 
 
 def _plan_agreed(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks, batch, error) -> RankPlan:
@@ -794,7 +887,7 @@ def _plan_agreed(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks, ba
                    and h.cached_meta_crc == headers[0].cached_meta_crc for h in headers)
 
     if usable("plan_cached"):
-        return plan_entry[0]
+        return _reused(plan_entry[0])
     if usable("meta_cached"):
         meta, crc = meta_entry[0], meta_entry[1]
     else:

@@ -98,7 +98,7 @@ def _agreement_worker(rank, world_size):
         # shard_batch saw a different batch on rank 2
         pos = torch.arange(L)[None] if rank != 2 else torch.tensor([[*range(8), *range(L - 8)]])
         cp.shard_batch(input_ids=torch.arange(L)[None] % 7, position_ids=pos)
-        results["batch"] = _outcome(lambda: api._attend(ql, kl, vl, dict(causal=True), batch=cp._batch))
+        results["batch"] = _outcome(lambda: api.attend(ql, kl, vl, dict(causal=True), batch=cp._batch))
         results["after"] = _outcome(lambda: cp_attention.attention(ql, kl, vl))  # still in step
     return results
 

@@ -62,6 +62,12 @@ def test_stale_batch_uses_its_own_documents(extras):
         assert found["unambiguous"] <= 1e-4, found
 
 
+def test_forward_plan_stats_under_cp(extras):
+    for found in extras:  # both layers of the Mistral forward, at world size 2, with halo traffic
+        assert [(layer, ws) for layer, ws, _ in found["forward_stats"]] == [(0, 2), (1, 2)], found
+        assert all(recv > 0 for _, _, recv in found["forward_stats"])
+
+
 def test_ambiguous_batch_raises_on_every_rank(extras):
     for found in extras:
         assert found["ambiguous"].startswith("ValueError") and "several batches" in found["ambiguous"], found

@@ -227,6 +227,8 @@ def run_extras(rank: int, world_size: int) -> dict:
             a, b = cp.shard_batch(**A), cp.shard_batch(**B)
             found["stale_a"] = float((cp.gather(model(**a).logits) - ref_a).abs().max())
             found["stale_b"] = float((cp.gather(model(**b).logits) - ref_b).abs().max())
+            found["forward_stats"] = [(layer, st.world_size, st.kv_bytes_recv)
+                                      for layer, st in cp_attention.forward_plan_stats()]
             # a model whose layers get no position_ids cannot tell A from B: it must raise
             llama = tiny_model("llama4", "cp_flash", config=tiny_config("llama4", window=WINDOW))
             llama_ref = tiny_model("llama4", "eager", config=tiny_config("llama4", window=WINDOW))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..masks import MaskSpec
@@ -18,6 +20,8 @@ AUTO_ORDER = ("flash", "triton", "reference")  # "auto" takes the first that sup
 # "auto" never picks Triton's CPU interpreter (a testing tool, orders of magnitude slower than the
 # reference); name backend="triton" to use it
 AUTO_DEVICES = {"triton": ("cuda",)}
+
+log = logging.getLogger(__name__)
 
 
 def select_backend(name: str, *, device: torch.device, dtype: torch.dtype, head_dim: int,
@@ -36,6 +40,12 @@ def select_backend(name: str, *, device: torch.device, dtype: torch.dtype, head_
         if name == "auto" and candidate in AUTO_DEVICES and torch.device(device).type not in AUTO_DEVICES[candidate]:
             reasons = reasons + [f"'auto' uses {candidate} only on {', '.join(AUTO_DEVICES[candidate])}"]
         if not reasons:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("backend %r for %s (asked %r: %s, %s, head_dim %d)%s", candidate,
+                          getattr(backend, "describe", lambda **kw: candidate)(device=device, dtype=dtype,
+                                                                             head_dim=head_dim, spec=spec),
+                          name, torch.device(device).type, dtype, head_dim,
+                          f"; rejected {' | '.join(rejected)}" if rejected else "")
             return backend
         rejected.append(f"{candidate}: {'; '.join(reasons)}")
     raise ValueError("no attention backend supports these inputs: " + " | ".join(rejected))

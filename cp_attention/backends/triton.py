@@ -88,6 +88,9 @@ class TritonBackend:
             reasons.append(f"device type {device.type!r} is not supported (cuda, or cpu with TRITON_INTERPRET=1)")
         if dtype not in _DTYPES:
             reasons.append(f"dtype {dtype} is not one of {[str(d) for d in _DTYPES]}")
+        elif device.type == "cpu" and dtype == torch.bfloat16:
+            reasons.append("bfloat16 is wrong under Triton's CPU interpreter (its tl.dot of bfloat16 tiles returns "
+                           "garbage): use float16, float32 or float64 there, or a GPU")
         if not 0 < head_dim <= MAX_HEAD_DIM:
             reasons.append(f"head_dim {head_dim} is not in [1, {MAX_HEAD_DIM}]")
         return reasons

@@ -35,12 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import api
-from ..backends import select_backend
-from ..comm import Comm
 from ..layout import global_index
 from ..masks import MaskSpec, SequenceMeta, doc_starts
 from ..plan import build_local_plan
-from ..ring import ring_attention
 
 __all__ = ["NAME", "CPMask", "cp_flash_attention", "cp_flash_mask", "register", "FLASH_NAME_SITES",
            "adapted_sites"]
@@ -143,6 +140,7 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
     opens = None
     if q_offset == 0 and kv_offset == 0 and q_length == kv_length:
         opens = _hf_document_starts(mask_function, batch_size, q_length)
+    api.begin_forward()  # the model builds its masks before its layers run
     batch = api.batch_of(attention_mask)
     if batch is None and api.active_context() is not None:
         batch = api.active_context().current_batch()
@@ -325,8 +323,6 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     v = value.transpose(1, 2)
     B, Lq = q.shape[:2]
     Lk = k.shape[1]
-    mask_args = dict(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size, softcap=spec.softcap,
-                     scale=spec.scale)
     batch, local_error = _bound_batch(info, kwargs.get("position_ids"))
     active = api.active_context()
     if batch is None and active is not None and active.world_size > 1:
@@ -335,9 +331,9 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
             "cp.shard_batch(input_ids=..., position_ids=..., labels=...) and pass its outputs to the model")
     if local_error is not None:  # raised on every rank of the group together, before any K/V moves
         if batch is None and active is not None and active.world_size > 1:
-            api._attend(q, k, v, mask_args, sinks=s_aux, local_error=local_error)
+            api.attend(q, k, v, spec, sinks=s_aux, local_error=local_error)
         elif batch is not None and batch.cp.world_size > 1:
-            api._attend(q, k, v, mask_args, sinks=s_aux, batch=batch, local_error=local_error)
+            api.attend(q, k, v, spec, sinks=s_aux, batch=batch, local_error=local_error)
         raise local_error
     if batch is not None and batch.cp.world_size > 1:
         if Lq != Lk or (info is not None and (info.q_offset or info.kv_offset)):
@@ -351,7 +347,8 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                              "whole batch (cu_seq_lens_* included) to cp.shard_batch, which takes the documents "
                              "from them")
         q = _fix_llama4_temperature(q, module, batch)
-        out = api._attend(q, k, v, mask_args, sinks=s_aux, batch=batch, local_error=local_error)
+        out = api.attend(q, k, v, spec, sinks=s_aux, batch=batch, local_error=local_error,
+                         layer=getattr(module, "layer_idx", None))
         return out, None
     plan_spec = MaskSpec(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size)
     key_ = (plan_spec, B, Lq, Lk, batch is not None)
@@ -359,10 +356,9 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     if key_ not in plans:  # once per mask and forward: the layers sharing this CPMask reuse the plan
         meta, q_idx, k_idx = _local_meta(info, batch, B, Lq, Lk, kwargs)
         plans[key_] = build_local_plan(meta, plan_spec, q_idx=q_idx, k_idx=k_idx)
-    api._check_inputs(q, k, v, None, None, s_aux, "auto", same_length=False)
-    impl = select_backend("auto", device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
-    out = ring_attention(q, k, v, s_aux, plans[key_], Comm(single=True), impl, scale=spec.resolved_scale(q.shape[3]),
-                         softcap=spec.softcap)
+    backend = batch.cp.backend if batch is not None else None
+    out = api.attend_local(q, k, v, plans[key_], spec, sinks=s_aux, backend=backend,
+                           layer=getattr(module, "layer_idx", None))
     return out, None
 
 
