@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from ..api import DOCUMENT_KEYS, context_parallel
+from ..api import context_parallel
+from .hf_batch import DOCUMENT_KEYS
 
 __all__ = ["CPTrainer", "join_micro_batches"]
 

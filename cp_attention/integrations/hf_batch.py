@@ -1,0 +1,143 @@
+"""transformers' batch conventions under context parallelism: what ``cp.shard_batch`` does.
+
+A data collator's whole batch (padding collators, or transformers' ``DataCollatorWithFlattening``
+with its document keys) becomes this rank's shard plus a :class:`~cp_attention.api.BatchRecord`
+of the batch's documents; transformers' loss conventions are applied here: labels shifted
+globally into ``shift_labels`` (-100 where nothing is predicted), ``num_items_in_batch`` such that
+the mean of the ranks' losses is the single-device loss.
+
+Legend: ``B`` rows, ``L`` global length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..masks import SequenceMeta, doc_starts
+
+__all__ = ["DOCUMENT_KEYS", "shard_batch"]
+
+# Keys a packing collator (transformers' DataCollatorWithFlattening) adds next to (B, L) tensors:
+# they describe the documents of the one packed row, are translated into the batch's documents and
+# are not passed on (the model's layers get the documents from the record instead).
+DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _document_opens(documents: dict, seq_len: int) -> torch.Tensor | None:
+    """(1, L) bool document openings of one packed row from a packing collator's keys
+    (``cu_seq_lens_q``/``_k`` boundaries, ``seq_idx`` changes), after checking them; None if none."""
+    if not documents:
+        return None
+    opens = torch.zeros(1, seq_len, dtype=torch.bool)
+    opens[0, 0] = True
+    bounds = {}
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if documents.get(name) is None:
+            continue
+        cu = torch.as_tensor(documents[name]).detach().to("cpu", torch.int64)
+        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()) \
+                or int(cu[-1]) != seq_len:
+            raise ValueError(f"shard_batch: {name} must hold the (N+1,) document boundaries 0 = c_0 <= ... <= "
+                             f"c_N = L of the packed row, with L = {seq_len}; got {cu.tolist()[:16]}")
+        opens[0, cu[:-1].clamp(max=seq_len - 1)] = True
+        bounds[name] = cu
+    if len(bounds) == 2 and not torch.equal(*bounds.values()):
+        raise ValueError("shard_batch: cu_seq_lens_q and cu_seq_lens_k differ; a packed row for training has "
+                         "the same documents for queries and keys")
+    for name in ("max_length_q", "max_length_k"):
+        value = documents.get(name)
+        if value is None:
+            continue
+        longest = max(int(d) for d in torch.diff(next(iter(bounds.values())))) if bounds else 1
+        if isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)) or int(value) < longest:
+            raise ValueError(f"shard_batch: {name} must be an int no smaller than the longest document "
+                             f"({longest} tokens), got {value!r}")
+    seq_idx = documents.get("seq_idx")
+    if seq_idx is not None:
+        seq_idx = torch.as_tensor(seq_idx).detach().to("cpu", torch.int64)
+        if tuple(seq_idx.shape) != (1, seq_len):
+            raise ValueError(f"shard_batch: seq_idx must have shape (1, L) = (1, {seq_len}), got "
+                             f"{tuple(seq_idx.shape)}")
+        opens[0, 1:] |= seq_idx[0, 1:] != seq_idx[0, :-1]
+    return opens
+
+
+def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor | None = None,
+                **inputs) -> dict[str, torch.Tensor]:
+    """:meth:`ContextParallel.shard_batch <cp_attention.api.ContextParallel.shard_batch>` (see
+    there) for the context ``cp``."""
+    tensors, opens, num_items_given = _translate_inputs(inputs)
+    ref_name = "input_ids" if "input_ids" in tensors else next(iter(tensors))
+    B, L = tensors[ref_name].shape[:2]
+    device = tensors[ref_name].device
+    for name, t in tensors.items():
+        if name == "position_ids" and t.shape[0] == 1 and t.shape[1] == L:
+            continue
+        if tuple(t.shape[:2]) != (B, L):
+            raise ValueError(f"shard_batch: {name} has shape {tuple(t.shape)}, expected (B, L, ...) = "
+                             f"({B}, {L}, ...) like {ref_name}")
+    if L < cp.world_size:
+        raise ValueError(f"shard_batch: sequence length {L} is shorter than the world size {cp.world_size}")
+    if opens is not None and B != 1:
+        raise ValueError(f"shard_batch: cu_seq_lens_*/seq_idx describe one packed row, but the batch has {B} "
+                         f"rows; describe the documents of several rows with position_ids")
+    if document_starts is not None:
+        if tuple(document_starts.shape) != (B, L) or document_starts.dtype != torch.bool:
+            raise ValueError(f"shard_batch: document_starts must be a (B, L) = ({B}, {L}) bool tensor, got "
+                             f"{document_starts.dtype} {tuple(document_starts.shape)}")
+        opens = document_starts.cpu() if opens is None else (opens | document_starts.cpu())
+    position_ids = tensors.pop("position_ids", None)
+    if position_ids is None:
+        position_ids = torch.arange(L, device=device).expand(B, L)
+    position_ids = position_ids.expand(B, L)
+    valid = tensors.get("attention_mask")
+    if valid is not None and valid.dim() != 2:
+        raise ValueError("shard_batch: attention_mask must be a 2D (B, L) padding mask")
+    meta = SequenceMeta(batch=B, seq_len=L, doc_start=doc_starts(
+        B, L, position_ids=position_ids, valid=None if valid is None else valid.bool(), opens=opens),
+        position=position_ids.detach().to("cpu", torch.int64).contiguous())
+    out: dict[str, torch.Tensor] = {}
+    labels = tensors.pop("labels", None)
+    num_items = None
+    if labels is not None:
+        target = tensors.get("shift_labels", labels)
+        if shift_labels and "shift_labels" not in tensors:
+            target = torch.full_like(labels, -100)
+            target[:, :-1] = labels[:, 1:]
+            out["shift_labels"] = cp.shard(target).contiguous()
+        num_items = num_items_given if num_items_given is not None else (target != -100).sum()
+        out["labels"] = cp.shard(labels).contiguous()
+        # each rank's loss is P x its share, so the MEAN over ranks is the single-device loss
+        out["num_items_in_batch"] = num_items.to(device, torch.float32) / cp.world_size
+    for name, t in tensors.items():
+        out[name] = cp.shard(t).contiguous()
+    out["position_ids"] = cp.shard(position_ids).contiguous()
+    cp.bind_batch(out, meta=meta, num_items=num_items, padded=valid is not None)
+    return out
+
+
+def _translate_inputs(inputs: dict):
+    """Split a collator's batch into (B, L, ...) tensors to shard, document openings (1, L) bool
+    from ``cu_seq_lens_*``/``seq_idx`` (or None) and a given ``num_items_in_batch`` (or None)."""
+    if not inputs:
+        raise ValueError("shard_batch needs at least one (B, L, ...) tensor, e.g. input_ids=...")
+    tensors: dict[str, torch.Tensor] = {}
+    documents: dict = {}
+    num_items = None
+    for name, value in inputs.items():
+        if name in DOCUMENT_KEYS:
+            documents[name] = value
+        elif name == "num_items_in_batch":
+            if value is not None:
+                num_items = torch.as_tensor(value).detach().sum()
+        elif isinstance(value, torch.Tensor) and value.dim() >= 2:
+            tensors[name] = value
+        else:
+            what = f"a {value.dim()}-D tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"shard_batch: {name} is {what}; it takes (B, L, ...) tensors to shard, "
+                             f"num_items_in_batch and the document keys of a packing collator "
+                             f"({', '.join(DOCUMENT_KEYS)}); drop {name} or pass it to the model yourself")
+    if not tensors:
+        raise ValueError("shard_batch needs at least one (B, L, ...) tensor, e.g. input_ids=...")
+    L = next(iter(tensors.values())).shape[1]
+    return tensors, _document_opens(documents, L), num_items
