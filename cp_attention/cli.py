@@ -1,19 +1,52 @@
-"""The ``cp-attention`` command: ``cp-attention demo [options]``."""
+"""The ``cp-attention`` command (also ``python -m cp_attention``): ``cp-attention {probe,demo,bench} [options]``.
+
+Each command is a module with ``main(argv, prog=...) -> int`` that parses its own options; this
+module lists the commands and hands the rest of the command line to the chosen one.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
 
+import cp_attention
 
-def main(argv=None) -> int:
+__all__ = ["COMMANDS", "main"]
+
+# name -> (module, one-line description)
+COMMANDS = {
+    "probe": ("cp_attention.probe", "does CP keep a tiny model's masks? (the main check)"),
+    "demo": ("cp_attention.demo", "attention on gloo ranks: error and K/V traffic"),
+    "bench": ("cp_attention.bench", "time cp_attention.attention against dense-mask SDPA"),
+}
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Context-parallel attention that honours every mask: checks and benchmarks.",
+        epilog=f"'{prog} COMMAND --help' shows a command's options.")
+    parser.add_argument("--version", action="version", version=f"cp_attention {cp_attention.__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for name, (_, description) in COMMANDS.items():
+        commands.add_parser(name, help=description, add_help=False)  # options: the command's own parser
+    return parser
+
+
+def main(argv=None, *, prog: str = "cp-attention") -> int:
+    """Run ``argv`` (default ``sys.argv[1:]``); returns the exit status, argparse's exits included
+    (0 for ``--help``, 2 for a bad command line or no command at all)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "cp_attention.demo", "probe": "cp_attention.probe"}
-    if not argv or argv[0] not in commands:
-        print(f"usage: cp-attention {{{','.join(commands)}}} [options]   (--help after a command for its options)")
+    try:
+        if argv and argv[0] in COMMANDS:
+            module = importlib.import_module(COMMANDS[argv[0]][0])
+            return module.main(argv[1:], prog=f"{prog} {argv[0]}")
+        parser = _parser(prog)
+        parser.parse_args(argv)  # --help / --version exit 0, an unknown command exits 2
+        parser.print_help()  # no command
         return 2
-    import importlib
-
-    return importlib.import_module(commands[argv[0]]).main(argv[1:])
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
 
 
 if __name__ == "__main__":

@@ -57,13 +57,30 @@ def _rank_main(rank, world_size, args):
     return dict(errors=errors, dropped=dropped_err, stats=stats)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="cp_attention.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--nproc", type=int, default=2, help="number of gloo ranks (default 2)")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--window", type=int, default=256)
-    parser.add_argument("--layout", default="zigzag", choices=cp_attention.layout.LAYOUTS)
+def parse_args(argv=None, *, prog: str = "python -m cp_attention.demo") -> argparse.Namespace:
+    """The demo's options; a bad value exits 2 with a one-line ``parser.error`` message."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument("--nproc", type=int, default=2, help="number of gloo ranks spawned on CPU (default 2)")
+    parser.add_argument("--seq-len", type=int, default=2048,
+                        help="tokens in the packed sequence (three documents), at least nproc (default 2048)")
+    parser.add_argument("--window", type=int, default=256,
+                        help="sliding window in tokens, at least 1 (default 256)")
+    parser.add_argument("--layout", default="zigzag", choices=cp_attention.layout.LAYOUTS,
+                        help=f"how tokens are sharded over ranks: {' or '.join(cp_attention.layout.LAYOUTS)} "
+                             "(default zigzag)")
     args = parser.parse_args(argv)
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    if args.seq_len < args.nproc:
+        parser.error(f"--seq-len must be at least nproc = {args.nproc} (every rank needs a token), "
+                     f"got {args.seq_len}")
+    if args.window < 1:
+        parser.error(f"--window must be at least 1 token, got {args.window}")
+    return args
+
+
+def main(argv=None, *, prog: str = "python -m cp_attention.demo") -> int:
+    args = parse_args(argv, prog=prog)
     _, _, _, _, _, lengths = _inputs(args)
     results = run_ranks(args.nproc, _rank_main, args, timeout=600)
     print(f"cp_attention demo: {args.nproc} gloo ranks, {args.layout} layout, L={args.seq_len}, "

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks spawned as local CPU processes (127.0.0.1 only), with a deadline.
+"""Testing and demo utility, not part of the stable API: run a function on N gloo ranks spawned as
+local CPU processes (127.0.0.1 only), with a deadline.
 
 Used by the demo, the probe and the multi-rank tests; for real jobs use torchrun.
 """

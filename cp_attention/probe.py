@@ -249,16 +249,40 @@ def format_table(rows: list[CaseResult]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="cp_attention.probe", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="qwen3", choices=FAMILIES, help="model family (default qwen3)")
-    parser.add_argument("--nproc", type=int, default=2, help="number of gloo ranks (default 2)")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--window", type=int, default=64, help="sliding window / chunk size (default 64)")
-    parser.add_argument("--layout", default="zigzag", choices=cp_attention.layout.LAYOUTS)
-    parser.add_argument("--tol", type=float, default=TOLERANCE, help="max |logit difference| (default 1e-4)")
+MAX_SEQ_LEN = 4096  # max_position_embeddings of every tiny_config
+
+
+def parse_args(argv=None, *, prog: str = "python -m cp_attention.probe") -> argparse.Namespace:
+    """The probe's options; a bad value exits 2 with a one-line ``parser.error`` message."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3", choices=FAMILIES, metavar="FAMILY",
+                        help=f"tiny random model family, one of {', '.join(FAMILIES)} (default qwen3)")
+    parser.add_argument("--nproc", type=int, default=2, help="number of gloo ranks spawned on CPU (default 2)")
+    parser.add_argument("--seq-len", type=int, default=512,
+                        help=f"tokens per sequence, from 2 * nproc to {MAX_SEQ_LEN} (default 512)")
+    parser.add_argument("--window", type=int, default=64,
+                        help="sliding window / chunk size in tokens, at least 2 (default 64)")
+    parser.add_argument("--layout", default="zigzag", choices=cp_attention.layout.LAYOUTS,
+                        help=f"how tokens are sharded over ranks: {' or '.join(cp_attention.layout.LAYOUTS)} "
+                             "(default zigzag)")
+    parser.add_argument("--tol", type=float, default=TOLERANCE,
+                        help=f"max |logit CP - logit single device| accepted, > 0 (default {TOLERANCE:g})")
     parser.add_argument("--break-mask", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {args.nproc}")
+    if not 2 * args.nproc <= args.seq_len <= MAX_SEQ_LEN:
+        parser.error(f"--seq-len must be between 2 * nproc = {2 * args.nproc} and "
+                     f"{MAX_SEQ_LEN} (the tiny models' positions), got {args.seq_len}")
+    if args.window < 2:
+        parser.error(f"--window must be at least 2 tokens, got {args.window}")
+    if not 0 < args.tol < float("inf"):
+        parser.error(f"--tol must be a positive finite number, got {args.tol}")
+    return args
+
+
+def main(argv=None, *, prog: str = "python -m cp_attention.probe") -> int:
+    args = parse_args(argv, prog=prog)
     break_mask = args.break_mask or os.environ.get(BREAK_MASK_ENV, "") not in ("", "0")
     try:
         rows = run_probe(model=args.model, nproc=args.nproc, seq_len=args.seq_len, layout=args.layout,

@@ -1,4 +1,5 @@
-"""Tiny random models of every mask-bearing transformers family (for the probe, examples and tests).
+"""Testing and demo utility, not part of the stable API: tiny random models of every mask-bearing
+transformers family (for the probe, examples and tests).
 
 ``tiny_config(family, window=W, chunk=C)`` gives hidden size <= 128 and 2-4 layers, with sliding
 windows of ``W`` tokens (chunks of ``C`` for Llama 4) on the family's own mix of layer types.

@@ -1,0 +1,7 @@
+"""``python -m cp_attention``: the ``cp-attention`` command (see :mod:`cp_attention.cli`)."""
+
+import sys
+
+from cp_attention.cli import main
+
+sys.exit(main(prog="python -m cp_attention"))
