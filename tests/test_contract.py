@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cp_attention.backends import BACKENDS
+from cp_attention.masks import MaskSpec
 
 
 def naive_varlen(q, k, v, cu_q, cu_k, *, scale, causal, window, softcap):
@@ -63,38 +64,87 @@ def _cu(lengths):
     return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
 
 
+# (dtype, atol, rtol) for backends whose out (and, for flash kernels, dq/dk/dv) is rounded to float16 /
+# bfloat16 (unit roundoff 2^-11 / 2^-8): the oracle runs on the same rounded inputs, so ~2x that suffices
+LOW_PRECISION_TOL = ((torch.float16, 2e-4, 1e-3), (torch.bfloat16, 2e-3, 8e-3))
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype every backend returns dq/dk/dv (and lse) in: the ring's accumulation dtype."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def check_backend_on_case(impl, case, dtypes=((torch.float64, 1e-10), (torch.float32, 2e-5)), grad_factor=5):
-    """Run ``impl`` (forward and backward) on one GRID case against the float64 loop oracle."""
+    """Run ``impl`` (forward and backward) on one GRID case against the float64 loop oracle.
+
+    ``dtypes`` holds ``(dtype, atol)`` or ``(dtype, atol, rtol)``. The oracle runs on the inputs as
+    rounded to each dtype, so the tolerance measures the backend, not the rounding of its inputs.
+    Gradients must come back in :func:`accumulation_dtype` (the contract's float32/float64).
+    """
     _, lq, lk, causal, window, softcap, (H, K) = case
     D = 16
     gen = torch.Generator().manual_seed(len(lq) * 100 + sum(lq) + sum(lk))
-    q = torch.randn(sum(lq), H, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(sum(lk), K, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(sum(lk), K, D, generator=gen, dtype=torch.float64, requires_grad=True)
-    dout = torch.randn(sum(lq), H, D, generator=gen, dtype=torch.float64)
+    q64 = torch.randn(sum(lq), H, D, generator=gen, dtype=torch.float64)
+    k64 = torch.randn(sum(lk), K, D, generator=gen, dtype=torch.float64)
+    v64 = torch.randn(sum(lk), K, D, generator=gen, dtype=torch.float64)
+    dout64 = torch.randn(sum(lq), H, D, generator=gen, dtype=torch.float64)
     cu_q, cu_k = _cu(lq), _cu(lk)
     kw = dict(scale=D ** -0.5, causal=causal, window=window, softcap=softcap)
-    ref_out, ref_lse = naive_varlen(q, k, v, cu_q, cu_k, **kw)
-    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout, allow_unused=True)
-    ref_grads = [torch.zeros_like(t) if g is None else g for g, t in zip(ref_grads, (q, k, v))]
-    for dtype, tol in dtypes:
-        qd, kd, vd = (t.detach().to(dtype) for t in (q, k, v))
+    for dtype, tol, *rtol in dtypes:
+        rtol = rtol[0] if rtol else 0.0
+        qd, kd, vd, doutd = (t.to(dtype) for t in (q64, k64, v64, dout64))
+        q, k, v = (t.detach().double().requires_grad_() for t in (qd, kd, vd))
+        ref_out, ref_lse = naive_varlen(q, k, v, cu_q, cu_k, **kw)
+        ref_grads = torch.autograd.grad(ref_out, (q, k, v), doutd.double(), allow_unused=True)
+        ref_grads = [torch.zeros_like(t) if g is None else g for g, t in zip(ref_grads, (q, k, v))]
         out, lse = impl.forward(qd, kd, vd, cu_q, cu_k, max(lq), max(lk), **kw)
         assert out.dtype == dtype and out.shape == q.shape
         assert lse.shape == (H, sum(lq)) and lse.dtype in (torch.float32, torch.float64)
         assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-        torch.testing.assert_close(out.double(), ref_out.detach(), atol=tol, rtol=0)
+        torch.testing.assert_close(out.double(), ref_out.detach(), atol=tol, rtol=rtol)
         empty = torch.isneginf(ref_lse)
         assert torch.equal(torch.isneginf(lse), empty), "rows that see nothing must have lse = -inf"
         assert (out[empty.any(0)] == 0).all(), "rows that see nothing must output 0"
-        torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty].detach(), atol=tol, rtol=0)
-        grads = impl.backward(dout.to(dtype), qd, kd, vd, out, lse, cu_q, cu_k, max(lq), max(lk), **kw)
+        torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty].detach(), atol=tol, rtol=rtol)
+        grads = impl.backward(doutd, qd, kd, vd, out, lse, cu_q, cu_k, max(lq), max(lk), **kw)
         for g, rg, t in zip(grads, ref_grads, (qd, kd, vd)):
+            assert g.dtype == accumulation_dtype(dtype), (
+                f"{impl.name}: gradients of {dtype} inputs must be {accumulation_dtype(dtype)} (the contract's "
+                f"accumulation dtype), got {g.dtype}")
             assert g.shape == t.shape and not torch.isnan(g).any()
-            torch.testing.assert_close(g.double(), rg, atol=tol * grad_factor, rtol=0)
+            torch.testing.assert_close(g.double(), rg, atol=tol * grad_factor, rtol=rtol)
 
 
 @pytest.mark.parametrize("case", GRID, ids=[c[0] for c in GRID])
 def test_reference_matches_loop_oracle(case):
-    # the GPU backends run the same check: tests/test_triton.py, tests/test_flash_translation.py
+    # the GPU backends run the same check (gradient dtypes included): tests/test_triton.py (Triton under
+    # its CPU interpreter), tests/test_flash_translation.py (flash behind stand-in kernels)
     check_backend_on_case(BACKENDS["reference"], case)
+
+
+@pytest.mark.parametrize("case", GRID, ids=[c[0] for c in GRID])
+def test_reference_low_precision(case):
+    """float16/bfloat16 inputs: out in the input dtype, lse and gradients in float32."""
+    check_backend_on_case(BACKENDS["reference"], case, dtypes=LOW_PRECISION_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", ["reference", "triton"])
+def test_gradient_dtypes(name, dtype):
+    """dq/dk/dv in the accumulation dtype for every input dtype a backend takes on this machine (the
+    accuracy checks above run Triton in float32/float64 only, where that dtype is the input's; the
+    flash backend's are checked behind stand-in kernels in tests/test_flash_translation.py)."""
+    impl = BACKENDS[name]
+    reasons = impl.not_supported_reasons(device=torch.device("cpu"), dtype=dtype, head_dim=16, spec=MaskSpec())
+    if name == "triton" and dtype == torch.bfloat16:  # refused under the CPU interpreter, by design
+        assert any("bfloat16" in r for r in reasons), reasons
+        return
+    assert not reasons, reasons
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(9, 2, 16, generator=gen).to(dtype) for _ in range(4))
+    cu = _cu([4, 5])
+    kw = dict(scale=0.25, causal=True)
+    out, lse = impl.forward(q, k, v, cu, cu, 5, 5, **kw)
+    grads = impl.backward(dout, q, k, v, out, lse, cu, cu, 5, 5, **kw)
+    assert [g.dtype for g in grads] == [accumulation_dtype(dtype)] * 3
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

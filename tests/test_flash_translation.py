@@ -2,14 +2,18 @@
 
 Each interface's kernels are replaced by stand-ins with the upstream signatures (flash-attn 3:
 ``hopper/flash_attn_interface.py``; flash-attn 4: ``flash_attn/cute/interface.py``; flash-attn 2:
-``flash_attn/flash_attn_interface.py``; PyTorch: the aten schemas). A stand-in checks what it
-receives (int32 ``cu_seqlens``, lse layout (H, T) float32) and runs the reference backend under that
-kernel's own conventions: how it reads its mask arguments and which lse it writes and expects for
-rows that see no key. The backend must then match the float64 loop oracle over the contract grid.
+``flash_attn/flash_attn_interface.py``; PyTorch: the aten schemas, which the stand-ins are checked
+against). A stand-in checks what it receives as upstream does (float16/bfloat16 inputs of one dtype,
+float32 raises; int32 ``cu_seqlens``; lse layout (H, T) float32; dq/dk/dv buffers in the input
+dtype) and runs the reference backend in float32 under that kernel's own conventions (how it reads
+its mask arguments, which lse it writes and expects for rows that see no key), returning out and
+gradients in the input dtype and lse in float32 as the kernels do. The backend must then match the
+float64 loop oracle over the contract grid in float16 and bfloat16.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from typing import Optional
@@ -20,7 +24,7 @@ import torch
 from cp_attention.backends import flash as flash_mod
 from cp_attention.backends.reference import ReferenceBackend
 from cp_attention.masks import MaskSpec
-from test_contract import GRID, check_backend_on_case
+from test_contract import GRID, LOW_PRECISION_TOL, _cu, check_backend_on_case
 
 REF = ReferenceBackend()
 NO_SOFTCAP = [c for c in GRID if c[5] is None]
@@ -30,6 +34,22 @@ Tensor = torch.Tensor
 
 def _ids(cases):
     return [c[0] for c in cases]
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_dtypes(*tensors, assertion=False):
+    """Upstream's dtype checks: the C++ kernels (flash-attn 2 and 3, PyTorch's) ``TORCH_CHECK``
+    (a RuntimeError) "FlashAttention only support fp16 and bf16 data type" and "... must have the
+    same dtype"; flash-attn 4's Python interface asserts "inputs must be float16 or bfloat16"."""
+    error = AssertionError if assertion else RuntimeError
+    dtype = tensors[0].dtype
+    if dtype not in LOW_PRECISION:
+        raise error("inputs must be float16 or bfloat16" if assertion
+                    else "FlashAttention only support fp16 and bf16 data type")
+    if any(t.dtype != dtype for t in tensors):
+        raise error("inputs must have the same dtype")
 
 
 def _check_inputs(q, k, v, cu_q, cu_k, max_q, max_k):
@@ -50,9 +70,24 @@ def _with_empty_rows(lse, value):
     return torch.where(torch.isneginf(lse), torch.full_like(lse, value), lse)
 
 
+def _ref_forward(q, k, v, cu_q, cu_k, max_q, max_k, **mask):
+    """The reference in float32 -> out in the input dtype, lse (H, T) float32, as the kernels return."""
+    out, lse = REF.forward(q.float(), k.float(), v.float(), cu_q, cu_k, max_q, max_k, **mask)
+    return out.to(q.dtype), lse
+
+
 def _ref_grads(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, **mask):
-    grads = REF.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, **mask)
+    """The reference backward in float32 -> dq, dk, dv in the input dtype, as the kernels write them."""
+    grads = REF.backward(dout.float(), q.float(), k.float(), v.float(), out.float(), lse, cu_q, cu_k, max_q, max_k,
+                         **mask)
     return [g.to(t.dtype) for g, t in zip(grads, (q, k, v))]
+
+
+def _check_grad_buffers(q, k, v, dq, dk, dv):
+    """flash-attn 2 and 3 fill preallocated buffers: "dq must have the same dtype as q", ..."""
+    for buf, t, name in zip((dq, dk, dv), (q, k, v), ("dq", "dk", "dv")):
+        if buf.dtype != t.dtype or buf.shape != t.shape:
+            raise RuntimeError(f"{name} must have the same dtype and shape as {name[1:]}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,11 +108,12 @@ def fa3_forward(
     rotary_interleaved: bool = True, scheduler_metadata: Optional[Tensor] = None, num_splits: int = 1,
     pack_gqa: Optional[bool] = None, sm_margin: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_dtypes(q, k, v)  # its float8 path (no backward) is not used
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     assert seqused_q is None and page_table is None and attention_chunk == 0 and softmax_scale is not None
     # FA3: causal forces right = 0; -1 is unlimited; softcap 0.0 is off; rows without keys get -inf
-    out, lse = REF.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
-                           causal=causal, window=(window_size_left, window_size_right), softcap=softcap or None)
+    out, lse = _ref_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                            causal=causal, window=(window_size_left, window_size_right), softcap=softcap or None)
     return out, lse, q.new_empty(0), q.new_empty(0)
 
 
@@ -90,6 +126,8 @@ def fa3_backward(
     softmax_scale: Optional[float] = None, is_causal: bool = False, window_size_left: int = -1,
     window_size_right: int = -1, softcap: float = 0.0, deterministic: bool = False, sm_margin: int = 0,
 ) -> Tensor:
+    _check_dtypes(q, k, v, out, dout)
+    _check_grad_buffers(q, k, v, dq, dk, dv)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_lse(softmax_lse, q)
     # its preprocess turns lse = -inf into log2-lse 0 on rows whose scores are all masked: p = 0
@@ -104,24 +142,26 @@ def fa3_backward(
 FA3 = {"flash_attn_interface": dict(_flash_attn_forward=fa3_forward, _flash_attn_backward=fa3_backward)}
 
 
-def fa3_window_tuple_forward(q, k, v, k_new=None, v_new=None, qv=None, out=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                             cu_seqlens_k_new=None, seqused_q=None, seqused_k=None, max_seqlen_q=None,
-                             max_seqlen_k=None, page_table=None, kv_batch_idx=None, leftpad_k=None, rotary_cos=None,
-                             rotary_sin=None, seqlens_rotary=None, q_descale=None, k_descale=None, v_descale=None,
-                             softmax_scale=None, causal=False, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
-                             rotary_interleaved=True, scheduler_metadata=None, num_splits=1, pack_gqa=None,
-                             sm_margin=0):
-    """An earlier 3.0 beta: one ``window_size`` tuple, plain functions."""
+def fa3_window_tuple_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q,
+                             seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos,
+                             rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal,
+                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                             scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):
+    """An earlier 3.0 beta: one ``window_size`` tuple, plain functions, optional tensors declared
+    without defaults (the adapter passes None for those it knows)."""
+    assert all(t is None for t in (k_new, v_new, qv, out, cu_seqlens_k_new, seqused_q, seqused_k, page_table,
+                                   kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, q_descale,
+                                   k_descale, v_descale))
     return fa3_forward(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                        max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
                        window_size_left=window_size[0], window_size_right=window_size[1], softcap=softcap)
 
 
-def fa3_window_tuple_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q=None,
-                              sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None,
-                              softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                              deterministic=False, sm_margin=0):
+def fa3_window_tuple_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k,
+                              max_seqlen_q, max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1),
+                              softcap=0.0, deterministic=False, sm_margin=0):
     """The same beta's backward: ``causal`` (not ``is_causal``), ``window_size`` tuple."""
+    assert sequed_q is None and sequed_k is None
     return fa3_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                         max_seqlen_k=max_seqlen_k, dq=dq, dk=dk, dv=dv, softmax_scale=softmax_scale,
                         is_causal=causal, window_size_left=window_size[0], window_size_right=window_size[1],
@@ -155,10 +195,11 @@ def fa4_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=No
             _arch=None, score_mod=None, mask_mod=None, block_sparse_tensors=None, return_lse=False, out=None,
             lse=None, aux_tensors=None, aux_scalars=None, q_descale=None, k_descale=None, v_descale=None,
             gather_kv_indices=None):
+    _check_dtypes(q, k, v, assertion=True)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     assert qv is None and page_table is None and score_mod is None and mask_mod is None and softcap in (None, 0.0)
-    out_, lse_ = REF.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
-                             causal=False, window=_fa4_window(causal, window_size_left, window_size_right))
+    out_, lse_ = _ref_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                              causal=False, window=_fa4_window(causal, window_size_left, window_size_right))
     requires_grad = any(t.requires_grad for t in (q, k, v))
     return out_, (lse_ if return_lse or requires_grad else None), None, None
 
@@ -170,6 +211,7 @@ def fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0
             seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, deterministic=False, dq=None,
             dk=None, dv=None, score_mod=None, score_mod_bwd=None, mask_mod=None, aux_tensors=None, aux_scalars=None,
             block_sparse_tensors=None, dlse=None):
+    _check_dtypes(q, k, v, out, dout, assertion=True)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_lse(lse, q)
     assert softcap == 0.0, "varlen + score_mod not supported in bwd yet"
@@ -212,10 +254,11 @@ def fa2_varlen_forward(
     return_softmax: bool = False, block_table: Optional[Tensor] = None, leftpad_k: Optional[Tensor] = None,
     seqused_k: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_dtypes(q, k, v)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     assert dropout_p == 0.0 and alibi_slopes is None and not return_softmax
-    out, lse = REF.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
-                           causal=causal, window=(window_size_left, window_size_right), softcap=softcap or None)
+    out, lse = _ref_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
+                            causal=causal, window=(window_size_left, window_size_right), softcap=softcap or None)
     return out, _with_empty_rows(lse, float("inf")), q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
 
@@ -227,6 +270,8 @@ def fa2_varlen_backward(
     window_size_right: int, softcap: float, alibi_slopes: Optional[Tensor], deterministic: bool,
     rng_state: Optional[Tensor] = None,
 ) -> Tensor:
+    _check_dtypes(q, k, v, out, dout)
+    _check_grad_buffers(q, k, v, dq, dk, dv)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_lse(softmax_lse, q)
     assert not torch.isneginf(softmax_lse).any(), "flash-attn 2 writes +inf, not -inf, for rows that see nothing"
@@ -269,22 +314,31 @@ FA2_6 = {"flash_attn": {}, "flash_attn.flash_attn_interface": dict(
 # PyTorch's aten._flash_attention_forward/_backward
 
 
-def fake_aten_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale,
-                      window_size_left, window_size_right):
-    assert dropout_p == 0.0 and not return_debug_mask
-    _check_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
-    out, lse = REF.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, causal=is_causal,
-                           window=(window_size_left, window_size_right))
-    return out, _with_empty_rows(lse, float("inf")), None, None, None
+def fake_aten_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+                      *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None,
+                      alibi_slopes=None, block_table=None, num_splits=None):
+    """The schema of ``aten::_flash_attention_forward`` (names, order, keyword-only part, defaults
+    and five returns are checked against it below)."""
+    _check_dtypes(query, key, value)
+    assert dropout_p == 0.0 and not return_debug_mask and scale is not None
+    assert seqused_k is None and alibi_slopes is None and block_table is None and num_splits is None
+    _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
+    out, lse = _ref_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, scale=scale, causal=is_causal,
+                            window=(window_size_left, window_size_right))
+    rng_state = torch.zeros(2, dtype=torch.int64)
+    return out, _with_empty_rows(lse, float("inf")), rng_state, query.new_empty(()), query.new_empty(0)
 
 
-def fake_aten_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng, unused, *,
-                       scale, window_size_left, window_size_right):
-    _check_lse(lse, q)
-    assert not torch.isneginf(lse).any(), "flash expects +inf, not -inf, for rows that see nothing"
-    lse = torch.where(torch.isposinf(lse), float("-inf"), lse)
-    return _ref_grads(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=scale, causal=is_causal,
-                      window=(window_size_left, window_size_right))
+def fake_aten_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                       is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
+    """The schema of ``aten::_flash_attention_backward``; returns (dq, dk, dv) in the input dtype."""
+    _check_dtypes(query, key, value, out, grad_out)
+    _check_lse(logsumexp, query)
+    assert dropout_p == 0.0 and scale is not None
+    assert not torch.isneginf(logsumexp).any(), "flash expects +inf, not -inf, for rows that see nothing"
+    lse = torch.where(torch.isposinf(logsumexp), float("-inf"), logsumexp)
+    return tuple(_ref_grads(grad_out, query, key, value, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, scale=scale,
+                            causal=is_causal, window=(window_size_left, window_size_right)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,7 +377,8 @@ def install(monkeypatch):
 
 
 def _check(interface, case):
-    check_backend_on_case(flash_mod.FlashBackend(interface), case, dtypes=((torch.float32, 2e-5),))
+    """The stand-ins round out and dq/dk/dv to the input dtype, as the kernels do."""
+    check_backend_on_case(flash_mod.FlashBackend(interface), case, dtypes=LOW_PRECISION_TOL)
 
 
 @pytest.mark.parametrize("case", GRID, ids=_ids(GRID))
@@ -388,7 +443,120 @@ def test_parameters_see_through_custom_ops():
     params = flash_mod._parameters(fa2_varlen_forward)
     assert list(params)[:4] == ["q", "k", "v", "cu_seqlens_q"] and "window_size_left" in params
     with pytest.raises(TypeError, match="takes no"):
-        flash_mod._call(fa4_fwd, flash_mod._parameters(fa4_fwd), q=None, window_size=(1, 0))
+        flash_mod._call(flash_mod.INTERFACES["fa4"], fa4_fwd, flash_mod._parameters(fa4_fwd), q=None,
+                        window_size=(1, 0))
+
+
+def fa3_forward_new_required(q, k, v, sink_scale, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                             max_seqlen_k=None, softmax_scale=None, causal=False, window_size_left=-1,
+                             window_size_right=-1, softcap=0.0):
+    """A hypothetical release whose forward gained a required parameter the adapter cannot know."""
+    raise AssertionError("must not be called with a guessed sink_scale")
+
+
+def fa4_bwd_new_required(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
+                         window_size_left=None, window_size_right=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                         max_seqlen_q=None, max_seqlen_k=None, *, dlse_scale):
+    raise AssertionError("must not be called with a guessed dlse_scale")
+
+
+@pytest.mark.parametrize("interface", ["fa3", "fa4"])
+def test_unknown_required_parameter_raises(interface, install):
+    """A required parameter the adapter does not supply (and does not know as optional) is an upstream
+    signature change: raise, naming the interface, the parameter and the installed version."""
+    if interface == "fa3":
+        install({"flash_attn_interface": dict(_flash_attn_forward=fa3_forward_new_required,
+                                              _flash_attn_backward=fa3_backward, __version__="3.9.1")})
+        name, version = "sink_scale", "flash_attn_interface 3.9.1"
+    else:
+        modules = _fa4_modules(fa4_fwd, fa4_bwd_new_required)
+        modules["flash_attn.cute"] = dict(__version__="4.0.7")
+        install(modules)
+        name, version = "dlse_scale", "flash_attn.cute 4.0.7"
+    backend = flash_mod.FlashBackend(interface)
+    q = torch.randn(6, 2, 16, dtype=torch.bfloat16)
+    cu = _cu([6])
+    kw = dict(scale=0.25, causal=True)
+    with pytest.raises(TypeError) as info:
+        out, lse = backend.forward(q, q, q, cu, cu, 6, 6, **kw)
+        backend.backward(q, q, q, q, out, lse, cu, cu, 6, 6, **kw)
+    message = str(info.value)
+    assert flash_mod.INTERFACES[interface].label in message and repr(name) in message and version in message
+
+
+def test_optional_parameters_without_default_get_none(install):
+    """flash-attn 3.0 betas declare optional tensors without defaults: those (and only those) the adapter
+    knows get None; the release's own stand-in asserts they are None."""
+    params = flash_mod._parameters(fa3_window_tuple_forward)
+    required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
+    assert {"k_new", "seqused_q", "q_descale"} <= required <= flash_mod._FlashAttn3.none_params | {
+        "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal"}
+    install(FA3_WINDOW_TUPLE)
+    _check("fa3", GRID[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# what the stand-ins accept: dtypes as upstream, and PyTorch's real schemas
+
+
+@pytest.mark.parametrize("interface, modules", [("fa3", FA3), ("fa4", FA4), ("fa2", FA2), ("aten", {})],
+                         ids=["fa3", "fa4", "fa2", "aten"])
+def test_stand_ins_reject_float32_like_upstream(interface, modules, install):
+    install(modules)
+    backend = flash_mod.FlashBackend(interface)
+    cu = _cu([5, 3])
+    kw = dict(scale=0.25, causal=True)
+    q32 = torch.randn(8, 2, 16)
+    with pytest.raises((RuntimeError, AssertionError), match="fp16 and bf16|float16 or bfloat16"):
+        backend.forward(q32, q32, q32, cu, cu, 5, 5, **kw)
+    q = q32.to(torch.bfloat16)
+    out, lse = backend.forward(q, q, q, cu, cu, 5, 5, **kw)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    with pytest.raises((RuntimeError, AssertionError), match="fp16 and bf16|float16 or bfloat16"):
+        backend.backward(out.float(), q32, q32, q32, out.float(), lse, cu, cu, 5, 5, **kw)
+    with pytest.raises((RuntimeError, AssertionError), match="same dtype"):
+        backend.forward(q, q.half(), q, cu, cu, 5, 5, **kw)
+    grads = backend.backward(out, q, q, q, out, lse, cu, cu, 5, 5, **kw)
+    assert all(g.dtype == torch.float32 for g in grads), "the contract's gradients are float32"
+
+
+@pytest.mark.parametrize("stand_in, op", [(fake_aten_forward, "_flash_attention_forward"),
+                                          (fake_aten_backward, "_flash_attention_backward")],
+                         ids=["forward", "backward"])
+def test_aten_stand_ins_bind_to_the_real_schema(stand_in, op):
+    """Same argument names in the same order, the same keyword-only part and defaults, and as many
+    returns as ``torch.ops.aten.<op>`` declares (its schema is readable without CUDA)."""
+    schema = getattr(torch.ops.aten, op).default._schema
+    params = list(inspect.signature(stand_in).parameters.values())
+    assert [p.name for p in params] == [a.name for a in schema.arguments]
+    assert [p.kind is inspect.Parameter.KEYWORD_ONLY for p in params] == [a.kwarg_only for a in schema.arguments]
+    assert [p.default is not inspect.Parameter.empty for p in params] == [
+        a.has_default_value() for a in schema.arguments]
+    assert all(p.default is None for p in params if p.default is not inspect.Parameter.empty)
+
+    q = torch.randn(8, 2, 16, dtype=torch.bfloat16)
+    cu = _cu([5, 3])
+    mask = dict(scale=0.25, window_size_left=-1, window_size_right=0)
+    result = fake_aten_forward(q, q, q, cu, cu, 5, 5, 0.0, True, False, **mask)
+    if op == "_flash_attention_backward":
+        result = fake_aten_backward(q, q, q, q, result[0], result[1], cu, cu, 5, 5, 0.0, True, result[2],
+                                    result[3], **mask)
+    assert len(result) == len(schema.returns) and all(isinstance(t, torch.Tensor) for t in result)
+
+
+def test_aten_adapter_calls_bind_to_the_real_ops():
+    """The adapter's own calls, against PyTorch's real ops on meta tensors (their meta kernels run
+    without CUDA): argument binding, return arity, dtypes and shapes."""
+    iface = flash_mod._AtenFlash()
+    assert iface.unavailable() is None
+    q = torch.empty(10, 4, 16, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(10, 2, 16, dtype=torch.bfloat16, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    mask = flash_mod.kernel_arguments(scale=0.25, causal=True, window=(3, 0), softcap=None)
+    out, lse = iface.forward(q, k, k, cu, cu, 6, 6, **mask)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (4, 10) and lse.dtype == torch.float32
+    dq, dk, dv = iface.backward(q, q, k, k, out, lse, cu, cu, 6, 6, **mask)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape and dq.dtype == q.dtype
 
 
 def test_releases_without_varlen_backward_are_not_used(install):

@@ -31,6 +31,10 @@ its entry points' signatures once, on first use.
 tested on CPU by running the reference backend behind stand-in kernels with exactly the
 arguments each interface receives). Kernels' conventions for rows that see no key are mapped back
 to the contract's ``lse = -inf`` (and forward to ``+inf`` for the kernels whose backward expects it).
+The kernels write dq/dk/dv in the input dtype; :meth:`FlashBackend.backward` returns them in float32
+as the contract says (the ring's accumulation dtype). A kernel parameter without a default that an
+adapter neither supplies nor knows as optional (``none_params``) raises a TypeError naming the
+interface, the parameter and the installed version: an upstream signature change is never guessed.
 
 Legend: ``T`` packed query rows, ``S`` packed key rows, ``H``/``K`` query/key heads, ``D`` head dim.
 """
@@ -38,7 +42,9 @@ Legend: ``T`` packed query rows, ``S`` packed key rows, ``H``/``K`` query/key he
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
+import sys
 
 import torch
 
@@ -71,17 +77,46 @@ def _parameters(fn) -> dict[str, inspect.Parameter]:
     return dict(inspect.signature(inspect.unwrap(getattr(fn, "_init_fn", fn))).parameters)
 
 
-def _call(fn, params: dict[str, inspect.Parameter], **kwargs):
-    """``fn(**kwargs)``; parameters without a default that we do not use get None (some releases
-    declare optional tensors such as ``k_new`` without one). An unknown name is an adapter bug."""
+def _installed_version(module_name: str) -> str:
+    """``"<package> <version>"`` of the installed package that provides ``module_name`` (its own or
+    an enclosing package's ``__version__``, else the distribution's metadata)."""
+    parts = module_name.split(".")
+    for i in range(len(parts), 0, -1):
+        version = getattr(sys.modules.get(".".join(parts[:i])), "__version__", None)
+        if isinstance(version, str):
+            return f"{'.'.join(parts[:i])} {version}"
+    try:
+        for dist in importlib.metadata.packages_distributions().get(parts[0], []):
+            return f"{dist} {importlib.metadata.version(dist)}"
+    except Exception:  # broken metadata: the version is only for the message
+        pass
+    return f"{parts[0]} (version unknown)"
+
+
+def _call(iface: "_Interface", fn, params: dict[str, inspect.Parameter], **kwargs):
+    """``fn(**kwargs)`` for ``iface``'s adapter. Required parameters (no default) named in
+    ``iface.none_params`` get None: optional tensors some releases declare without a default
+    (flash-attn 3's ``k_new``, ...). Any other required parameter the adapter does not supply means
+    the installed release changed its signature: raise, naming the interface, the parameter and the
+    version, rather than guess. An unknown keyword is an adapter bug."""
+    fn_name = getattr(getattr(fn, "_init_fn", fn), "__name__", repr(fn))  # a custom op's own function
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         unknown = sorted(set(kwargs) - set(params))
         if unknown:
-            raise TypeError(f"{getattr(fn, '__name__', fn)} takes no {unknown}")
+            raise TypeError(f"{iface.label}: {fn_name} takes no {unknown}")
+    missing = []
     for name, p in params.items():
         if (name not in kwargs and p.default is inspect.Parameter.empty
                 and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)):
-            kwargs[name] = None
+            if name in iface.none_params:
+                kwargs[name] = None
+            else:
+                missing.append(name)
+    if missing:
+        raise TypeError(
+            f"{iface.label}: {fn_name} of the installed {_installed_version(iface.module_name)} requires "
+            f"{', '.join(map(repr, missing))}, which cp_attention's {iface.name!r} adapter does not supply; "
+            "the upstream signature changed: update the adapter in cp_attention/backends/flash.py")
     return fn(**kwargs)
 
 
@@ -118,14 +153,19 @@ class _Interface:
 
     ``forward``/``backward`` take the contract's tensors (q (T, H, D), k/v (S, K, D), int32
     ``cu_seqlens``) and :func:`kernel_arguments`; ``forward`` returns out (T, H, D) and lse (H, T)
-    float32 in the kernel's own convention, ``backward`` (dq, dk, dv) in the input dtype. All four
-    take float16/bfloat16 only (:class:`FlashBackend` checks that; fa3's float8 path has no backward).
+    float32 in the kernel's own convention, ``backward`` (dq, dk, dv) in the input dtype (the
+    kernels' own; :class:`FlashBackend` returns them in float32, the contract's). All four take
+    float16/bfloat16 only (:class:`FlashBackend` checks that; fa3's float8 path has no backward).
     """
 
     name = ""
     label = ""
+    module_name = ""
+    """The module whose entry points the adapter calls (found by ``_resolve``)."""
     empty_lse = float("inf")
     """The lse the kernel's backward expects for rows that see no key."""
+    none_params: frozenset[str] = frozenset()
+    """Parameters some releases declare without a default that the adapter passes as None."""
 
     def __init__(self):
         self._checked = False
@@ -171,11 +211,17 @@ class _FlashAttn3(_Interface):
     label = "flash-attn 3 (flash_attn_interface)"
     empty_lse = float("-inf")  # its backward preprocess reads -inf as "no key" (log2 lse 0, all masked)
     modules = ("flash_attn_interface", "flash_attn_3.flash_attn_interface")
+    # 3.0 betas (plain functions) declare every optional tensor without a default
+    none_params = frozenset({
+        "k_new", "v_new", "qv", "out", "cu_seqlens_k_new", "seqused_q", "seqused_k", "page_table", "kv_batch_idx",
+        "leftpad_k", "rotary_cos", "rotary_sin", "seqlens_rotary", "q_descale", "k_descale", "v_descale",
+        "sequed_q", "sequed_k"})
 
     def _resolve(self):
         mod = next((m for m in map(_import, self.modules) if m is not None), None)
         if mod is None:
             return "not installed"
+        self.module_name = mod.__name__
         if not (hasattr(mod, "_flash_attn_forward") and hasattr(mod, "_flash_attn_backward")):
             return "flash_attn_interface has no _flash_attn_forward/_flash_attn_backward"
         self._fwd, self._bwd = mod._flash_attn_forward, mod._flash_attn_backward
@@ -203,7 +249,7 @@ class _FlashAttn3(_Interface):
                   **_window_kwargs(self._fwd_params, window_size_left, window_size_right))
         if softcap:
             kw["softcap"] = softcap
-        out_THD, lse_HT, *_ = _call(self._fwd, self._fwd_params, **kw)
+        out_THD, lse_HT, *_ = _call(self, self._fwd, self._fwd_params, **kw)
         return out_THD, lse_HT
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
@@ -217,7 +263,7 @@ class _FlashAttn3(_Interface):
             kw["softcap"] = softcap
         if "deterministic" in self._bwd_params:
             kw["deterministic"] = False
-        _call(self._bwd, self._bwd_params, **kw)
+        _call(self, self._bwd, self._bwd_params, **kw)
         return dq, dk, dv
 
 
@@ -232,6 +278,7 @@ class _FlashAttn4(_Interface):
         mod = _import("flash_attn.cute.interface")
         if mod is None:
             return "not installed"
+        self.module_name = mod.__name__
         if not (hasattr(mod, "_flash_attn_fwd") and hasattr(mod, "_flash_attn_bwd")):
             return "flash_attn.cute.interface has no _flash_attn_fwd/_flash_attn_bwd"
         self._fwd, self._bwd = mod._flash_attn_fwd, mod._flash_attn_bwd
@@ -273,7 +320,7 @@ class _FlashAttn4(_Interface):
                   return_lse=True, **self._mask(is_causal, window_size_left, window_size_right))
         if "max_seqlen_q" in self._fwd_params:
             kw.update(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        result = _call(self._fwd, self._fwd_params, **kw)  # (out, lse) or (out, lse, p, row_max)
+        result = _call(self, self._fwd, self._fwd_params, **kw)  # (out, lse) or (out, lse, p, row_max)
         out_THD, lse_HT = result[0], result[1]
         if lse_HT is None:
             raise RuntimeError("flash-attn 4 returned no lse although return_lse=True")
@@ -287,7 +334,7 @@ class _FlashAttn4(_Interface):
                   cu_seqlens_k=cu_seqlens_k, **self._mask(is_causal, window_size_left, window_size_right))
         if "max_seqlen_q" in self._bwd_params:
             kw.update(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        dq, dk, dv = _call(self._bwd, self._bwd_params, **kw)[:3]
+        dq, dk, dv = _call(self, self._bwd, self._bwd_params, **kw)[:3]
         return dq, dk, dv
 
 
@@ -297,11 +344,14 @@ class _FlashAttn2(_Interface):
     name = "fa2"
     label = "flash-attn 2 (flash_attn.flash_attn_interface)"
     empty_lse = float("inf")  # its forward writes +inf for rows that see nothing
+    # optional arguments some 2.x releases declare without a default
+    none_params = frozenset({"block_table", "leftpad_k", "seqused_k", "rng_state"})
 
     def _resolve(self):
         mod = _import("flash_attn.flash_attn_interface")
         if mod is None:
             return "not installed"
+        self.module_name = mod.__name__
         self._fwd, self._bwd = mod._flash_attn_varlen_forward, mod._flash_attn_varlen_backward
         self._fwd_params, self._bwd_params = _parameters(self._fwd), _parameters(self._bwd)
         if not {"window_size_left", "window_size"} & set(self._fwd_params):
@@ -324,7 +374,7 @@ class _FlashAttn2(_Interface):
             kw["softcap"] = softcap
         elif softcap:
             raise ValueError("this flash-attn 2 release has no softcap")
-        result = _call(self._fwd, self._fwd_params, **kw)
+        result = _call(self, self._fwd, self._fwd_params, **kw)
         # 2.7+: (out, lse, S_dmask, rng_state); earlier: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
         return (result[0], result[5]) if len(result) == 8 else (result[0], result[1])
 
@@ -337,7 +387,7 @@ class _FlashAttn2(_Interface):
                   **_window_kwargs(self._bwd_params, window_size_left, window_size_right))
         if "softcap" in self._bwd_params:
             kw["softcap"] = softcap
-        _call(self._bwd, self._bwd_params, **kw)
+        _call(self, self._bwd, self._bwd_params, **kw)
         return dq, dk, dv
 
 
@@ -354,6 +404,7 @@ class _AtenFlash(_Interface):
 
     name = "aten"
     label = "PyTorch flash (aten._flash_attention_forward)"
+    module_name = "torch"
     empty_lse = float("inf")
 
     def _resolve(self):
@@ -540,11 +591,15 @@ class FlashBackend:
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  scale, causal, window=(-1, -1), softcap=None):
-        """dout/out (T, H, D), lse (H, T) final -> dq (T, H, D), dk/dv (S, K, D)."""
+        """dout/out (T, H, D), lse (H, T) final -> dq (T, H, D), dk/dv (S, K, D) in float32 (float64
+        for float64 inputs) as the contract says: the ring's accumulation dtype, so it adopts them
+        without a copy. The kernels write the input dtype; the upcast is exact."""
         iface = self._interface(q, softcap)
         kw = kernel_arguments(scale=scale, causal=causal, window=window, softcap=softcap)
-        return flash_varlen_bwd(
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        grads = flash_varlen_bwd(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
             _kernel_lse(lse, INTERFACES[iface].empty_lse), cu_seqlens_q.int().contiguous(),
             cu_seqlens_k.int().contiguous(), int(max_seqlen_q), int(max_seqlen_k), kw["scale"], kw["is_causal"],
             kw["window_size_left"], kw["window_size_right"], kw["softcap"], iface)
+        return tuple(g.to(acc) for g in grads)
