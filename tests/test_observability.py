@@ -77,3 +77,14 @@ def test_triton_interpreter_refuses_bfloat16():
     with pytest.raises(ValueError, match="bfloat16 is wrong under Triton's CPU interpreter"):
         select_backend("triton", device=torch.device("cpu"), dtype=torch.bfloat16, head_dim=16,
                        spec=cp_attention.MaskSpec())
+
+
+def test_flash_backend_names_its_interface_in_the_logs(caplog):
+    from cp_attention.backends.flash import FlashBackend
+
+    backend = FlashBackend()  # a fresh instance: its interface choice is logged when first made
+    with caplog.at_level(logging.DEBUG, logger="cp_attention"):
+        text = backend.describe(device=torch.device("cpu"), dtype=torch.float16, head_dim=64,
+                                spec=cp_attention.MaskSpec())
+    assert text.startswith("flash via ") or text == "flash (no interface fits)"
+    assert any(r.getMessage().startswith("flash interface for capability") for r in caplog.records)

@@ -44,11 +44,14 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import logging
 import sys
 
 import torch
 
 from ..masks import MaskSpec
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FlashBackend", "kernel_arguments", "pick_interface", "INTERFACES", "PREFERENCE"]
 
@@ -555,7 +558,15 @@ class FlashBackend:
             candidates = PREFERENCE if self.interface is None else (self.interface,)
             self._picks[key] = pick_interface(capability=capability, head_dim=head_dim, softcap=softcap,
                                               candidates=candidates)
+            name, rejected = self._picks[key]
+            log.debug("flash interface for capability %s, head_dim %d, softcap %s: %s%s", capability, head_dim,
+                      softcap, INTERFACES[name].label if name else "none", f"; rejected {rejected}" if rejected else "")
         return self._picks[key]
+
+    def describe(self, *, device, dtype, head_dim: int, spec: MaskSpec) -> str:
+        """The backend and the flash interface it runs for such inputs (for logs)."""
+        name = self._pick(device, head_dim, spec.softcap is not None)[0]
+        return f"flash via {INTERFACES[name].label}" if name is not None else "flash (no interface fits)"
 
     def interface_for(self, *, device, head_dim: int, softcap: bool = False) -> str | None:
         """The interface this backend runs for such inputs on ``device`` (None: none fits)."""

@@ -1,0 +1,173 @@
+"""Mutation check: plant representative bugs in a temporary copy of the repository and assert that
+the default (CI) test suite catches every one.
+
+    python tests/mutations.py                 # every mutant; prints the table; exit 1 if one survives
+    python tests/mutations.py --only sinks    # mutants whose name contains "sinks"
+    python tests/mutations.py --list          # the mutants, without running anything
+
+Each mutant replaces one exact piece of source (found exactly once) and runs the test files of the
+CI suite that are meant to catch it (``-m 'not fuzz'``, as in CI, so the short fuzz run counts and
+the long one does not). A mutant is caught when that run fails; the table says which test failed
+first. ``tests/test_mutations.py`` checks in CI that every mutant still applies to the current code,
+so the list cannot silently rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str
+    path: str           # file relative to the repository root
+    old: str            # exact source text, found exactly once
+    new: str
+    tests: tuple[str, ...]  # test files (or node ids) of the CI suite expected to catch it
+
+
+MUTANTS = (
+    Mutant("window reach +1 (key at distance W visible)", "masks", "cp_attention/masks.py",
+           "reach = INF if self.window is None else self.window - 1",
+           "reach = INF if self.window is None else self.window", ("tests/test_distributed.py",)),
+    Mutant("window reach -1 (key at distance W-1 hidden)", "masks", "cp_attention/masks.py",
+           "reach = INF if self.window is None else self.window - 1",
+           "reach = INF if self.window is None else self.window - 2", ("tests/test_distributed.py",)),
+    Mutant("chunks counted from the document's first token", "masks", "cp_attention/masks.py",
+           "pos_BL = idx_L - start_BL if meta.position is None else meta.position.expand(meta.batch, meta.seq_len)",
+           "pos_BL = idx_L - start_BL", ("tests/test_chunks.py",)),
+    Mutant("chunk boundary one position late", "masks", "cp_attention/masks.py",
+           "chunk_start_BL = idx_L - torch.remainder(pos_BL, C)",
+           "chunk_start_BL = idx_L - torch.remainder(pos_BL - 1, C)", ("tests/test_chunks.py",)),
+    Mutant("a document starts only where positions fall", "masks", "cp_attention/masks.py",
+           "opens_BL[:, 1:] |= pos[:, 1:] != pos[:, :-1] + 1",
+           "opens_BL[:, 1:] |= pos[:, 1:] < pos[:, :-1]", ("tests/test_distributed.py",)),
+    Mutant("sinks dropped in the ring", "ring/sinks", "cp_attention/ring.py",
+           "            out_THD, lse_HT = apply_sinks(out_THD, lse_HT, sinks)",
+           "            pass", ("tests/test_merge.py", "tests/test_distributed.py")),
+    Mutant("merge weights swapped", "merge", "cp_attention/merge.py",
+           "out_a_THD.mul_(w_a_TH1).add_(out_b_THD.to(dtype) * w_b_TH1)",
+           "out_a_THD.mul_(w_b_TH1).add_(out_b_THD.to(dtype) * w_a_TH1)", ("tests/test_merge.py",)),
+    Mutant("dK/dV of a received span not returned to its owner", "ring", "cp_attention/ring.py",
+           "                    dk_BLKD[:, a:b] += gbuf[0][:, at:at + b - a]",
+           "                    pass", ("tests/test_distributed.py",)),
+    Mutant("halo one token long (over-sending)", "planner", "cp_attention/plan.py",
+           "ranges = sorted({(sq.k0 % Ls, (sq.k1 - 1) % Ls + 1) for sq in seqs})",
+           "ranges = sorted({(max(0, sq.k0 % Ls - 1), (sq.k1 - 1) % Ls + 1) for sq in seqs})",
+           ("tests/test_benchmarks.py",)),
+    Mutant("halo one token short", "planner", "cp_attention/plan.py",
+           "ranges = sorted({(sq.k0 % Ls, (sq.k1 - 1) % Ls + 1) for sq in seqs})",
+           "ranges = sorted({(min(sq.k0 % Ls + 1, (sq.k1 - 1) % Ls), (sq.k1 - 1) % Ls + 1) for sq in seqs})",
+           ("tests/test_distributed.py",)),
+    Mutant("zigzag: rank r holds slices r and 2P-2-r", "layouts", "cp_attention/layout.py",
+           "ranges = [bounds[rank], bounds[2 * world_size - 1 - rank]]",
+           "ranges = [bounds[rank], bounds[(2 * world_size - 2 - rank) % (2 * world_size)]]",
+           ("tests/test_layout.py",)),
+    Mutant("gather returns shards in rank order, not token order", "layouts", "cp_attention/layout.py",
+           "    pieces.sort(key=lambda item: item[0])\n", "", ("tests/test_layout.py",)),
+    Mutant("flash lse: +inf of rows that see no key not mapped back to -inf", "flash", "cp_attention/backends/flash.py",
+           'return torch.where(torch.isposinf(lse_HT), torch.full_like(lse_HT, float("-inf")), lse_HT)',
+           "return lse_HT", ("tests/test_flash_translation.py",)),
+    Mutant("flash-attn 3 backward gets +inf, not -inf, for rows that see no key", "flash",
+           "cp_attention/backends/flash.py",
+           'empty_lse = float("-inf")  # its backward preprocess reads -inf as "no key" (log2 lse 0, all masked)',
+           'empty_lse = float("inf")', ("tests/test_flash_translation.py",)),
+    Mutant("flash-attn 2 backward gets -inf, not +inf, for rows that see no key", "flash",
+           "cp_attention/backends/flash.py",
+           'empty_lse = float("inf")  # its forward writes +inf for rows that see nothing',
+           'empty_lse = float("-inf")', ("tests/test_flash_translation.py",)),
+    Mutant("flash-attn 3 forward: window sides swapped", "flash", "cp_attention/backends/flash.py",
+           "                  **_window_kwargs(self._fwd_params, window_size_left, window_size_right))\n"
+           "        if softcap:\n            kw[\"softcap\"] = softcap\n        out_THD, lse_HT, *_ = _call(",
+           "                  **_window_kwargs(self._fwd_params, window_size_right, window_size_left))\n"
+           "        if softcap:\n            kw[\"softcap\"] = softcap\n        out_THD, lse_HT, *_ = _call(",
+           ("tests/test_flash_translation.py",)),
+    Mutant("gpu_check: a forced ok = True in the verdict", "gpu_check", "benchmarks/gpu_check.py",
+           "ok = math.isfinite(err) and err <= factor * base", "ok = True", ("tests/test_gpu_check.py",)),
+    Mutant("gradient scaling: loss normalised by all label tokens (SUM convention)", "training",
+           "cp_attention/integrations/hf_batch.py",
+           'out["num_items_in_batch"] = num_items.to(device, torch.float32) / cp.world_size',
+           'out["num_items_in_batch"] = num_items.to(device, torch.float32)',
+           ("tests/test_training.py::test_ddp_fsdp2_checkpointing_collator_cp2",)),
+    Mutant("checkpoint recompute uses the active context, not the batch's", "training", "cp_attention/api.py",
+           "    if bound is not None:\n        cp = bound\n",
+           "    if False:\n        cp = bound\n",
+           ("tests/test_training.py::test_ddp_fsdp2_checkpointing_collator_cp2",)),
+)
+
+
+def _copy_repo(dest: str) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for rel in files:
+        src = os.path.join(ROOT, rel)
+        if not os.path.isfile(src) or rel.startswith("benchmarks/results/"):
+            continue
+        os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+        shutil.copy2(src, os.path.join(dest, rel))
+
+
+def check_applies(m: Mutant, root: str = ROOT) -> str:
+    """The mutated source of ``m.path`` (raises if ``m.old`` is not there exactly once)."""
+    with open(os.path.join(root, m.path)) as f:
+        source = f.read()
+    count = source.count(m.old)
+    if count != 1:
+        raise ValueError(f"mutant {m.name!r}: its source text occurs {count} times in {m.path}, expected once")
+    mutated = source.replace(m.old, m.new)
+    compile(mutated, m.path, "exec")
+    return mutated
+
+
+def run_mutant(m: Mutant, timeout: float = 1800) -> tuple[bool, str, float]:
+    """(caught, first failing test or the reason it survived, seconds)."""
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="cp_attention_mutant_") as tmp:
+        _copy_repo(tmp)
+        mutated = check_applies(m, tmp)
+        with open(os.path.join(tmp, m.path), "w") as f:
+            f.write(mutated)
+        env = dict(os.environ, PYTHONPATH=tmp, OMP_NUM_THREADS="1")
+        env.pop("CP_ATTENTION_NO_SKIPS", None)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not fuzz", *m.tests]
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, flags=re.M)
+    caught = proc.returncode != 0 and bool(failed)
+    detail = failed[0] if failed else (proc.stdout.strip().splitlines() or ["no output"])[-1]
+    return caught, detail, time.monotonic() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Plant bugs in a copy of the repository; the CI suite must catch "
+                                                 "every one.")
+    parser.add_argument("--only", default=None, help="run the mutants whose name contains this text")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    args = parser.parse_args(argv)
+    mutants = [m for m in MUTANTS if args.only is None or args.only in m.name]
+    if args.list:
+        for m in mutants:
+            print(f"{m.area:10s} {m.name}  ({m.path}; {', '.join(m.tests)})")
+        return 0
+    print("| mutant | area | caught by | seconds |\n|---|---|---|---:|", flush=True)
+    survived = 0
+    for m in mutants:
+        caught, detail, seconds = run_mutant(m)
+        survived += not caught
+        print(f"| {m.name} | {m.area} | {detail if caught else 'SURVIVED: ' + detail} | {seconds:.0f} |", flush=True)
+    print(f"\n{len(mutants) - survived} of {len(mutants)} mutants caught")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
