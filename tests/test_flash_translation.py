@@ -130,7 +130,9 @@ def fa3_backward(
     _check_grad_buffers(q, k, v, dq, dk, dv)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_lse(softmax_lse, q)
-    # its preprocess turns lse = -inf into log2-lse 0 on rows whose scores are all masked: p = 0
+    # its preprocess turns lse = -inf into log2-lse 0 on rows whose scores are all masked: p = 0;
+    # its forward never writes +inf, so a backward given +inf was handed another kernel's convention
+    assert not torch.isposinf(softmax_lse).any(), "flash-attn 3 writes -inf, not +inf, for rows that see nothing"
     grads = _ref_grads(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        scale=softmax_scale, causal=is_causal, window=(window_size_left, window_size_right),
                        softcap=softcap or None)
@@ -214,6 +216,7 @@ def fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0
     _check_dtypes(q, k, v, out, dout, assertion=True)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_lse(lse, q)
+    assert not torch.isposinf(lse).any(), "flash-attn 4 writes -inf, not +inf, for rows that see nothing"
     assert softcap == 0.0, "varlen + score_mod not supported in bwd yet"
     return tuple(_ref_grads(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                             scale=softmax_scale, causal=False,
