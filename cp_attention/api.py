@@ -172,7 +172,7 @@ class ContextParallel:
     that shares a mask reuses one plan and the metadata is exchanged once.
     """
 
-    def __init__(self, group=None, layout: str = "zigzag", timeout: float | None = None, backend: str = "auto"):
+    def __init__(self, group=None, layout: str | layout_mod.Layout = "zigzag", timeout: float | None = None, backend: str = "auto"):
         group = _as_group(group)
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
@@ -314,7 +314,7 @@ class ContextParallel:
 
 
 @contextlib.contextmanager
-def context_parallel(group=None, layout: str = "zigzag", timeout: float | None = None, *,
+def context_parallel(group=None, layout: str | layout_mod.Layout = "zigzag", timeout: float | None = None, *,
                      mesh_dim: str | None = None, backend: str = "auto"):
     """Make ``group`` (None: the default WORLD group) the context-parallel group of the block.
 
@@ -430,7 +430,7 @@ class _Header:
     kv_heads: int = -1
     head_dim: int = -1
     dtype: int = -1                # index in _DTYPES
-    layout: int = -1               # index in layout.LAYOUTS
+    layout: int = -1               # layout.layout_code
     causal: int = -1
     window: int = -1
     chunk_size: int = -1
@@ -470,7 +470,7 @@ def _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached) 
     plan_cached, meta_cached, cached_seq_len, cached_meta_crc = cached
     return _Header(
         error=0, batch=q.shape[0], local_len=q.shape[1], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
-        dtype=_DTYPES.index(q.dtype), layout=layout_mod.LAYOUTS.index(layout), causal=int(spec.causal),
+        dtype=_DTYPES.index(q.dtype), layout=layout_mod.layout_code(layout), causal=int(spec.causal),
         window=spec.window or -1, chunk_size=spec.chunk_size or -1, softcap=_float_bits(spec.softcap),
         scale=_float_bits(spec.scale), sinks=int(sinks is not None),
         documents=0 if position_ids is None and cu_seqlens is None else (1 if position_ids is not None else 2),
@@ -534,7 +534,7 @@ def _resolve(group, layout, bound: ContextParallel | None = None) -> _Resolved:
     elif group is not None:
         cp = active if active is not None and active.group is group else None
         if cp is None:
-            cp = ContextParallel(group, layout if layout in layout_mod.LAYOUTS else "zigzag")
+            cp = ContextParallel(group, layout if layout is not None else "zigzag")
     else:
         cp = None
     use_layout = layout or (cp.layout if cp is not None else "zigzag")
@@ -551,7 +551,7 @@ def attention(
     position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
     causal: bool = True, window: int | None = None, chunk_size: int | None = None,
     softcap: float | None = None, sinks: torch.Tensor | None = None, scale: float | None = None,
-    group=None, layout: str | None = None, backend: str | None = None, mask: MaskSpec | None = None,
+    group=None, layout: str | layout_mod.Layout | None = None, backend: str | None = None, mask: MaskSpec | None = None,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across a process group, honouring every mask.
 
@@ -584,7 +584,8 @@ def attention(
         scale: score multiplier; None means ``D ** -0.5``.
         group: the process group; None means the active :func:`context_parallel` group, or a
             single device when none is active.
-        layout: "zigzag" or "contiguous"; None means the active context's layout (else zigzag).
+        layout: "zigzag", "contiguous" or a :class:`~cp_attention.layout.Layout`; None means the active
+            context's layout (else zigzag).
         backend: "auto" or a name in ``cp_attention.backends.BACKENDS``; None: the active
             context's backend (``context_parallel(backend=...)``), else "auto".
         mask: a :class:`~cp_attention.MaskSpec` instead of the keywords ``causal``, ``window``,

@@ -8,23 +8,100 @@ is truncated or padded.
 * ``"zigzag"``: ``n = 2P`` slices, rank ``r`` holds slices ``r`` and ``2P-1-r`` in that order, which
   balances causal work (early and late tokens on every rank).
 
+Any other assignment of tokens to ranks is a :class:`Layout` object (for example one balanced
+for a batch's documents by :func:`cp_attention.balanced_layout`); every function here takes a
+layout name or a :class:`Layout`.
+
 Local order is always increasing global order.
 """
 
 from __future__ import annotations
 
+import functools
+import zlib
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["LAYOUTS", "check_layout", "slice_bounds", "rank_ranges", "local_lengths",
+__all__ = ["LAYOUTS", "Layout", "check_layout", "layout_code", "slice_bounds", "rank_ranges", "local_lengths",
            "global_index", "shard", "unshard", "infer_seq_len"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
 
-def check_layout(layout: str) -> str:
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Which global tokens each rank holds, for sequences of ``seq_len`` tokens.
+
+    ``ranges[r]``: rank ``r``'s tokens as sorted, disjoint ``[start, end)`` runs of global indices;
+    together the ranks' runs cover ``[0, seq_len)`` exactly once and every rank holds at least one
+    token. A rank's local order is increasing global order. Compared by identity (plans are cached
+    per layout object); :attr:`code` identifies its content across ranks."""
+
+    seq_len: int
+    ranges: tuple[tuple[tuple[int, int], ...], ...]
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        covered = []
+        for r, runs in enumerate(self.ranges):
+            if not runs:
+                raise ValueError(f"Layout: rank {r} holds no token; every rank needs at least one")
+            for a, b in runs:
+                if not 0 <= a < b <= self.seq_len:
+                    raise ValueError(f"Layout: rank {r} has run [{a}, {b}) outside [0, {self.seq_len}) or empty")
+            if any(runs[i][1] > runs[i + 1][0] for i in range(len(runs) - 1)):
+                raise ValueError(f"Layout: rank {r}'s runs must be sorted and disjoint, got {runs[:8]}")
+            covered.extend(runs)
+        covered.sort()
+        at = 0
+        for a, b in covered:
+            if a != at:
+                raise ValueError(f"Layout: tokens [{min(a, at)}, {max(a, at)}) are held by no rank or by two")
+            at = b
+        if at != self.seq_len:
+            raise ValueError(f"Layout: tokens [{at}, {self.seq_len}) are held by no rank")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranges)
+
+    def indices(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s increasing global token indices, (L_local,) int64."""
+        return torch.cat([torch.arange(a, b) for a, b in self.ranges[rank]])
+
+    def local_lengths(self) -> list[int]:
+        return [sum(b - a for a, b in runs) for runs in self.ranges]
+
+    @functools.cached_property
+    def code(self) -> int:
+        """A positive 31-bit checksum of the assignment (ranks compare layouts by it)."""
+        flat = [self.seq_len] + [x for runs in self.ranges for run in runs for x in run] + [-1]
+        return zlib.crc32(torch.tensor(flat, dtype=torch.int64).numpy().tobytes()) & 0x7FFFFFFF
+
+    @classmethod
+    def named(cls, name: str, seq_len: int, world_size: int) -> Layout:
+        """The ``"zigzag"`` or ``"contiguous"`` layout of ``seq_len`` tokens as an object."""
+        check_layout(name)
+        return cls(seq_len, tuple(tuple(rank_ranges(seq_len, world_size, name, r)) for r in range(world_size)),
+                   name=name)
+
+    def __repr__(self) -> str:
+        return (f"Layout({self.name!r}, seq_len={self.seq_len}, world_size={self.world_size}, "
+                f"runs per rank={[len(r) for r in self.ranges]}, tokens per rank={self.local_lengths()})")
+
+
+def check_layout(layout: str | Layout) -> str | Layout:
+    if isinstance(layout, Layout):
+        return layout
     if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"layout must be one of {LAYOUTS} or a cp_attention.layout.Layout, got {layout!r}")
     return layout
+
+
+def layout_code(layout: str | Layout) -> int:
+    """One int identifying a layout across ranks: the index of a name, else the Layout's checksum."""
+    return layout.code + len(LAYOUTS) if isinstance(layout, Layout) else LAYOUTS.index(layout)
 
 
 def slice_bounds(seq_len: int, n: int) -> list[tuple[int, int]]:
@@ -38,9 +115,14 @@ def slice_bounds(seq_len: int, n: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def rank_ranges(seq_len: int, world_size: int, layout: str, rank: int) -> list[tuple[int, int]]:
+def rank_ranges(seq_len: int, world_size: int, layout: str | Layout, rank: int) -> list[tuple[int, int]]:
     """Global ``[start, end)`` ranges held by ``rank``, in local order (empty ranges dropped)."""
     check_layout(layout)
+    if isinstance(layout, Layout):
+        if (seq_len, world_size) != (layout.seq_len, layout.world_size):
+            raise ValueError(f"the layout is for {layout.seq_len} tokens over {layout.world_size} ranks, not "
+                             f"{seq_len} tokens over {world_size}; build it for this batch (balanced_layout)")
+        return list(layout.ranges[rank])
     if layout == "contiguous":
         ranges = [slice_bounds(seq_len, world_size)[rank]]
     else:
@@ -49,20 +131,23 @@ def rank_ranges(seq_len: int, world_size: int, layout: str, rank: int) -> list[t
     return [(a, b) for a, b in ranges if b > a]
 
 
-def local_lengths(seq_len: int, world_size: int, layout: str) -> list[int]:
+def local_lengths(seq_len: int, world_size: int, layout: str | Layout) -> list[int]:
     """Number of tokens each rank holds."""
     return [sum(b - a for a, b in rank_ranges(seq_len, world_size, layout, r)) for r in range(world_size)]
 
 
-def global_index(seq_len: int, world_size: int, layout: str, rank: int) -> torch.Tensor:
+def global_index(seq_len: int, world_size: int, layout: str | Layout, rank: int) -> torch.Tensor:
     """Global index of each of ``rank``'s tokens, (L_local,) int64, increasing."""
     parts = [torch.arange(a, b) for a, b in rank_ranges(seq_len, world_size, layout, rank)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def infer_seq_len(lengths: list[int], world_size: int, layout: str) -> int:
+def infer_seq_len(lengths: list[int], world_size: int, layout: str | Layout) -> int:
     """The global length implied by every rank's local length; ValueError if the layout disagrees."""
     seq_len = sum(lengths)
+    if isinstance(layout, Layout) and seq_len != layout.seq_len:
+        raise ValueError(f"local sequence lengths {list(lengths)} across ranks add up to {seq_len} tokens, but the "
+                         f"layout is for {layout.seq_len}; shard the inputs with this layout")
     expected = local_lengths(seq_len, world_size, layout)
     if list(lengths) != expected:
         raise ValueError(
@@ -75,7 +160,7 @@ def infer_seq_len(lengths: list[int], world_size: int, layout: str) -> int:
     return seq_len
 
 
-def shard(x: torch.Tensor, dim: int, world_size: int, layout: str, rank: int) -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int, world_size: int, layout: str | Layout, rank: int) -> torch.Tensor:
     """``rank``'s shard of a full-length tensor along ``dim`` (a view when the layout allows)."""
     seq_len = x.shape[dim]
     if seq_len < world_size:
@@ -85,7 +170,7 @@ def shard(x: torch.Tensor, dim: int, world_size: int, layout: str, rank: int) ->
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def unshard(parts: list[torch.Tensor], dim: int, layout: str) -> torch.Tensor:
+def unshard(parts: list[torch.Tensor], dim: int, layout: str | Layout) -> torch.Tensor:
     """Reassemble every rank's shard (in rank order) into the full tensor in global token order."""
     world_size = len(parts)
     seq_len = sum(p.shape[dim] for p in parts)

@@ -401,7 +401,7 @@ def _calls(seqs: list[_Seq], k_shift) -> list[KernelCall]:
 # the plan of one rank
 
 
-def _tokens(meta: SequenceMeta, spec: MaskSpec, world_size: int, layout: str) -> _Tokens:
+def _tokens(meta: SequenceMeta, spec: MaskSpec, world_size: int, layout) -> _Tokens:
     seg_start, seg_end = segment_bounds(meta, spec)
     idx = [layout_mod.global_index(meta.seq_len, world_size, layout, r) for r in range(world_size)]
     return _Tokens(idx=idx, seg_start=seg_start, seg_end=seg_end)
@@ -421,7 +421,7 @@ def _spans(seqs: list[_Seq], Ls: int) -> tuple[tuple[int, int], ...]:
 
 
 def build_plan(
-    meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str, rank: int,
+    meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str | layout_mod.Layout, rank: int,
     head_kv: int, head_dim: int, itemsize: int, grad_itemsize: int = 4,
 ) -> RankPlan:
     """The plan of ``rank``: a pure function of global metadata, identical wherever it is computed.
