@@ -1,4 +1,11 @@
-"""Attention cases compared against the float64 oracle on N ranks, and the worker that runs them."""
+"""Attention cases compared against the independent float64 oracle (``oracle.py``) on N ranks, and
+the worker that runs them.
+
+A case is a plain dict: ``L``, ``B``, ``docs`` (None; ``("pos", rows)`` with document lengths per
+row, positions restarting at 0 in each; or ``("cu", lengths)`` for one row with global
+``cu_seqlens``) and the flags ``causal``, ``window``, ``chunk_size``, ``softcap``, ``sinks``. The
+expected values come from ``oracle.py`` alone; ``cp_attention`` is only called as the engine.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +15,7 @@ import torch
 import torch.distributed as dist
 
 import cp_attention
-from cp_attention import layout as layout_mod
-from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_cu_seqlens, doc_starts_from_position_ids
-from oracle import dense_attention
+from oracle import oracle_attention, oracle_mask, rank_tokens
 
 
 def _lengths_to_positions(lengths: list[int]) -> list[int]:
@@ -30,7 +35,8 @@ def named_cases(world_size: int, layout: str) -> list[dict]:
     for L in (97, 130):
         S = L // world_size  # tokens per rank (contiguous shard size)
         slice_len = L // (world_size * (2 if layout == "zigzag" else 1))
-        edges = [b for _, b in layout_mod.slice_bounds(L, world_size * (2 if layout == "zigzag" else 1))][:-1]
+        n = world_size * (2 if layout == "zigzag" else 1)
+        edges = [L // n * (i + 1) + min(i + 1, L % n) for i in range(n - 1)]  # slice ends (oracle.rank_tokens)
         masks = {
             "causal": dict(),
             "bidirectional": dict(causal=False),
@@ -91,18 +97,21 @@ def random_cases(world_size: int, layout: str, count: int, seed: int) -> list[di
     return cases
 
 
-def _meta_and_args(case: dict):
-    B, L = case["B"], case["L"]
+def doc_args(case: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The global ``position_ids`` (B, L) int64 or ``cu_seqlens`` (N+1,) int32 of a case."""
     docs = case.get("docs")
-    position_ids = cu_seqlens = None
-    doc_start = None
-    if docs is not None and docs[0] == "pos":
-        position_ids = torch.tensor([_lengths_to_positions(row) for row in docs[1]], dtype=torch.int64)
-        doc_start = doc_starts_from_position_ids(position_ids)
-    elif docs is not None:
-        cu_seqlens = torch.tensor([0] + list(torch.tensor(docs[1]).cumsum(0).tolist()), dtype=torch.int32)
-        doc_start = doc_starts_from_cu_seqlens(cu_seqlens, L)
-    return SequenceMeta(batch=B, seq_len=L, doc_start=doc_start, position=position_ids), position_ids, cu_seqlens
+    if docs is None:
+        return None, None
+    if docs[0] == "pos":
+        return torch.tensor([_lengths_to_positions(row) for row in docs[1]], dtype=torch.int64), None
+    return None, torch.tensor([0] + list(torch.tensor(docs[1]).cumsum(0).tolist()), dtype=torch.int32)
+
+
+def case_mask(case: dict) -> torch.Tensor:
+    """The oracle's (B, L, L) mask of a case."""
+    position_ids, cu_seqlens = doc_args(case)
+    return oracle_mask(case["B"], case["L"], position_ids=position_ids, cu_seqlens=cu_seqlens,
+                       causal=case.get("causal", True), window=case.get("window"), chunk_size=case.get("chunk_size"))
 
 
 def run_cases(rank: int, world_size: int, cases: list[dict], layout: str, dtype_name: str = "float32",
@@ -118,9 +127,11 @@ def run_cases(rank: int, world_size: int, cases: list[dict], layout: str, dtype_
     with cp_attention.context_parallel(layout=layout) as cp:
         for ci, case in enumerate(cases):
             B, L = case["B"], case["L"]
-            meta, position_ids, cu_seqlens = _meta_and_args(case)
-            spec = MaskSpec(causal=case.get("causal", True), window=case.get("window"),
-                            chunk_size=case.get("chunk_size"), softcap=case.get("softcap"))
+            mine = torch.tensor(rank_tokens(L, world_size, layout, rank))  # the oracle's rows of this shard
+            position_ids, cu_seqlens = doc_args(case)
+            mask = case_mask(case)
+            flags = dict(causal=case.get("causal", True), window=case.get("window"),
+                         chunk_size=case.get("chunk_size"), softcap=case.get("softcap"))
             gen = torch.Generator().manual_seed(1234 + ci)
             q = torch.randn(B, L, H, head_dim, generator=gen, dtype=torch.float64)
             k = torch.randn(B, L, K, head_dim, generator=gen, dtype=torch.float64)
@@ -128,20 +139,19 @@ def run_cases(rank: int, world_size: int, cases: list[dict], layout: str, dtype_
             grad = torch.randn(B, L, H, head_dim, generator=gen, dtype=torch.float64)
             sinks = torch.randn(H, generator=gen, dtype=torch.float64) if case.get("sinks") else None
             leaves = [t.requires_grad_() for t in (q, k, v)] + ([sinks.requires_grad_()] if sinks is not None else [])
-            ref = dense_attention(q, k, v, meta, spec, sinks=sinks)
+            ref = oracle_attention(q, k, v, mask, softcap=flags["softcap"], sinks=sinks)
             ref_grads = torch.autograd.grad(ref, leaves, grad)
 
             ours_in = [cp.shard(t.detach().to(dtype)).requires_grad_() for t in (q, k, v)]
             sinks_in = sinks.detach().to(dtype).requires_grad_() if sinks is not None else None
             out = cp_attention.attention(
                 *ours_in, position_ids=cp.shard(position_ids) if position_ids is not None else None,
-                cu_seqlens=cu_seqlens, causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size,
-                softcap=spec.softcap, sinks=sinks_in, backend=backend)
+                cu_seqlens=cu_seqlens, sinks=sinks_in, backend=backend, **flags)
             stats = cp_attention.last_plan_stats()
             out.backward(cp.shard(grad).to(dtype))
             ours = [out] + [t.grad for t in ours_in]
-            refs = [ref] + list(ref_grads[:3])
-            errs = {name: (a.double() - cp.shard(b)).abs().max().item()
+            refs = [ref.detach()[:, mine]] + [g[:, mine] for g in ref_grads[:3]]
+            errs = {name: (a.double() - b).abs().max().item()
                     for name, a, b in zip(("out", "dq", "dk", "dv"), ours, refs)}
             finite = all(bool(torch.isfinite(t).all()) for t in ours)
             if sinks is not None:
@@ -152,9 +162,10 @@ def run_cases(rank: int, world_size: int, cases: list[dict], layout: str, dtype_
             if dtype != torch.float32:
                 # the same-dtype error of a plain torch implementation, on the same shard
                 low = [t.detach().to(dtype).requires_grad_() for t in leaves]
-                p_out = dense_attention(*low[:3], meta, spec, sinks=low[3] if sinks is not None else None)
+                p_out = oracle_attention(*low[:3], mask, softcap=flags["softcap"],
+                                         sinks=low[3] if sinks is not None else None)
                 p_grads = torch.autograd.grad(p_out, low[:3], grad.to(dtype))
-                plain = {name: (cp.shard(a).double() - cp.shard(b)).abs().max().item()
+                plain = {name: (a[:, mine].double() - b).abs().max().item()
                          for name, a, b in zip(("out", "dq", "dk", "dv"), [p_out, *p_grads], refs)}
             results.append(dict(name=case["name"], errs=errs, plain=plain, finite=finite,
                                 kernel_calls=stats.kernel_calls, kv_bytes_recv=stats.kv_bytes_recv))

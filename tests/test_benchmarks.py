@@ -1,6 +1,10 @@
 """The benchmark scripts run end to end in their tiny --smoke mode, their JSON says what it must, the
 plots are drawn from it, and the traffic claims of the README hold at the plan level.
 
+Expected pair counts, FLOPs, halos and attention outputs come from the independent oracle
+(``oracle.py``: the documented mask and layout definitions, no cp_attention code); the library and
+the harness are only what is measured.
+
 The smoke runs happen once per module (in this process; bench_cp spawns gloo ranks, the memory
 measurements a fresh process), then every test reads their JSON.
 """
@@ -19,13 +23,31 @@ sys.path.insert(0, os.path.abspath(BENCH_DIR))
 
 import harness  # noqa: E402
 
-from cp_attention import attention  # noqa: E402
 from cp_attention import layout as layout_mod  # noqa: E402
 from cp_attention.backends import BACKENDS  # noqa: E402
 from cp_attention.comm import Comm  # noqa: E402
-from cp_attention.masks import MaskSpec, dense_mask  # noqa: E402
+from cp_attention.masks import MaskSpec  # noqa: E402
 from cp_attention.plan import build_plan  # noqa: E402
 from cp_attention.ring import ring_attention  # noqa: E402
+from oracle import needed_halo_tokens, oracle_attention, oracle_mask, rank_tokens  # noqa: E402
+
+
+def _oracle_mask(name: str, L: int, documents=None, window=None) -> torch.Tensor:
+    """(1, L, L) oracle mask of a harness mask name (``causal``, ``window:W``, ``chunked:C``,
+    ``documents[:N]`` with the drawn ``documents`` lengths, positions restarting at 0 in each),
+    optionally with a window on top."""
+    kind, _, arg = name.partition(":")
+    pos = None if documents is None else torch.tensor([[p for n in documents for p in range(n)]])
+    return oracle_mask(1, L, position_ids=pos, causal=True,
+                       window=int(arg) if kind == "window" else window,
+                       chunk_size=int(arg) if kind == "chunked" else None)
+
+
+def _flops(pairs: int, *, heads: int, head_dim: int, backward: bool) -> float:
+    """Two matrix products per visible pair and head (2 * 2 * D flops) forward; backward five more
+    products' worth of work on top (2.5x the forward)."""
+    forward = 2 * 2 * head_dim * pairs * heads
+    return forward + (2.5 * forward if backward else 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +80,9 @@ def test_attention_smoke(smoke):
             t = r["time"]
             assert 0 < t["min_s"] <= t["median_s"] <= t["max_s"]
             case_mask = harness.parse_mask(r["mask"], r["seq_len"])
-            meta = case_mask.meta(r["seq_len"])
-            assert r["visible_pairs"] == int(dense_mask(meta, case_mask.spec).sum())
-            assert r["flops"] == harness.flops(meta, case_mask.spec, heads=2, head_dim=16,
-                                               backward=r["pass"] == "fwd_bwd")
+            pairs = int(_oracle_mask(r["mask"], r["seq_len"], case_mask.documents).sum())
+            assert r["visible_pairs"] == pairs
+            assert r["flops"] == _flops(pairs, heads=2, head_dim=16, backward=r["pass"] == "fwd_bwd")
             if r["pass"] == "fwd_bwd":  # tiny runs may fit in pages already resident: >= 0
                 assert isinstance(r["peak_bytes"], int) and r["peak_bytes"] >= 0
         assert impls["sdpa_dense"]["mask_bytes"] == case[1] ** 2 and impls["cp_flash"]["mask_bytes"] == 0
@@ -83,6 +104,12 @@ def test_cp_smoke(smoke):
         assert r["mode"] == ("local" if P == 1 else "spawn")
         assert len(r["compute_s_per_rank"]) == P and all(c > 0 for c in r["compute_s_per_rank"])
         assert r["max_abs_diff_vs_ours"] < 1e-5  # every approach computes the same attention
+        if P == 2 and approach == "ours":  # exactly the halo of the oracle mask
+            cfg = payload["config"]
+            case = harness.parse_mask(mask, cfg["seq_len"])
+            needed = needed_halo_tokens(_oracle_mask(mask, cfg["seq_len"], case.documents), P, cfg["layout"])
+            token = 2 * cfg["kv_heads"] * cfg["head_dim"] * getattr(torch, cfg["dtype"]).itemsize
+            assert r["kv_bytes_recv_per_rank"] == [n * token for n in needed], mask
         if P == 2:
             ours, ring = by[(mask, 2, "ours")], by[(mask, 2, "full_ring")]
             assert max(ours["kv_bytes_sent_per_rank"]) < max(ring["kv_bytes_sent_per_rank"])
@@ -119,46 +146,58 @@ def test_window_quarter_shard_sends_at_most_a_third(layout):
     """World size 4, W = S/4: our plan sends at most 1/3 of a full ring's and of an all-gather's
     K/V bytes, on every rank, and receives at most 1/3 too."""
     L, P = 4096, 4
-    S = L // P
-    case = harness.parse_mask(f"window:{S // 4}", L)
+    S, W = L // P, L // P // 4
+    token = 2 * 2 * 64 * 2  # K and V, 2 heads of 64, 2 bytes
+    case = harness.parse_mask(f"window:{W}", L)
     rows = harness.traffic(case.meta(L), case.spec, world_size=P, layout=layout, head_kv=2, head_dim=64, itemsize=2)
+    needed = needed_halo_tokens(_oracle_mask(f"window:{W}", L), P, layout)
+    # the halo is the W-1 tokens before each of the rank's slices that another rank holds
+    starts = [rank_tokens(L, P, layout, r) for r in range(P)]
+    assert needed == [sum(W - 1 for i, t in enumerate(idx) if t > 0 and (i == 0 or idx[i - 1] != t - 1))
+                      for idx in starts]
     assert sum(r["ours_sent"] for r in rows) > 0
     for r in rows:
         assert r["ours_sent"] <= r["ring_sent"] / 3 and r["ours_sent"] <= r["allgather_sent"] / 3
         assert r["ours_recv"] <= r["ring_recv"] / 3 and r["ours_recv"] <= r["allgather_recv"] / 3
-        assert r["ring_recv"] == r["allgather_recv"] == (L - S) * 2 * 2 * 64 * 2
-        assert r["ours_recv"] <= r["halo_needed_recv"]  # exactly the W-1 tokens before each slice
+        assert r["ring_recv"] == r["allgather_recv"] == (L - S) * token
+        assert r["ours_recv"] == needed[r["rank"]] * token  # exactly the halo, not one token more
+        assert r["halo_needed_recv"] == needed[r["rank"]] * token  # the harness' own count agrees
+    assert sum(r["ours_sent"] for r in rows) == sum(r["ours_recv"] for r in rows)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("mask", ["documents", "documents+window"])
 def test_documents_no_longer_than_a_shard_send_only_their_halo(layout, mask):
-    """Documents of at most S tokens: every rank receives no more than the K/V its queries see."""
+    """Documents of at most S tokens: every rank receives exactly the K/V its queries see."""
     L, P = 4096, 4
+    token = 2 * 2 * 64 * 2
     case = harness.parse_mask(f"documents:{L // P}", L, seed=3)
     assert max(case.documents) <= L // P and len(case.documents) > P
-    spec = MaskSpec(window=300) if mask == "documents+window" else case.spec
+    window = 300 if mask == "documents+window" else None
+    spec = MaskSpec(window=window)
     rows = harness.traffic(case.meta(L), spec, world_size=P, layout=layout, head_kv=2, head_dim=64, itemsize=2)
+    needed = needed_halo_tokens(_oracle_mask("documents", L, case.documents, window=window), P, layout)
     assert sum(r["ours_sent"] for r in rows) == sum(r["ours_recv"] for r in rows)
     for r in rows:
-        assert r["ours_recv"] <= r["halo_needed_recv"] < r["ring_recv"]
+        assert r["ours_recv"] == needed[r["rank"]] * token < r["ring_recv"]
+        assert r["halo_needed_recv"] == needed[r["rank"]] * token
 
 
-def test_halo_and_pairs_match_the_dense_mask():
+def test_halo_and_pairs_match_the_oracle_mask():
+    """The harness' pair count, dense baseline mask, FLOPs and needed halo against the oracle."""
     L, P = 96, 3
     for name in ("causal", "window:7", "chunked:20", "documents:40"):
         case = harness.parse_mask(name, L, seed=1)
         meta = case.meta(L)
-        dense = dense_mask(meta, case.spec)[0]
+        dense = _oracle_mask(name, L, case.documents)
         assert harness.visible_pairs(meta, case.spec) == int(dense.sum())
-        assert torch.equal(case.dense(L), dense)
+        assert torch.equal(case.dense(L), dense[0])
+        for backward in (False, True):
+            assert harness.flops(meta, case.spec, heads=3, head_dim=8, backward=backward) == _flops(
+                int(dense.sum()), heads=3, head_dim=8, backward=backward)
         for layout in ("zigzag", "contiguous"):
-            needed = harness.needed_halo_tokens(meta, case.spec, world_size=P, layout=layout)
-            for r in range(P):
-                q_idx = layout_mod.global_index(L, P, layout, r)
-                seen = dense[q_idx].any(0)
-                seen[q_idx] = False
-                assert needed[r] == int(seen.sum()), (name, layout, r)
+            assert harness.needed_halo_tokens(meta, case.spec, world_size=P, layout=layout) == needed_halo_tokens(
+                dense, P, layout), (name, layout)
 
 
 def test_document_lengths_are_a_realistic_mix():
@@ -173,12 +212,33 @@ def test_document_lengths_are_a_realistic_mix():
 # the execution helpers compute the right attention
 
 
+class _CountingSimComm(harness.SimComm):
+    """SimComm that adds up the K/V bytes the ring actually sends and receives (tags below the
+    world size; dK/dV partial sums travel under higher tags)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.kv_sent = self.kv_recv = 0
+
+    def send(self, tensor, dst, tag=0):
+        if tag < self.world_size:
+            self.kv_sent += tensor.numel() * tensor.element_size()
+        super().send(tensor, dst, tag)
+
+    def recv(self, tensor, src, tag=0):
+        if tag < self.world_size:
+            self.kv_recv += tensor.numel() * tensor.element_size()
+        super().recv(tensor, src, tag)
+
+
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_simulated_ranks_and_baseline_plans_match_one_device(layout):
     """Every rank of a world of 3 run in turn with SimComm, for our plan, the full ring and the
-    all-gather, gives that rank's shard of the single-device output; a full ring's and an
-    all-gather's gradients of q equal ours."""
+    all-gather, gives that rank's shard of the oracle's output and q gradient; our plan's ring
+    moves exactly the K/V halo the oracle mask needs (counted on the wire), the full ring every
+    other shard."""
     L, P, H, K, D = 150, 3, 4, 2, 8
+    token = 2 * K * D * 8  # K and V of one token in float64
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, L, H, D, generator=gen, dtype=torch.float64)
     k = torch.randn(1, L, K, D, generator=gen, dtype=torch.float64)
@@ -186,24 +246,39 @@ def test_simulated_ranks_and_baseline_plans_match_one_device(layout):
     case = harness.parse_mask("documents:60", L, seed=2)
     spec = MaskSpec(window=23)
     meta = case.meta(L)
-    full = attention(q, k, v, window=23, position_ids=case.position_ids(L))
+    mask = _oracle_mask("documents", L, case.documents, window=23)
+    q_ref = q.clone().requires_grad_()
+    full = oracle_attention(q_ref, k, v, mask)
+    full.sum().backward()
+    tokens = [rank_tokens(L, P, layout, r) for r in range(P)]
+    needed = needed_halo_tokens(mask, P, layout)
+    assert 0 < sum(needed) < 2 * L
+    halo_sets = [set(torch.nonzero(mask[0, tokens[r]].any(0)).flatten().tolist()) - set(tokens[r])
+                 for r in range(P)]
     ks = [layout_mod.shard(k, 1, P, layout, r) for r in range(P)]
     vs = [layout_mod.shard(v, 1, P, layout, r) for r in range(P)]
     ref = BACKENDS["reference"]
     for r in range(P):
         q_r = layout_mod.shard(q, 1, P, layout, r)
-        want = layout_mod.shard(full, 1, P, layout, r)
+        want, want_dq = full.detach()[:, tokens[r]], q_ref.grad[:, tokens[r]]
         ours = build_plan(meta, spec, world_size=P, layout=layout, rank=r, head_kv=K, head_dim=D, itemsize=8)
         ring = harness.full_ring_plan(meta, spec, world_size=P, layout=layout, rank=r, head_kv=K, head_dim=D,
                                       itemsize=8)
-        assert ring.stats.kv_bytes_recv == ring.stats.ring_kv_bytes_recv >= ours.stats.kv_bytes_recv
+        assert ring.stats.kv_bytes_recv == ring.stats.ring_kv_bytes_recv == (L - len(tokens[r])) * token
         grads = []
         for plan in (ours, ring):
             qq = q_r.clone().requires_grad_()
-            out = ring_attention(qq, ks[r], vs[r], None, plan, harness.SimComm(plan, ks, vs), ref,
-                                 scale=D ** -0.5, softcap=None)
+            comm = _CountingSimComm(plan, ks, vs)
+            out = ring_attention(qq, ks[r], vs[r], None, plan, comm, ref, scale=D ** -0.5, softcap=None)
             torch.testing.assert_close(out, want, atol=1e-10, rtol=0)
+            if plan is ours:  # exactly the halo, not one token more, in both directions
+                assert comm.kv_recv == ours.stats.kv_bytes_recv == needed[r] * token, (layout, r)
+                sent = sum(len(halo_sets[d] & set(tokens[r])) for d in range(P) if d != r)
+                assert comm.kv_sent == ours.stats.kv_bytes_sent == sent * token, (layout, r)
+            else:
+                assert comm.kv_recv == (L - len(tokens[r])) * token
             out.sum().backward()
+            torch.testing.assert_close(qq.grad, want_dq, atol=1e-10, rtol=0)
             grads.append(qq.grad)
         qq = q_r.clone().requires_grad_()
         gathered = harness.all_gather_plan(meta, spec, world_size=P, layout=layout, rank=r)

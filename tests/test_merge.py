@@ -1,10 +1,19 @@
-"""Log-sum-exp merging and sinks against direct computation."""
+"""Log-sum-exp merging and sinks against direct computation, and the ring's use of both against
+the independent float64 oracle (``oracle.py``)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from cp_attention import layout as layout_mod
+from cp_attention.backends import BACKENDS
+from cp_attention.comm import Comm
+from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids
 from cp_attention.merge import apply_sinks, merge_partials
+from cp_attention.plan import build_plan
+from cp_attention.ring import ring_attention
+from oracle import oracle_attention, oracle_mask, rank_tokens
 
 
 def _attend(scores_HTS, v_SHD):
@@ -55,3 +64,77 @@ def test_sinks_equal_an_extra_valueless_logit():
     out0, lse0 = apply_sinks(torch.zeros(1, H, D), torch.full((H, 1), float("-inf")), sinks.float())
     assert (out0 == 0).all()
     torch.testing.assert_close(lse0[:, 0], sinks.float())
+
+
+# ------------------------------------------------------------------------------------------------
+# the ring's use of the merge and of sinks, against the independent oracle (one process)
+
+
+class _SimComm(Comm):
+    """Stands in for the group when one process runs every rank's plan in turn: a K/V receive is
+    filled with the spans the plan names from the sender's shard; dK/dV partial sums coming back
+    are zeros (only out, dq and the rank's share of dsinks are checked)."""
+
+    def __init__(self, plan, k_shards, v_shards):
+        super().__init__(single=True)
+        self.rank, self.world_size = plan.rank, plan.world_size
+        self._rounds = {r.offset: r for r in plan.schedule()}
+        self._k, self._v, self._ops = k_shards, v_shards, []
+
+    def send(self, tensor, dst, tag=0):
+        pass
+
+    def recv(self, tensor, src, tag=0):
+        self._ops.append((tensor, src, tag))
+
+    def commit(self, *args, **kwargs):
+        ops, self._ops = self._ops, []
+        for buf, src, tag in ops:
+            if tag >= self.world_size:
+                buf.zero_()
+                continue
+            at = 0
+            for a, b in self._rounds[tag].recv.spans:
+                buf[0, :, at:at + b - a].copy_(self._k[src][:, a:b])
+                buf[1, :, at:at + b - a].copy_(self._v[src][:, a:b])
+                at += b - a
+        return super().commit(*args, **kwargs)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("sinks_on", [True, False])
+def test_ring_merges_partials_and_applies_sinks_like_the_oracle(layout, sinks_on):
+    """Three simulated ranks (so every query merges partial results from several K/V shards), packed
+    documents, a window, softcap, GQA and sinks: each rank's out, dq and share of dsinks equal the
+    oracle's (sinks applied once, after the merge, as a value-less logit)."""
+    L, P, H, K, D = 61, 3, 4, 2, 8
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, L, n, D, generator=gen, dtype=torch.float64) for n in (H, K, K, H))
+    sinks = torch.randn(H, generator=gen, dtype=torch.float64) * 2 if sinks_on else None
+    pos = torch.tensor([list(range(25)) + list(range(36))])
+    mask = oracle_mask(1, L, position_ids=pos, window=30)
+    leaves = [q.clone().requires_grad_()] + ([sinks.clone().requires_grad_()] if sinks_on else [])
+    want = oracle_attention(leaves[0], k, v, mask, softcap=3.0, sinks=leaves[1] if sinks_on else None)
+    want_grads = torch.autograd.grad(want, leaves, dout)
+    spec = MaskSpec(window=30, softcap=3.0)
+    meta = SequenceMeta(batch=1, seq_len=L, doc_start=doc_starts_from_position_ids(pos), position=pos)
+    ks = [layout_mod.shard(k, 1, P, layout, r) for r in range(P)]
+    vs = [layout_mod.shard(v, 1, P, layout, r) for r in range(P)]
+    dsinks = torch.zeros(H, dtype=torch.float64)
+    merged_somewhere = False
+    for r in range(P):
+        mine = rank_tokens(L, P, layout, r)
+        plan = build_plan(meta, spec, world_size=P, layout=layout, rank=r, head_kv=K, head_dim=D, itemsize=8)
+        merged_somewhere |= plan.stats.rounds > 0 and plan.local is not None
+        qq = layout_mod.shard(q, 1, P, layout, r).clone().requires_grad_()
+        ss = sinks.clone().requires_grad_() if sinks_on else None
+        out = ring_attention(qq, ks[r], vs[r], ss, plan, _SimComm(plan, ks, vs), BACKENDS["reference"],
+                             scale=D ** -0.5, softcap=3.0)
+        torch.testing.assert_close(out, want.detach()[:, mine], atol=1e-10, rtol=0)
+        out.backward(dout[:, mine])
+        torch.testing.assert_close(qq.grad, want_grads[0][:, mine], atol=1e-10, rtol=0)
+        if sinks_on:
+            dsinks += ss.grad
+    assert merged_somewhere
+    if sinks_on:
+        torch.testing.assert_close(dsinks, want_grads[1], atol=1e-10, rtol=0)

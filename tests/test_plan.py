@@ -1,4 +1,8 @@
-"""The planner: every visible pair computed exactly once, and K/V moved only where the mask needs it."""
+"""The planner: every visible pair computed exactly once, and K/V moved only where the mask needs it.
+
+Expected pairs and halos come from the independent oracle (``oracle.py``, no cp_attention code);
+the library's ``SequenceMeta``/``MaskSpec`` only describe the case to the planner under test.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +13,30 @@ import pytest
 import torch
 
 from cp_attention import layout as layout_mod
-from cp_attention.masks import MaskSpec, SequenceMeta, dense_mask, doc_starts_from_position_ids
+from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids
 from cp_attention.plan import build_plan
+from oracle import halo_keys, oracle_mask
 from planutil import covered_pairs
 
 HKV, D, ITEM = 2, 8, 4
 TOKEN_BYTES = 2 * HKV * D * ITEM  # K and V of one token, one batch row
 
 
+def _positions(docs):
+    """(B, L) position ids restarting at 0 in every document, or None for one document per row."""
+    return None if docs is None else torch.tensor([[p for n in row for p in range(n)] for row in docs])
+
+
 def _meta(L, docs=None, B=1):
     if docs is None:
         return SequenceMeta(batch=B, seq_len=L)
-    pos = torch.tensor([[p for n in row for p in range(n)] for row in docs])
+    pos = _positions(docs)
     return SequenceMeta(batch=B, seq_len=L, doc_start=doc_starts_from_position_ids(pos))
+
+
+def _want(L, docs, B, **flags):
+    """The oracle's (B, L, L) mask as int64 counts (every visible pair exactly once)."""
+    return oracle_mask(B, L, position_ids=_positions(docs), **flags).long()
 
 
 def _plans(meta, spec, P, lay):
@@ -36,6 +51,36 @@ def _random_docs(rng, L, longest):
     return out
 
 
+def _pairs(mask_LL):
+    return {(q, k) for q, k in mask_LL.nonzero().tolist()}
+
+
+def test_oracle_mask_follows_the_documented_examples():
+    """The oracle itself, on hand-written pairs (README "Use")."""
+    # causal window W = 3: 0 <= q - k < 3
+    assert _pairs(oracle_mask(1, 5, window=3)[0]) == {(q, k) for q in range(5) for k in range(5) if 0 <= q - k < 3}
+    assert (4, 2) in _pairs(oracle_mask(1, 5, window=3)[0]) and (4, 1) not in _pairs(oracle_mask(1, 5, window=3)[0])
+    # bidirectional window W = 2: |q - k| < 2
+    assert _pairs(oracle_mask(1, 4, causal=False, window=2)[0]) == {
+        (0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 1), (2, 2), (2, 3), (3, 2), (3, 3)}
+    # documents where position_ids do not rise by exactly 1: [0, 1 | 0 | 5, 6]
+    pos = torch.tensor([[0, 1, 0, 5, 6]])
+    assert _pairs(oracle_mask(1, 5, position_ids=pos)[0]) == {(0, 0), (1, 0), (1, 1), (2, 2), (3, 3), (4, 3), (4, 4)}
+    # chunks by position // C: a document continued from position 5 with C = 4: {5, 6, 7}, {8, 9}
+    pos = torch.tensor([[5, 6, 7, 8, 9]])
+    chunked = _pairs(oracle_mask(1, 5, position_ids=pos, causal=False, chunk_size=4)[0])
+    assert chunked == {(q, k) for q in range(5) for k in range(5) if (q < 3) == (k < 3)}
+    # cu_seqlens: positions count from 0 at each document's first token; an empty document is no token
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    got = _pairs(oracle_mask(1, 7, cu_seqlens=cu, causal=False, chunk_size=2)[0])
+    groups = [{0, 1}, {2}, {3, 4}, {5, 6}]
+    assert got == {(q, k) for g in groups for q in g for k in g}
+    # two rows, each its own documents
+    two = oracle_mask(2, 3, position_ids=torch.tensor([[0, 1, 2], [0, 0, 1]]))
+    assert _pairs(two[0]) == {(0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)}
+    assert _pairs(two[1]) == {(0, 0), (1, 1), (2, 1), (2, 2)}
+
+
 def test_every_visible_pair_is_computed_exactly_once():
     rng = random.Random(0)
     for trial in range(160):
@@ -46,23 +91,29 @@ def test_every_visible_pair_is_computed_exactly_once():
         docs = None
         if rng.random() < 0.5:
             docs = [_random_docs(rng, L, rng.choice([1, 3, 12, L])) for _ in range(B)]
-        spec = MaskSpec(causal=rng.random() < 0.7, window=rng.choice([None, None, 1, 2, 5, 9, 31]),
-                        chunk_size=rng.choice([None, None, 1, 4, 13]))
+        flags = dict(causal=rng.random() < 0.7, window=rng.choice([None, None, 1, 2, 5, 9, 31]),
+                     chunk_size=rng.choice([None, None, 1, 4, 13]))
         meta = _meta(L, docs, B)
-        count, plans = covered_pairs(meta, spec, P, lay)
-        want = dense_mask(meta, spec).long()
-        assert torch.equal(count, want), (trial, P, lay, L, B, spec, docs)
+        count, plans = covered_pairs(meta, MaskSpec(**flags), P, lay, head_kv=HKV, head_dim=D)
+        want = _want(L, docs, B, **flags)
+        assert torch.equal(count, want), (trial, P, lay, L, B, flags, docs)
         assert sum(p.stats.entries_visible for p in plans) == int(want.sum())
         assert all(p.stats.entries_computed >= p.stats.entries_visible for p in plans)
+        # K/V travel for every row of a span together: each rank receives, for all B rows, exactly
+        # the keys of other ranks that some query of some row sees (no token more)
+        for r, plan in enumerate(plans):
+            needed = int(halo_keys(want.bool(), P, lay, r).any(0).sum())
+            assert plan.stats.kv_bytes_recv == needed * B * TOKEN_BYTES, (trial, P, lay, L, B, flags, docs, r)
+        assert sum(p.stats.kv_bytes_sent for p in plans) == sum(p.stats.kv_bytes_recv for p in plans)
 
 
 @pytest.mark.parametrize("lay", layout_mod.LAYOUTS)
 def test_long_groups_with_gaps_span_several_work_tiles(lay):
     # groups longer than a work tile whose rows are not all live (bidirectional windows on zigzag)
     meta = _meta(300)
-    for spec in (MaskSpec(causal=False, window=40), MaskSpec(window=140)):
-        count, plans = covered_pairs(meta, spec, 2, lay)
-        assert torch.equal(count, dense_mask(meta, spec).long())
+    for flags in (dict(causal=False, window=40), dict(window=140)):
+        count, plans = covered_pairs(meta, MaskSpec(**flags), 2, lay)
+        assert torch.equal(count, _want(300, None, 1, **flags))
         assert all(p.stats.entries_computed >= p.stats.entries_visible for p in plans)
 
 
