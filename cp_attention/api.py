@@ -95,6 +95,7 @@ class BatchRecord:
     meta: SequenceMeta
     num_items: torch.Tensor | None
     local_position_ids: torch.Tensor = field(repr=False)
+    layout: object = "zigzag"  # the layout the batch was sharded with (a name or a layout.Layout)
     padded: bool = False
     crc: int = 0  # checksum of ``meta``, compared across ranks before every attention call
 
@@ -178,7 +179,8 @@ class ContextParallel:
             raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
         self.comm = Comm(group, timeout=timeout, fresh_scope=True)
         self.group = group
-        self.layout = layout_mod.check_layout(layout)
+        # "balanced": shard_batch computes a balanced layout for every batch (see balanced_layout)
+        self.layout = layout if layout == "balanced" else layout_mod.check_layout(layout)
         self.backend = backend
         key = (self.comm.world_size, self.layout, backend)
         with _INFO_LOCK:
@@ -205,9 +207,20 @@ class ContextParallel:
     def __repr__(self) -> str:
         return f"ContextParallel(rank={self.rank}, world_size={self.world_size}, layout={self.layout!r})"
 
-    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's shard of a full-length tensor along ``dim`` (differentiable)."""
-        return layout_mod.shard(x, dim, self.world_size, self.layout, self.rank)
+    def current_layout(self):
+        """The layout tensors are sharded with: the context's, or under ``layout="balanced"`` the one
+        computed for the most recent ``shard_batch`` call."""
+        if self.layout != "balanced":
+            return self.layout
+        if self._batch is None:
+            raise ValueError('context_parallel(layout="balanced") computes each batch\'s layout in cp.shard_batch: '
+                             "call it first (or pass layout= explicitly)")
+        return self._batch.layout
+
+    def shard(self, x: torch.Tensor, dim: int = 1, layout=None) -> torch.Tensor:
+        """This rank's shard of a full-length tensor along ``dim`` (differentiable); ``layout``
+        None: :meth:`current_layout`."""
+        return layout_mod.shard(x, dim, self.world_size, layout or self.current_layout(), self.rank)
 
     def current_batch(self):
         """The record of this context's only live sharded batch, None when there is none, or
@@ -219,7 +232,7 @@ class ContextParallel:
                 return None
             return self._records[0][1] if len(self._records) == 1 else AMBIGUOUS
 
-    def shard_batch(self, *, shift_labels: bool = True, document_starts: torch.Tensor | None = None,
+    def shard_batch(self, *, shift_labels: bool = True, document_starts: torch.Tensor | None = None, model=None,
                     **inputs) -> dict[str, torch.Tensor]:
         """Shard a full batch for a transformers model; returns the dict of local tensors.
 
@@ -234,6 +247,9 @@ class ContextParallel:
 
         * ``position_ids`` default to ``arange(L)`` so rotary embeddings see global positions.
         * ``document_starts`` (B, L) bool: further tokens that open a document (optional).
+        * Under ``context_parallel(layout="balanced")`` the batch gets its own
+          :func:`~cp_attention.balanced_layout` from its documents and ``model``'s attention layers
+          and size (windows, chunks, token weight; without ``model``: one causal layer).
         * The batch's documents (wherever ``position_ids`` do not increase by one, the collator's
           document boundaries, ``document_starts`` and padding in ``attention_mask``) are recorded in a
           :class:`BatchRecord` bound to the returned tensors: every attention layer under
@@ -252,17 +268,18 @@ class ContextParallel:
         """
         from .integrations.hf_batch import shard_batch  # transformers' conventions live there
 
-        return shard_batch(self, shift_labels=shift_labels, document_starts=document_starts, **inputs)
+        return shard_batch(self, shift_labels=shift_labels, document_starts=document_starts, model=model, **inputs)
 
     def bind_batch(self, local: dict[str, torch.Tensor], *, meta: SequenceMeta,
-                   num_items: torch.Tensor | None = None, padded: bool = False) -> BatchRecord:
+                   num_items: torch.Tensor | None = None, padded: bool = False, layout=None) -> BatchRecord:
         """Record a sharded batch: ``local`` (this rank's tensors, ``position_ids`` among them) and
         the global ``meta`` of its documents. The record is bound to every tensor of ``local`` (see
         :func:`batch_of`) and is this context's live batch while any of them is alive."""
         # the record keeps its own copy of the position ids: it must not keep the returned tensors
         # alive, whose lifetime tells whether the batch is still in use
         record = BatchRecord(cp=self, seq_len=meta.seq_len, meta=meta, num_items=num_items,
-                             local_position_ids=local["position_ids"].clone(), padded=padded, crc=_meta_crc(meta))
+                             local_position_ids=local["position_ids"].clone(), padded=padded, crc=_meta_crc(meta),
+                             layout=layout or self.layout)
         for t in local.values():
             setattr(t, _BATCH_ATTR, record)
         refs = [weakref.ref(t) for t in local.values()]
@@ -275,7 +292,7 @@ class ContextParallel:
         self._batch = record
         return record
 
-    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, dim: int = 1, layout=None) -> torch.Tensor:
         """Every rank's shard along ``dim``, reassembled in original token order, on every rank.
 
         Not differentiable (a collective on detached data)."""
@@ -291,7 +308,7 @@ class ContextParallel:
         padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim).to(self.comm.device)
         parts = self.comm.all_gather(padded)
         parts = [p.narrow(dim, 0, n).to(x.device) for p, n in zip(parts, lengths)]
-        return layout_mod.unshard(parts, dim, self.layout)
+        return layout_mod.unshard(parts, dim, layout or self.current_layout())
 
     @staticmethod
     def _lookup(cache: dict, key):
@@ -537,7 +554,7 @@ def _resolve(group, layout, bound: ContextParallel | None = None) -> _Resolved:
             cp = ContextParallel(group, layout if layout is not None else "zigzag")
     else:
         cp = None
-    use_layout = layout or (cp.layout if cp is not None else "zigzag")
+    use_layout = layout or (cp.current_layout() if cp is not None else "zigzag")
     # no group and no active context: an ordinary single-device attention, even inside a job
     return _Resolved(cp=cp, comm=cp.comm if cp is not None else Comm(single=True), layout=use_layout)
 
@@ -624,7 +641,7 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
     instead of ``position_ids`` and the active context. ``local_error``: a caller's check that
     failed on this rank, raised on every rank of the group together (before any K/V moves).
     ``layer``: the model layer index, for :func:`forward_plan_stats` (a model's layers only)."""
-    res = _resolve(group, layout, None if batch is None else batch.cp)
+    res = _resolve(group, layout or (batch.layout if batch is not None else None), None if batch is None else batch.cp)
     comm = res.comm
     if backend is None:
         backend = res.cp.backend if res.cp is not None else "auto"

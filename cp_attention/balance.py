@@ -26,7 +26,7 @@ import torch
 from .layout import Layout
 from .masks import MaskSpec, SequenceMeta, doc_starts, doc_starts_from_cu_seqlens, segment_bounds
 
-__all__ = ["balanced_layout", "token_costs"]
+__all__ = ["balanced_layout", "plan_stats", "token_costs"]
 
 PIECES_PER_TARGET = 16  # documents costing more than target / this are long ...
 LONG_PIECES_PER_TARGET = 8  # ... cut into pieces of about target / this
@@ -224,3 +224,22 @@ def balanced_layout(world_size: int, *, position_ids=None, cu_seqlens=None, seq_
                 merged.append([a, b])
         ranges.append(tuple((a, b) for a, b in merged))
     return Layout(L, tuple(ranges), name="balanced")
+
+
+def plan_stats(layout, rank: int, *, world_size: int | None = None, position_ids=None, cu_seqlens=None,
+               seq_len: int | None = None, causal: bool = True, window: int | None = None,
+               chunk_size: int | None = None, head_kv: int, head_dim: int, dtype=torch.bfloat16):
+    """The :class:`~cp_attention.plan.PlanStats` of ``rank`` for a batch and one attention mask under
+    ``layout`` (a name, with ``world_size``, or a :class:`~cp_attention.layout.Layout`), without a
+    process group: traffic, rounds, kernel calls and visible pairs, from the pure planner."""
+    from .plan import build_plan
+
+    meta = _meta(seq_len, position_ids, cu_seqlens)
+    if isinstance(layout, Layout):
+        world_size = layout.world_size
+    elif world_size is None:
+        raise ValueError("plan_stats: a layout name needs world_size")
+    spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return build_plan(meta, spec, world_size=world_size, layout=layout, rank=rank, head_kv=head_kv,
+                      head_dim=head_dim, itemsize=itemsize).stats

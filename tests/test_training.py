@@ -214,3 +214,14 @@ def test_shard_batch_takes_the_flattening_collator_output_whole():
         bad = dict(batch, cu_seq_lens_q=batch["cu_seq_lens_q"][:-1])
         with pytest.raises(ValueError, match="cu_seq_lens_q"):
             cp.shard_batch(**bad)
+
+
+def test_cp_flash_models_under_balanced_layouts():
+    """context_parallel(layout="balanced"): shard_batch(model=...) lays each batch out by its documents
+    and the model's layers; logits, loss and DDP gradients equal each document alone under eager."""
+    for world_size in (2, 4):
+        for rank, found in enumerate(run_ranks(world_size, tw.run_balanced, timeout=600)):
+            for family, e in found.items():
+                where = f"P={world_size} rank {rank} {family}"
+                assert e["logits"] <= 1e-4, (where, e)
+                assert e["loss_err"] <= tw.REL_TOL and e["grad_err"] <= tw.REL_TOL, (where, e)

@@ -249,3 +249,31 @@ def run_extras(rank: int, world_size: int) -> dict:
         with torch_context_parallel(mesh, buffers=[ids], buffer_seq_dims=[1]):
             found["torch_cp"] = _outcome(lambda: model(input_ids=ids, use_cache=False))
     return found
+
+
+def run_balanced(rank: int, world_size: int) -> dict:
+    """cp_flash models under context_parallel(layout="balanced") against each document alone under
+    eager: logits, and DDP-averaged gradients with the loss's backward after the block."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found = {}
+    for family in ("mistral", "gemma3", "llama4"):
+        torch.manual_seed(0)
+        model, ref = models(family)
+        docs = documents(3)
+        batch = flattened(docs)
+        ddp = DistributedDataParallel(model)
+        with cp_attention.context_parallel(layout="balanced") as cp:
+            local = cp.shard_batch(**batch, model=model)
+            layout = cp_attention.api.batch_of(local["input_ids"]).layout
+            out = ddp(**local, use_cache=False)
+            logits = cp.gather(out.logits.detach())
+        out.loss.backward()
+        loss = out.loss.detach().clone()
+        dist.all_reduce(loss)
+        ref_losses, ref_grads = ground_truth(ref, [docs])
+        e = errors(float(loss) / world_size, full_grads(ddp), ref_losses[0], ref_grads)
+        e["logits"] = float((logits - _doc_logits(ref, docs)).abs().max())
+        e["runs"] = [len(r) for r in layout.ranges]
+        found[family] = e
+    return found

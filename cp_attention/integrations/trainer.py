@@ -112,7 +112,8 @@ class CPTrainer(Trainer):
             ProcessGroup, a 1-D DeviceMesh (``mesh["cp"]``) or a DeviceMesh with ``cp_mesh_dim``.
             Processes outside it (other data-parallel replicas) train on other data, as usual.
         cp_mesh_dim: the name of the CP dimension when ``cp_group`` is a multi-dimensional mesh.
-        cp_layout: "zigzag" (default) or "contiguous".
+        cp_layout: "zigzag" (default), "contiguous" or "balanced" (each batch gets a layout that
+            balances the model's cost over the ranks, see :func:`cp_attention.balanced_layout`).
         cp_timeout: seconds a rank waits for its peers (see :func:`~cp_attention.context_parallel`).
 
     The model must use ``attn_implementation="cp_flash"``. Gradient checkpointing
@@ -144,7 +145,7 @@ class CPTrainer(Trainer):
         with context_parallel(self.cp_group, self.cp_layout, self.cp_timeout, mesh_dim=self.cp_mesh_dim) as cp:
             parts = [inputs] if cp.world_size == 1 else cp.comm.all_gather_object(_to_cpu(inputs))
             joined, starts = join_micro_batches([inputs if r == cp.rank else p for r, p in enumerate(parts)])
-            local = cp.shard_batch(**joined, document_starts=starts)
+            local = cp.shard_batch(**joined, document_starts=starts, model=self.accelerator.unwrap_model(model))
             if num_items_in_batch is not None:  # Trainer's count over every rank's micro-batch
                 local.pop("num_items_in_batch", None)
             return super().training_step(model, local, num_items_in_batch)

@@ -183,7 +183,7 @@ def _fix_llama4_temperature(q_BLHD: torch.Tensor, module, batch: api.BatchRecord
     L = q_BLHD.shape[1]
     local = torch.arange(L)
     cp = batch.cp
-    glob = global_index(batch.seq_len, cp.world_size, cp.layout, cp.rank)
+    glob = global_index(batch.seq_len, cp.world_size, batch.layout, cp.rank)
     ratio = _llama4_temperature(glob, module) / _llama4_temperature(local, module)
     if bool((ratio == 1).all()):
         return q_BLHD
