@@ -136,3 +136,20 @@ def test_token_costs_count_visible_pairs():
                     "window" not in mask or abs(d) < mask["window"])
                 n += int(bool(same) and band)
             assert got[q] == n, (mask, q, float(got[q]), n)
+
+
+def test_bench_layouts_smoke(capsys):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_layouts.py")
+    spec = importlib.util.spec_from_file_location("bench_layouts", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--grid", "4096x2", "--seeds", "1", "--traffic-seeds", "1", "--token-weights", "0"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 4096 | 2 |")]
+    assert len(rows) == 3
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        zigzag, balanced = float(cells[4]), float(cells[6])
+        assert balanced <= min(zigzag, 1.1), row
