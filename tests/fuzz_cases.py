@@ -135,3 +135,24 @@ def run_fuzz_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         finite = all(bool(torch.isfinite(t).all()) for t in got.values())
         reports.append(dict(errs=errs, mags=mags, finite=finite))
     return reports
+
+
+def check_cases(world_size: int, cases: list[dict], tol: dict, label=None) -> list[str]:
+    """Run ``cases`` on a fresh group of ``world_size`` ranks; the failures (error above
+    ``tol[dtype]`` x max(1, the oracle's magnitude), or non-finite results), one line each."""
+    from rank_pool import RankPool
+
+    label = label or (lambda i, case: f"case {i}")
+    pool = RankPool(world_size)
+    try:
+        per_rank = pool.run(run_fuzz_cases, cases, timeout=600)
+    finally:
+        pool.close()
+    failures = []
+    for rank, reports in enumerate(per_rank):
+        for i, (case, rep) in enumerate(zip(cases, reports)):
+            for name, err in rep["errs"].items():
+                bound = tol[case["dtype"]] * max(1.0, rep["mags"][name])
+                if not (rep["finite"] and err <= bound):
+                    failures.append(f"rank {rank} {label(i, case)}: {name} error {err:.2e} > {bound:.0e}")
+    return failures

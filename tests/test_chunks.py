@@ -21,8 +21,7 @@ import cp_attention
 from cp_attention.launch import run_ranks
 from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids
 from cp_attention.tiny_models import tiny_config, tiny_model
-from fuzz_cases import oracle_mask, run_fuzz_cases
-from rank_pool import RankPool
+from fuzz_cases import check_cases, oracle_mask
 
 TOL = {"float64": 1e-9, "float32": 1e-5}
 C = 4
@@ -60,20 +59,8 @@ def test_oracle_places_chunk_boundaries_at_position_multiples():
 @pytest.mark.parametrize("world_size,layout", [(1, "zigzag"), (2, "zigzag"), (2, "contiguous"),
                                                (4, "zigzag"), (4, "contiguous")])
 def test_engine_chunks_follow_positions(world_size, layout):
-    cases = [dict(c, layout=layout) for c in _cases()]
-    pool = RankPool(world_size)
-    try:
-        per_rank = pool.run(run_fuzz_cases, cases, timeout=600)
-    finally:
-        pool.close()
-    failures = []
-    for rank, reports in enumerate(per_rank):
-        for case, rep in zip(cases, reports):
-            for name, err in rep["errs"].items():
-                bound = TOL[case["dtype"]] * max(1.0, rep["mags"][name])
-                if not (rep["finite"] and err <= bound):
-                    failures.append(f"rank {rank} {case['tag']} causal={case['causal']} window={case['window']} "
-                                    f"{case['dtype']}: {name} error {err:.2e} > {bound:.0e}")
+    failures = check_cases(world_size, [dict(c, layout=layout) for c in _cases()], TOL,
+                           lambda i, c: f"{c['tag']} causal={c['causal']} window={c['window']} {c['dtype']}")
     assert not failures, "\n".join(failures[:20])
 
 
