@@ -3,17 +3,22 @@ the independent float64 oracle (``oracle.py``)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
 from cp_attention import layout as layout_mod
 from cp_attention.backends import BACKENDS
-from cp_attention.comm import Comm
 from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids
 from cp_attention.merge import apply_sinks, merge_partials
 from cp_attention.plan import build_plan
 from cp_attention.ring import ring_attention
 from oracle import oracle_attention, oracle_mask, rank_tokens
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from harness import SimComm  # noqa: E402  one process stands in for every rank
 
 
 def _attend(scores_HTS, v_SHD):
@@ -70,35 +75,6 @@ def test_sinks_equal_an_extra_valueless_logit():
 # the ring's use of the merge and of sinks, against the independent oracle (one process)
 
 
-class _SimComm(Comm):
-    """Stands in for the group when one process runs every rank's plan in turn: a K/V receive is
-    filled with the spans the plan names from the sender's shard; dK/dV partial sums coming back
-    are zeros (only out, dq and the rank's share of dsinks are checked)."""
-
-    def __init__(self, plan, k_shards, v_shards):
-        super().__init__(single=True)
-        self.rank, self.world_size = plan.rank, plan.world_size
-        self._rounds = {r.offset: r for r in plan.schedule()}
-        self._k, self._v, self._ops = k_shards, v_shards, []
-
-    def send(self, tensor, dst, tag=0):
-        pass
-
-    def recv(self, tensor, src, tag=0):
-        self._ops.append((tensor, src, tag))
-
-    def commit(self, *args, **kwargs):
-        ops, self._ops = self._ops, []
-        for buf, src, tag in ops:
-            if tag >= self.world_size:
-                buf.zero_()
-                continue
-            at = 0
-            for a, b in self._rounds[tag].recv.spans:
-                buf[0, :, at:at + b - a].copy_(self._k[src][:, a:b])
-                buf[1, :, at:at + b - a].copy_(self._v[src][:, a:b])
-                at += b - a
-        return super().commit(*args, **kwargs)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
@@ -128,7 +104,7 @@ def test_ring_merges_partials_and_applies_sinks_like_the_oracle(layout, sinks_on
         merged_somewhere |= plan.stats.rounds > 0 and plan.local is not None
         qq = layout_mod.shard(q, 1, P, layout, r).clone().requires_grad_()
         ss = sinks.clone().requires_grad_() if sinks_on else None
-        out = ring_attention(qq, ks[r], vs[r], ss, plan, _SimComm(plan, ks, vs), BACKENDS["reference"],
+        out = ring_attention(qq, ks[r], vs[r], ss, plan, SimComm(plan, ks, vs), BACKENDS["reference"],
                              scale=D ** -0.5, softcap=3.0)
         torch.testing.assert_close(out, want.detach()[:, mine], atol=1e-10, rtol=0)
         out.backward(dout[:, mine])
