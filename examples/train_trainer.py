@@ -51,8 +51,10 @@ def main(argv=None) -> None:
         max_steps=args.steps, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
         gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": args.reentrant},
-        train_sampling_strategy="sequential", dataloader_drop_last=True,
-        ddp_backend=None if args.single else "gloo")
+        dataloader_drop_last=True, ddp_backend=None if args.single else "gloo",
+        # the same batches in both runs (transformers >= 5.24; older releases sample at random)
+        **({"train_sampling_strategy": "sequential"} if "train_sampling_strategy" in TrainingArguments.__dataclass_fields__
+           else {}))
     trainer_class = Trainer if args.single else CPTrainer  # CP
     trainer = trainer_class(model=model, args=training_args, train_dataset=dataset(),
                             data_collator=DataCollatorWithFlattening())
