@@ -96,13 +96,14 @@ def main(argv=None) -> int:
 
                 kv = [r for r in runs if "kv_recv_busiest" in r["balanced"]]
                 kv_zig = max(r["balanced"]["kv_recv_busiest"] / max(r["zigzag"]["kv_recv_busiest"], 1) for r in kv) \
-                    if kv else float("nan")
+                    if kv else None
                 kv_ring = max(r["balanced"]["kv_recv_busiest"] / r["balanced"]["ring_kv_recv"] for r in kv) \
-                    if kv else float("nan")
+                    if kv else None
                 speedup = min(r["zigzag"]["busiest_cost"] / r["balanced"]["busiest_cost"] for r in runs)
+                kv_cells = f"{kv_zig:.2f} | {kv_ring:.3f}" if kv else "- | -"
                 print(f"| {L} | {P} | {mix} | {tw:g} | {worst('zigzag', 'busiest_over_mean'):.3f} | "
                       f"{worst('contiguous', 'busiest_over_mean'):.3f} | {worst('balanced', 'busiest_over_mean'):.3f} | "
-                      f"{worst('balanced', 'max_tokens_over_mean'):.3f} | {kv_zig:.2f} | {kv_ring:.3f} | "
+                      f"{worst('balanced', 'max_tokens_over_mean'):.3f} | {kv_cells} | "
                       f"{speedup:.2f}x | {1e3 * worst('balanced', 'layout_seconds'):.0f} |", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
