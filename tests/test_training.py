@@ -225,3 +225,21 @@ def test_cp_flash_models_under_balanced_layouts():
                 where = f"P={world_size} rank {rank} {family}"
                 assert e["logits"] <= 1e-4, (where, e)
                 assert e["loss_err"] <= tw.REL_TOL and e["grad_err"] <= tw.REL_TOL, (where, e)
+
+
+def test_position_ids_not_from_the_batch_are_refused():
+    """Untagged position_ids (e.g. moved or rebuilt by the user) must equal the bound batch's:
+    equal values run, other values raise instead of mixing two batches' positions and documents."""
+    import cp_attention
+
+    model, ref = tw.models("mistral")
+    docs = tw.documents(0)
+    batch = tw.flattened(docs)
+    with torch.no_grad(), cp_attention.context_parallel() as cp:
+        local = cp.shard_batch(**batch)
+        same = dict(local, position_ids=local["position_ids"].clone())  # untagged, same values
+        got = model(**same, use_cache=False).logits
+        assert (got - tw._doc_logits(ref, docs)).abs().max() <= 1e-4
+        other = dict(local, position_ids=torch.arange(local["position_ids"].shape[1])[None])
+        with pytest.raises(ValueError, match="did not return for this batch"):
+            model(**other, use_cache=False)

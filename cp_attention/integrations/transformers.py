@@ -287,8 +287,13 @@ def _bound_batch(info: CPMask | None, position_ids) -> tuple[api.BatchRecord | N
             "batch's forward before sharding the next one, or delete the other batches' tensors first")
     mine = None if batch is None else batch.local_position_ids
     if isinstance(position_ids, torch.Tensor) and mine is not None and position_ids.shape[-1] == mine.shape[-1]:
-        # other lengths (a KV cache, another batch) are refused by the length checks that follow
-        if not bool((position_ids.to(mine.device) == mine).all()):
+        # other lengths (a KV cache, another batch) are refused by the length checks that follow. The
+        # comparison syncs with the device: once per forward (the layers share the mask), not per layer
+        memo = info.plans if info is not None else {}
+        key = ("positions match", id(position_ids), position_ids._version)
+        if key not in memo:
+            memo[key] = bool((position_ids.to(mine.device) == mine).all())
+        if not memo[key]:
             return batch, ValueError(
                 "cp_flash: the model got position_ids that cp.shard_batch did not return for this batch; pass "
                 "the position_ids (and every other tensor) of one cp.shard_batch call to the model")
