@@ -23,7 +23,7 @@ from . import layout as layout_mod
 from .backends import BACKENDS, select_backend
 from .comm import Comm
 from .masks import (MaskSpec, SequenceMeta, doc_starts_from_cu_seqlens,
-                    doc_starts_from_position_ids)
+                    doc_starts_from_position_ids, segment_runs)
 from .plan import PlanStats, RankPlan, build_plan
 from .ring import ring_attention
 
@@ -97,7 +97,10 @@ class BatchRecord:
     local_position_ids: torch.Tensor = field(repr=False)
     layout: object = "zigzag"  # the layout the batch was sharded with (a name or a layout.Layout)
     padded: bool = False
-    crc: int = 0  # checksum of ``meta``, compared across ranks before every attention call
+    crc: int = 0  # checksum of ``meta``, compared across ranks by the batch's first attention call
+    agreed: dict = field(default_factory=dict, repr=False, compare=False)
+    """The plans the group agreed on for this batch, per call signature (every header field that
+    must agree): a later call with an agreed signature exchanges nothing."""
 
 
 _BATCH_ATTR = "_cp_attention_batch"
@@ -426,11 +429,14 @@ def _float_bits(x: float | None) -> int:
 
 
 def _meta_crc(meta: SequenceMeta) -> int:
-    """A checksum of the global sequence metadata (length, rows, every token's document start)."""
-    crc = zlib.crc32(struct.pack("<qq", meta.batch, meta.seq_len))
-    for per_token in (meta.doc_start, meta.position):
-        if per_token is not None:
-            crc = zlib.crc32(per_token.to(torch.int64).contiguous().numpy().tobytes(), crc)
+    """A checksum of the global sequence metadata: length, rows, and per row every document's first
+    token and its position (positions rise by one inside a document, so that is all of them)."""
+    crc = zlib.crc32(struct.pack("<qqqq", meta.batch, meta.seq_len, meta.doc_start is not None,
+                                 meta.position is not None))
+    for b, (starts, _) in enumerate(segment_runs(meta, None)):
+        crc = zlib.crc32(starts.tobytes(), crc)
+        if meta.position is not None:
+            crc = zlib.crc32(meta.position.expand(meta.batch, meta.seq_len)[b].numpy()[starts].tobytes(), crc)
     return crc
 
 
@@ -462,6 +468,7 @@ class _Header:
     meta_cached: int = -1          # ... or the document metadata
     cached_seq_len: int = -1       # the global length of the cached entry
     cached_meta_crc: int = -1      # the metadata checksum of the cached entry
+    model_crc: int = -1            # checksum of the model's configuration (cp_flash), -1: none
 
     PER_RANK: ClassVar[frozenset] = frozenset({"error", "local_len", "plan_cached", "meta_cached",
                                                "cached_seq_len", "cached_meta_crc"})
@@ -478,7 +485,7 @@ class _Header:
         return cls(**dict(zip(cls.names(), (int(x) for x in row.tolist()))))
 
 
-def _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached) -> _Header:
+def _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached, model_crc: int = -1) -> _Header:
     """This rank's header. ``cached``: (plan cached, metadata cached, their global length, their
     metadata checksum)."""
     crc = -1
@@ -493,7 +500,12 @@ def _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached) 
         documents=0 if position_ids is None and cu_seqlens is None else (1 if position_ids is not None else 2),
         cu_seqlens_crc=crc, batch_length=-1 if batch is None else batch.seq_len,
         batch_documents_crc=-1 if batch is None else batch.crc, plan_cached=plan_cached, meta_cached=meta_cached,
-        cached_seq_len=cached_seq_len, cached_meta_crc=cached_meta_crc)
+        cached_seq_len=cached_seq_len, cached_meta_crc=cached_meta_crc, model_crc=model_crc)
+
+
+def _signature(header: _Header) -> tuple:
+    """The fields of a header every rank must agree on (the key of :attr:`BatchRecord.agreed`)."""
+    return tuple(getattr(header, name) for name in _Header.names() if name not in _Header.PER_RANK)
 
 
 def _collective_error(exc: Exception) -> Exception:
@@ -633,14 +645,21 @@ def attention(
 
 def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None, sinks=None, group=None,
            layout=None, backend: str | None = None, batch: BatchRecord | None = None,
-           local_error: Exception | None = None, layer: int | None = None) -> torch.Tensor:
+           local_error: Exception | None = None, layer: int | None = None, model_crc: int = -1) -> torch.Tensor:
     """The engine entry behind :func:`attention` and the integrations (same arguments and result).
 
     ``mask``: a MaskSpec or a dict of its keywords (checked on every rank together). ``batch``: the
     record of a :meth:`ContextParallel.shard_batch` call, whose documents and context the call uses
     instead of ``position_ids`` and the active context. ``local_error``: a caller's check that
     failed on this rank, raised on every rank of the group together (before any K/V moves).
-    ``layer``: the model layer index, for :func:`forward_plan_stats` (a model's layers only)."""
+    ``layer``: the model layer index, for :func:`forward_plan_stats` (a model's layers only).
+    ``model_crc``: a checksum of the calling model's configuration, agreed with ``batch``'s first call.
+
+    Agreement: a call without ``batch`` all-gathers its header every time. With ``batch``, only the
+    batch's first call with each signature (mask, shapes, dtype, layout, model) does; later calls
+    with an agreed signature (every other layer of the model, every later forward and checkpoint
+    recomputation on this batch) run the agreed plan with no collective, so the collectives per
+    forward and backward do not grow with the number of layers."""
     res = _resolve(group, layout or (batch.layout if batch is not None else None), None if batch is None else batch.cp)
     comm = res.comm
     if backend is None:
@@ -662,7 +681,7 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
             raise error
         plan = _plan_single(res, q, k, spec, position_ids, cu_seqlens)
     else:
-        plan = _plan_agreed(res, q, k, spec, position_ids, cu_seqlens, sinks, batch, error)
+        plan = _plan_agreed(res, q, k, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc)
     _note_stats(plan.stats, layer, in_model=layer is not None or batch is not None)
     return ring_attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]),
                           softcap=spec.softcap)
@@ -763,8 +782,10 @@ def _plan_single(res: _Resolved, q, k, spec, position_ids, cu_seqlens) -> RankPl
     return cp._store(cp._plans, plan_key, (make(), 0, q.shape[1]), keep)[0]
 
 
-def _plan_agreed(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks, batch, error) -> RankPlan:
-    """Several ranks: one header all-gather before any K/V moves, then this rank's plan.
+def _plan_agreed(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks, batch, error,
+                 model_crc: int = -1) -> RankPlan:
+    """Several ranks: one header all-gather before any K/V moves, then this rank's plan; with a
+    ``batch`` whose group already agreed on this call's signature, that plan and no collective.
 
     The header carries every argument the plan depends on, and whether this rank holds the plan
     (or the document metadata) cached, for which global length and with which metadata checksum.
@@ -782,7 +803,16 @@ def _plan_agreed(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks, ba
         known = plan_entry or meta_entry
         cached = (int(plan_entry is not None), int(meta_entry is not None),
                   -1 if known is None else known[2], -1 if known is None else known[1])
-        header = _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached)
+        header = _header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached, model_crc)
+        if batch is not None:
+            agreed = batch.agreed.get(_signature(header))
+            if agreed is not None:
+                return _reused(agreed)
+    elif batch is not None and batch.agreed:
+        # the others may run an agreed signature with no exchange to meet this rank in: raise here,
+        # recorded for the group, so ranks waiting on this one raise RankFailedError naming it at once
+        comm.report_failure("context-parallel attention", error)
+        raise error
     headers = _exchange_headers(comm, header, error)
     try:
         seq_len = layout_mod.infer_seq_len([h.local_len for h in headers], comm.world_size, layout)
@@ -795,7 +825,7 @@ def _plan_agreed(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks, ba
                    and h.cached_meta_crc == headers[0].cached_meta_crc for h in headers)
 
     if usable("plan_cached"):
-        return _reused(plan_entry[0])
+        return _remember(batch, header, _reused(plan_entry[0]))
     if usable("meta_cached"):
         meta, crc = meta_entry[0], meta_entry[1]
     else:
@@ -806,4 +836,12 @@ def _plan_agreed(res: _Resolved, q, k, spec, position_ids, cu_seqlens, sinks, ba
         crc = _meta_crc(meta)
         if batch is None:
             cp._store(cp._metas, meta_key, (meta, crc, seq_len), keep)
-    return cp._store(cp._plans, plan_key, (_build(comm, layout, meta, spec, k), crc, seq_len), keep)[0]
+    plan = cp._store(cp._plans, plan_key, (_build(comm, layout, meta, spec, k), crc, seq_len), keep)[0]
+    return _remember(batch, header, plan)
+
+
+def _remember(batch: BatchRecord | None, header: _Header, plan: RankPlan) -> RankPlan:
+    """Record that the group agreed on ``header``'s signature for ``batch`` (see BatchRecord.agreed)."""
+    if batch is not None:
+        batch.agreed[_signature(header)] = plan
+    return plan

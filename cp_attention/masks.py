@@ -18,8 +18,9 @@ Legend for tensor names: ``B`` batch rows, ``L`` global sequence length, ``N`` n
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "doc_starts_from_position_ids",
     "doc_starts_from_cu_seqlens",
     "segment_bounds",
+    "segment_runs",
     "dense_mask",
 ]
 
@@ -103,6 +105,7 @@ class SequenceMeta:
     seq_len: int
     doc_start: torch.Tensor | None = None
     position: torch.Tensor | None = None
+    _runs: dict = field(default_factory=dict, repr=False, compare=False)  # segment_runs, per chunk size
 
     def doc_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(start, end) of each token's document, both (B, L) int64, ``end`` exclusive."""
@@ -146,20 +149,20 @@ def doc_starts(batch: int, seq_len: int, *, position_ids: torch.Tensor | None = 
     * ``opens`` (B, L) bool: explicit document openings.
     """
     B, L = batch, seq_len
-    opens_BL = torch.zeros(B, L, dtype=torch.bool)
+    opens_BL = np.zeros((B, L), dtype=bool)
     opens_BL[:, :1] = True
     if position_ids is not None and L > 1:
-        pos = position_ids.to("cpu", torch.int64).expand(B, L)
+        pos = np.broadcast_to(position_ids.detach().to("cpu", torch.int64).numpy(), (B, L))
         opens_BL[:, 1:] |= pos[:, 1:] != pos[:, :-1] + 1
     if valid is not None:
-        ok = valid.to("cpu", torch.bool).expand(B, L)
+        ok = np.broadcast_to(valid.detach().to("cpu", torch.bool).numpy(), (B, L))
         opens_BL |= ~ok
         if L > 1:
             opens_BL[:, 1:] |= ~ok[:, :-1]
     if opens is not None:
-        opens_BL |= opens.to("cpu", torch.bool).expand(B, L)
-    idx_L = torch.arange(L)
-    return torch.cummax(torch.where(opens_BL, idx_L, torch.zeros_like(idx_L)), dim=1).values
+        opens_BL |= np.broadcast_to(opens.detach().to("cpu", torch.bool).numpy(), (B, L))
+    idx_L = np.arange(L, dtype=np.int64)
+    return torch.from_numpy(np.maximum.accumulate(np.where(opens_BL, idx_L, 0), axis=1))
 
 
 def doc_starts_from_cu_seqlens(cu_seqlens_N1: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -185,6 +188,41 @@ def segment_bounds(
         end_BL = torch.minimum(end_BL, chunk_start_BL + C)
         start_BL = torch.maximum(start_BL, chunk_start_BL)
     return start_BL, end_BL
+
+
+def segment_runs(meta: SequenceMeta, chunk_size: int | None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The attention segments of every row as runs: per row, ``(starts, ends)`` (N_seg,) int64 numpy
+    arrays, sorted, covering ``[0, L)``: the documents, cut where ``position // chunk_size`` changes.
+
+    The same segments as :func:`segment_bounds` (which gives them per token), computed per document:
+    within a document positions rise by one per token, so a document whose first token has position
+    ``p0`` is cut ``(-p0) mod C`` tokens after its start (when that is inside it), then every ``C``
+    tokens. Cached on ``meta`` per chunk size."""
+    if chunk_size in meta._runs:
+        return meta._runs[chunk_size]
+    B, L = meta.batch, meta.seq_len
+    idx_L = np.arange(L)
+    rows = []
+    for b in range(B):
+        if meta.doc_start is None:
+            starts = np.zeros(1, dtype=np.int64)
+        else:
+            starts = np.flatnonzero(meta.doc_start[b].numpy() == idx_L).astype(np.int64)
+        ends = np.append(starts[1:], L)
+        if chunk_size is not None:
+            C = chunk_size
+            p0 = np.zeros_like(starts) if meta.position is None else \
+                meta.position.expand(B, L)[b].numpy()[starts].astype(np.int64)
+            first = starts + (-p0) % C           # the first chunk start at or after the document's start
+            first = np.where(first == starts, first + C, first)
+            count = np.maximum(0, (ends - first + C - 1) // C)
+            within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+            cuts = np.repeat(first, count) + C * within
+            starts = np.sort(np.concatenate([starts, cuts]))
+            ends = np.append(starts[1:], L)
+        rows.append((starts, ends))
+    meta._runs[chunk_size] = rows
+    return rows
 
 
 def dense_mask(meta: SequenceMeta, spec: MaskSpec) -> torch.Tensor:

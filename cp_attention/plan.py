@@ -6,30 +6,37 @@ queries and the span of ``s``'s keys that ``s`` has to send. Each call carries f
 arguments: ``cu_seqlens_q/k``, max lengths, ``causal`` and ``window=(left, right)`` with bottom-right
 alignment (see ``backends/base.py``).
 
-How: for each query row the planner computes, in ``s``'s local key order, the interval of keys it
-sees (same attention segment, inside the band of the mask). Rows of one segment form one varlen
-sequence when a single bottom-right ``(left, right)`` reproduces all their intervals (checked, not
-assumed); otherwise the segment is split at the places where global positions jump (zigzag slices),
-which always fits, and in the last resort into single rows. Sequences that admit a common
-``(left, right)`` and do not overlap share a kernel call. Every call is verified against the true
-intervals, so a plan can only be slow, never wrong.
+How, on runs rather than tokens: each rank's tokens are cut into *pieces*, maximal ranges of
+consecutive global positions inside one attention segment (a document, or a chunk of one). Only the
+segments two ranks share can hold visible pairs. For one segment, query ``q`` sees the keys of the
+key rank in ``[max(start, q + lo), min(end, q + hi + 1))``: in local key order both ends are
+piecewise linear in the query row, so whether the segment's rows form one varlen sequence with a
+single bottom-right ``(left, right)`` is decided exactly from the pieces' edges (``_fit``). When they
+do not (a window crossing a zigzag gap), each query piece is tried against the key pieces it
+reaches, and in the last resort each (query piece, key piece) pair runs alone, which always fits.
+Sequences that admit a common ``(left, right)`` and do not overlap share a kernel call. The cost
+follows the number of documents, chunks and ranks, not the length: milliseconds at a million
+tokens. :func:`verify_plan` checks a plan token by token against the mask (tests run it on every
+plan: ``$CP_ATTENTION_VERIFY_PLANS=1``).
 
-Legend: ``B`` batch rows, ``L`` global length, ``R`` packed query rows of a pair (``b * L_r + i``),
-``G`` groups (candidate sequences).
+Legend: ``B`` batch rows, ``L`` global length, ``Q``/``K`` a segment's query/key pieces as global
+``(start, end)`` ranges, ``R`` packed query rows of a pair (``b * L_r + i``; verification only).
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from . import layout as layout_mod
-from .masks import MaskSpec, SequenceMeta, segment_bounds
+from .masks import MaskSpec, SequenceMeta, segment_bounds, segment_runs
 
-__all__ = ["KernelCall", "Step", "Round", "PlanStats", "RankPlan", "build_plan", "build_local_plan"]
+__all__ = ["KernelCall", "Step", "Round", "PlanStats", "RankPlan", "build_plan", "build_local_plan", "verify_plan"]
 
 WORK_TILE = 128  # query rows per tile when counting computed score entries
 
@@ -137,39 +144,42 @@ class RankPlan:
 
 
 # ----------------------------------------------------------------------------------------------
-# per-row visible key intervals
+# a rank's tokens as pieces of attention segments
 
 
-@dataclass(frozen=True)
-class _Tokens:
-    """Per-rank token metadata derived from the global metadata."""
+class _Pieces(NamedTuple):
+    """One rank's tokens of one batch row, cut at attention-segment boundaries, in local order
+    (python lists, one entry per piece). The pieces of one segment are adjacent in local order."""
 
-    idx: list[torch.Tensor]  # per rank (L_r,) global index
-    seg_start: torch.Tensor  # (B, L) global
-    seg_end: torch.Tensor
+    seg: list            # segment index (non-decreasing)
+    start: list          # global [start, end)
+    end: list
+    local: list          # local index of the piece's first token
+    first: dict          # segment index -> (index of its first piece, number of pieces)
 
 
-def _intervals(q_idx: torch.Tensor, k_idx: torch.Tensor, seg_start: torch.Tensor, seg_end: torch.Tensor,
-               spec: MaskSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each packed query row (``b * Lq + i``), the packed key rows (``b * Lk + j``) it sees.
-
-    ``q_idx``/``k_idx``: increasing global positions of the query and key tokens; ``seg_start``/
-    ``seg_end`` (B, T): attention segment of every global position. Returns (R,), (R,)."""
-    L = seg_start.shape[1]
-    lo, hi = spec.band()
-    lo_i, hi_i = int(max(lo, -L)), int(min(hi, L))
-    seg_s_BR, seg_e_BR = seg_start[:, q_idx], seg_end[:, q_idx]
-    low_BR = torch.maximum(seg_s_BR, q_idx + lo_i)
-    up_BR = torch.minimum(seg_e_BR, q_idx + hi_i + 1)
-    B, Ls = seg_s_BR.shape[0], k_idx.numel()
-    tlo_BR = torch.searchsorted(k_idx, low_BR.contiguous())
-    thi_BR = torch.maximum(torch.searchsorted(k_idx, up_BR.contiguous()), tlo_BR)
-    base_B1 = (torch.arange(B) * Ls).unsqueeze(1)
-    return (tlo_BR + base_B1).reshape(-1), (thi_BR + base_B1).reshape(-1)
+def _rank_pieces(runs: list[tuple[int, int]], seg_starts: np.ndarray, seg_ends: np.ndarray) -> _Pieces:
+    a = np.array([x for x, _ in runs], dtype=np.int64)
+    b = np.array([y for _, y in runs], dtype=np.int64)
+    loc = np.cumsum(b - a) - (b - a)
+    i0 = np.searchsorted(seg_ends, a, side="right")  # the first segment ending after the run's start
+    i1 = np.searchsorted(seg_starts, b, side="left")  # ... the segments starting before its end
+    count = i1 - i0
+    run_of = np.repeat(np.arange(len(a)), count)
+    seg = np.repeat(i0, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
+    start = np.maximum(a[run_of], seg_starts[seg])
+    end = np.minimum(b[run_of], seg_ends[seg])
+    local = loc[run_of] + start - a[run_of]
+    useg, first, n = np.unique(seg, return_index=True, return_counts=True)
+    return _Pieces(seg.tolist(), start.tolist(), end.tolist(), local.tolist(),
+                   dict(zip(useg.tolist(), zip(first.tolist(), n.tolist()))))
 
 
 # ----------------------------------------------------------------------------------------------
-# fitting rows into bottom-right varlen sequences
+# fitting a group of pieces into one bottom-right varlen sequence, exactly
+
+
+_EMPTY = ()  # a group with no visible pair
 
 
 @dataclass
@@ -186,146 +196,200 @@ class _Seq:
     work: int
 
 
-class _Fit(NamedTuple):
-    """Per group of rows, (G,) tensors: can the group run as one bottom-right varlen sequence, and
-    with which arguments."""
+def _fit(Q: list, K: list, sa: int, sb: int, lo: int, hi: int):
+    """Can the query pieces ``Q`` and key pieces ``K`` of segment ``[sa, sb)`` (lists of global
+    ``(start, end)``, increasing, each side adjacent in local order) run as one bottom-right varlen
+    sequence computing exactly their visible pairs under the band ``lo <= k - q <= hi``?
 
-    first_G: torch.Tensor       # first query row of the group
-    last_G: torch.Tensor        # last query row
-    k0_G: torch.Tensor          # key range [k0, k1) of the whole group
-    k1_G: torch.Tensor
-    left_G: torch.Tensor        # the window's left reach, if pinned by a row (else -1)
-    right_G: torch.Tensor       # the window's right reach, if pinned (else -1)
-    left_free_G: torch.Tensor   # no row pins the left side: any left >= Lk - 1 works
-    right_free_G: torch.Tensor  # no row pins the right side
-    ok_G: torch.Tensor          # the group is exactly one sequence with these arguments
-    work_G: torch.Tensor        # score entries a tiled kernel computes for it
+    Query ``q`` sees the group's keys with global index in ``[max(sa, q + lo), min(sb, q + hi + 1))``:
+    in local key order that is ``[cnt(.), cnt(.))`` with ``cnt(x)`` the group's keys below ``x``.
+    Both ends are piecewise linear in the local row (slope 0 or 1), breaking only where ``q + lo``
+    or ``q + hi + 1`` crosses a key piece's edge or the segment's, and where the query pieces
+    meet; so the rows are handled per stretch between breakpoints, checked at both ends of each.
 
+    Returns None (no single sequence), ``_EMPTY`` (nothing visible) or ``(f, Lq, k0, Lk, left,
+    right)``: rows ``[f, f + Lq)`` and keys ``[k0, k0 + Lk)`` of the group (local, from its first
+    piece), window sides (None: free)."""
+    if len(Q) == 1 and len(K) == 1:
+        return _fit_ranges(Q[0], K[0], lo, hi)
+    kA = [a for a, _ in K]
+    kB = [b for _, b in K]
+    kC = [0]
+    for a, b in K:
+        kC.append(kC[-1] + b - a)
+    nK = kC[-1]
 
-def _fit(rows_X, lo_X, hi_X, gid_X) -> _Fit:
-    """Try to express each group of rows (ascending, live) as one bottom-right varlen sequence."""
-    G = int(gid_X[-1]) + 1
-    big = torch.iinfo(torch.int64).max
-    f_G = torch.full((G,), big).scatter_reduce(0, gid_X, rows_X, "amin")
-    l_G = torch.full((G,), -1).scatter_reduce(0, gid_X, rows_X, "amax")
-    n_G = torch.zeros(G, dtype=torch.int64).scatter_add(0, gid_X, torch.ones_like(rows_X))
-    contiguous_G = (l_G - f_G + 1) == n_G
-    # monotone intervals inside a group: K0 from the first row, K1 from the last
-    k0_G = torch.full((G,), big).scatter_reduce(0, gid_X, lo_X, "amin")
-    k1_G = torch.full((G,), -1).scatter_reduce(0, gid_X, hi_X, "amax")
-    lq_G, lk_G = n_G, k1_G - k0_G
-    off_G = lk_G - lq_G
-    i_X = rows_X - f_G[gid_X]
-    off_X, lk_X = off_G[gid_X], lk_G[gid_X]
-    rlo_X, rhi_X = lo_X - k0_G[gid_X], hi_X - k0_G[gid_X]
+    def cnt(x: int) -> int:
+        j = bisect.bisect_right(kB, x)
+        return nK if j == len(kB) else kC[j] + max(0, x - kA[j])
 
-    def pinned(value_X, active_X):
-        vmin = torch.full((G,), big).scatter_reduce(0, gid_X[active_X], value_X[active_X], "amin")
-        vmax = torch.full((G,), -big).scatter_reduce(0, gid_X[active_X], value_X[active_X], "amax")
-        has = torch.zeros(G, dtype=torch.bool).index_fill(0, gid_X[active_X], True)
-        return torch.where(has, vmin, torch.full_like(vmin, -1)), (~has) | (vmin == vmax), ~has
+    def low(q: int) -> int:
+        return cnt(max(sa, q + lo))
 
-    left_G, left_ok_G, left_free_G = pinned(i_X + off_X - rlo_X, rlo_X > 0)
-    right_G, right_ok_G, right_free_G = pinned(rhi_X - 1 - i_X - off_X, rhi_X < lk_X)
-    left_X, right_X = left_G[gid_X], right_G[gid_X]
-    k_lo_X = torch.where(left_X >= 0, (i_X + off_X - left_X).clamp(min=0), torch.zeros_like(i_X))
-    k_hi_X = torch.where(right_X >= 0, torch.minimum(lk_X, i_X + off_X + right_X + 1), lk_X)
-    row_ok_X = (k_lo_X == rlo_X) & (k_hi_X == rhi_X)
-    rows_ok_G = torch.ones(G, dtype=torch.bool).scatter_reduce(0, gid_X, row_ok_X, "amin")
-    ok_G = contiguous_G & left_ok_G & right_ok_G & rows_ok_G & (left_free_G | (left_G >= 0)) & \
-        (right_free_G | (right_G >= 0))
-    # work of a tiled kernel: per tile of WORK_TILE rows, rows x (last row's end - first row's start)
-    tiles_G = (n_G + WORK_TILE - 1) // WORK_TILE
-    first_tile_G = torch.cumsum(tiles_G, 0) - tiles_G
-    start_G = torch.cumsum(n_G, 0) - n_G  # rank of each row among its group's live rows
-    tile_X = first_tile_G[gid_X] + (torch.arange(rows_X.numel()) - start_G[gid_X]) // WORK_TILE
-    n_tiles = int(tiles_G.sum())
-    t_lo = torch.full((n_tiles,), big).scatter_reduce(0, tile_X, lo_X, "amin")
-    t_hi = torch.full((n_tiles,), -1).scatter_reduce(0, tile_X, hi_X, "amax")
-    t_rows = torch.zeros(n_tiles, dtype=torch.int64).scatter_add(0, tile_X, torch.ones_like(tile_X))
-    tile_gid = torch.repeat_interleave(torch.arange(G), tiles_G)
-    work_G = torch.zeros(G, dtype=torch.int64).scatter_add(0, tile_gid, t_rows * (t_hi - t_lo))
-    return _Fit(first_G=f_G, last_G=l_G, k0_G=k0_G, k1_G=k1_G, left_G=left_G, right_G=right_G,
-                left_free_G=left_free_G, right_free_G=right_free_G, ok_G=ok_G, work_G=work_G)
+    def up(q: int) -> int:
+        return cnt(min(sb, q + hi + 1))
 
-
-def _runs(positions_X: torch.Tensor) -> torch.Tensor:
-    """Run id per element: a new run wherever positions do not increase by exactly one."""
-    brk = torch.ones_like(positions_X, dtype=torch.bool)
-    if positions_X.numel() > 1:
-        brk[1:] = positions_X[1:] != positions_X[:-1] + 1
-    return torch.cumsum(brk.to(torch.int64), 0) - 1
-
-
-def _collect(out: list[_Seq], fit: _Fit, lo_X, hi_X, gid_X) -> torch.Tensor:
-    """Append fitted groups to ``out``; return the mask of rows whose group failed."""
-    vis_G = torch.zeros_like(fit.first_G).scatter_add(0, gid_X, hi_X - lo_X)
-    for g in torch.nonzero(fit.ok_G).flatten().tolist():
-        first, last, k0, k1 = (int(t[g]) for t in (fit.first_G, fit.last_G, fit.k0_G, fit.k1_G))
-        out.append(_Seq(
-            q0=first, q1=last + 1, k0=k0, k1=k1,
-            left=None if bool(fit.left_free_G[g]) else int(fit.left_G[g]),
-            right=None if bool(fit.right_free_G[g]) else int(fit.right_G[g]),
-            left_min=k1 - k0 - 1, right_min=last - first, visible=int(vis_G[g]), work=int(fit.work_G[g])))
-    return ~fit.ok_G[gid_X]
-
-
-def _pair_sequences(tok: _Tokens, spec: MaskSpec, r: int, s: int) -> list[_Seq]:
-    """All varlen sequences of pair (query rank r, key rank s), packed coordinates."""
-    return _sequences(tok.idx[r], tok.idx[s], tok.seg_start, tok.seg_end, spec)
-
-
-def _sequences(q_idx, k_idx, seg_start, seg_end, spec: MaskSpec) -> list[_Seq]:
-    """Varlen sequences computing exactly the visible pairs between query tokens at global
-    positions ``q_idx`` and key tokens at ``k_idx`` (both increasing), for every batch row."""
-    lo_R, hi_R = _intervals(q_idx, k_idx, seg_start, seg_end, spec)
-    live_R = hi_R > lo_R
-    if not bool(live_R.any()):
-        return []
-    Lr, Ls = q_idx.numel(), k_idx.numel()
-    rows_X = torch.nonzero(live_R).flatten()
-    lo_X, hi_X = lo_R[rows_X], hi_R[rows_X]
-    b_X = rows_X // Lr
-    seg_X = seg_start[b_X, q_idx[rows_X % Lr]]
-    # 1) one sequence per (row, segment): the natural grouping
-    new_X = torch.ones_like(rows_X, dtype=torch.bool)
-    new_X[1:] = (seg_X[1:] != seg_X[:-1]) | (b_X[1:] != b_X[:-1])
-    gid_X = torch.cumsum(new_X.to(torch.int64), 0) - 1
-    seqs: list[_Seq] = []
-    failed_X = _collect(seqs, _fit(rows_X, lo_X, hi_X, gid_X), lo_X, hi_X, gid_X)
-    if bool(failed_X.any()):
-        # 2) split failed groups where global positions jump (zigzag slices), query and key side
-        rows_F, lo_F, hi_F, gid_F = rows_X[failed_X], lo_X[failed_X], hi_X[failed_X], gid_X[failed_X]
-        qpos_F = q_idx[rows_F % Lr]
-        for ka, kb in _run_bounds(k_idx):
-            base_F = (rows_F // Lr) * Ls
-            clo_F = torch.maximum(lo_F, base_F + ka)
-            chi_F = torch.minimum(hi_F, base_F + kb)
-            keep_F = chi_F > clo_F
-            rows_P, lo_P, hi_P = rows_F[keep_F], clo_F[keep_F], chi_F[keep_F]
-            if rows_P.numel() == 0:
+    edges = kA + kB + [sa, sb]
+    bps = sorted({x - lo for x in edges} | {x - hi - 1 for x in edges})
+    live = []  # (first row, first global position, rows) of the live part of every stretch
+    at = 0
+    for qa, qb in Q:
+        cuts = [qa] + bps[bisect.bisect_right(bps, qa):bisect.bisect_left(bps, qb)] + [qb]
+        for s, e in zip(cuts[:-1], cuts[1:]):
+            d0, d1 = up(s) - low(s), up(e - 1) - low(e - 1)  # visible keys, linear in between
+            if d0 <= 0 and d1 <= 0:
                 continue
-            g_P, pos_P = gid_F[keep_F], qpos_F[keep_F]
-            new_P = torch.ones_like(rows_P, dtype=torch.bool)
-            new_P[1:] = (g_P[1:] != g_P[:-1]) | (rows_P[1:] != rows_P[:-1] + 1) | (pos_P[1:] != pos_P[:-1] + 1)
-            gid_P = torch.cumsum(new_P.to(torch.int64), 0) - 1
-            still_P = _collect(seqs, _fit(rows_P, lo_P, hi_P, gid_P), lo_P, hi_P, gid_P)
-            # 3) last resort: one sequence per row (always exact: a row sees one interval)
-            for row, lo, hi in zip(rows_P[still_P].tolist(), lo_P[still_P].tolist(), hi_P[still_P].tolist()):
-                seqs.append(_Seq(q0=row, q1=row + 1, k0=lo, k1=hi, left=None, right=None,
-                                 left_min=hi - lo - 1, right_min=0, visible=hi - lo, work=hi - lo))
+            a, b = s, e
+            if d0 <= 0:       # rising by one per row
+                a = s + 1 - d0
+            elif d1 <= 0:     # falling by one per row
+                b = s + d0
+            live.append((at + a - qa, a, b - a))
+        at += qb - qa
+    if not live:
+        return _EMPTY
+    for (i0, _, n0), (i1, _, _) in zip(live[:-1], live[1:]):
+        if i0 + n0 != i1:  # rows that see nothing between rows that see something
+            return None
+    f, qf = live[0][0], live[0][1]
+    ql = live[-1][1] + live[-1][2] - 1
+    Lq = live[-1][0] + live[-1][2] - f
+    k0, k1 = low(qf), up(ql)
+    Lk = k1 - k0
+    off = Lk - Lq
+    rlo_last, rhi_first = low(ql) - k0, up(qf) - k0
+    left = Lq - 1 + off - rlo_last if rlo_last > 0 else None
+    right = rhi_first - 1 - off if rhi_first < Lk else None
+    if (left is not None and left < 0) or (right is not None and right < 0):
+        return None
+    kinks = sorted(j for j in ((None if left is None else left - off),
+                               (None if right is None else Lk - off - right - 1)) if j is not None)
+
+    def ok(j: int, q: int) -> bool:
+        want_lo = 0 if left is None else max(0, j + off - left)
+        want_hi = Lk if right is None else min(Lk, j + off + right + 1)
+        return low(q) - k0 == want_lo and up(q) - k0 == want_hi
+
+    for i0, q0, n in live:
+        j0 = i0 - f
+        cuts = [j0] + [j for j in kinks if j0 < j < j0 + n] + [j0 + n]
+        for ja, jb in zip(cuts[:-1], cuts[1:]):
+            if not (ok(ja, q0 + ja - j0) and ok(jb - 1, q0 + jb - 1 - j0)):
+                return None
+    return f, Lq, k0, Lk, left, right
+
+
+def _fit_ranges(qr: tuple[int, int], kr: tuple[int, int], lo: int, hi: int):
+    """:func:`_fit` for one query range and one key range of a segment, in closed form: query ``q``
+    sees keys ``[clip(q + lo - ka), clip(q + hi + 1 - ka))`` of ``[ka, kb)`` (clipped to ``[0, kb -
+    ka]``), one line of slope 1 clipped on both sides, which a bottom-right window always fits."""
+    (qa, qb), (ka, kb) = qr, kr
+    first, last = max(qa, ka - hi), min(qb, kb - lo) - 1  # the rows that see a key
+    if last < first or lo > hi:
+        return _EMPTY
+    nk = kb - ka
+    k0 = min(max(first + lo - ka, 0), nk)
+    k1 = min(max(last + hi + 1 - ka, 0), nk)
+    Lq, Lk = last - first + 1, k1 - k0
+    off = Lk - Lq
+    rlo_last = min(max(last + lo - ka, 0), nk) - k0
+    rhi_first = min(max(first + hi + 1 - ka, 0), nk) - k0
+    left = Lq - 1 + off - rlo_last if rlo_last > 0 else None
+    right = rhi_first - 1 - off if rhi_first < Lk else None
+    return first - qa, Lq, k0, Lk, left, right
+
+
+def _ramp_sum(c: int, n: int, Lk: int) -> int:
+    """``sum(min(max(j + c, 0), Lk) for j in range(n))`` in closed form."""
+
+    def below(y: int) -> int:  # sum over x < y of min(max(x, 0), Lk)
+        if y <= 1:
+            return 0
+        if y - 1 <= Lk:
+            return (y - 1) * y // 2
+        return Lk * (Lk + 1) // 2 + (y - 1 - Lk) * Lk
+
+    return below(c + n) - below(c)
+
+
+def _seq(fit, q_base: int, k_base: int) -> _Seq:
+    """A fitted group as a sequence in packed coordinates, with its visible pairs and the score
+    entries a tiled kernel computes (per tile of ``WORK_TILE`` rows: rows x the keys from the
+    first row's first key to the last row's last)."""
+    f, Lq, k0, Lk, left, right = fit
+    off = Lk - Lq
+    visible = (Lq * Lk if right is None else _ramp_sum(off + right + 1, Lq, Lk)) - \
+        (0 if left is None else _ramp_sum(off - left, Lq, Lk))
+    if Lq <= WORK_TILE:
+        work = Lq * ((Lk if right is None else min(Lk, Lq - 1 + off + right + 1)) -
+                     (0 if left is None else max(0, off - left)))
+    else:
+        first = np.arange(0, Lq, WORK_TILE)
+        last = np.minimum(first + WORK_TILE, Lq) - 1
+        t_lo = np.zeros_like(first) if left is None else np.maximum(0, first + off - left)
+        t_hi = np.full_like(last, Lk) if right is None else np.minimum(Lk, last + off + right + 1)
+        work = int(((last - first + 1) * (t_hi - t_lo)).sum())
+    return _Seq(q0=q_base + f, q1=q_base + f + Lq, k0=k_base + k0, k1=k_base + k0 + Lk, left=left, right=right,
+                left_min=Lk - 1, right_min=Lq - 1, visible=visible, work=work)
+
+
+def _group_sequences(out: list[_Seq], Q: list, K: list, sa: int, sb: int, lo: int, hi: int,
+                     q_base: int, k_base: int) -> None:
+    """Append the sequences computing exactly the visible pairs of one segment's query pieces
+    ``Q`` against its key pieces ``K`` (``q_base``/``k_base``: packed rows of their first tokens).
+
+    Tried in order: the whole group as one sequence (e.g. a zigzag rank's two slices of one causal
+    document); each query piece against all key pieces it reaches; each (query piece, key piece)
+    pair, which always fits (both contiguous in global positions)."""
+    fit = _fit(Q, K, sa, sb, lo, hi)
+    if fit is _EMPTY:
+        return
+    if fit is not None:
+        out.append(_seq(fit, q_base, k_base))
+        return
+    kA = [a for a, _ in K]
+    kB = [b for _, b in K]
+    kC = [0]
+    for a, b in K:
+        kC.append(kC[-1] + b - a)
+    q_at = 0
+    for qa, qb in Q:
+        j0 = bisect.bisect_left(kB, qa + lo + 1)   # key pieces ending after the first row's reach
+        j1 = bisect.bisect_right(kA, qb - 1 + hi)  # ... starting before the last row's
+        if j1 - j0 > 1 and not (len(Q) == 1 and j1 - j0 == len(K)):  # (that was the whole group)
+            fit = _fit([(qa, qb)], K[j0:j1], sa, sb, lo, hi)
+            if fit is not None:
+                if fit is not _EMPTY:
+                    out.append(_seq(fit, q_base + q_at, k_base + kC[j0]))
+                q_at += qb - qa
+                continue
+        for j in range(j0, j1):
+            fit = _fit([(qa, qb)], [K[j]], sa, sb, lo, hi)
+            if fit is None:  # two contiguous ranges always fit (see _fit)
+                raise AssertionError(f"planner: no sequence fits queries [{qa}, {qb}) and keys {K[j]} of segment "
+                                     f"[{sa}, {sb}) with band ({lo}, {hi}); please report this")
+            if fit is not _EMPTY:
+                out.append(_seq(fit, q_base + q_at, k_base + kC[j]))
+        q_at += qb - qa
+
+
+def _pair_sequences(pr: list[_Pieces], ps: list[_Pieces], segs, band: tuple[int, int], Lr: int, Ls: int) -> list[_Seq]:
+    """All varlen sequences of the queries ``pr`` (one rank's pieces per batch row) against the keys
+    ``ps``, in packed coordinates (row ``b``'s local token ``i`` is ``b * L_local + i``)."""
+    lo, hi = band
+    seqs: list[_Seq] = []
+    for b, (qp, kp) in enumerate(zip(pr, ps)):
+        starts, ends = segs[b]
+        common = qp.first.keys() & kp.first.keys() if len(qp.first) > len(kp.first) else \
+            kp.first.keys() & qp.first.keys()
+        for g in sorted(common):
+            (iq, nq), (ik, nk) = qp.first[g], kp.first[g]
+            Q = list(zip(qp.start[iq:iq + nq], qp.end[iq:iq + nq]))
+            K = list(zip(kp.start[ik:ik + nk], kp.end[ik:ik + nk]))
+            _group_sequences(seqs, Q, K, int(starts[g]), int(ends[g]), lo, hi,
+                             b * Lr + qp.local[iq], b * Ls + kp.local[ik])
     seqs.sort(key=lambda x: (x.q0, x.k0))
     return seqs
-
-
-def _run_bounds(idx: torch.Tensor) -> list[tuple[int, int]]:
-    """Local ``[start, end)`` runs of globally consecutive tokens."""
-    if idx.numel() == 0:
-        return []
-    run = _runs(idx)
-    ends = torch.nonzero(torch.diff(run, append=run[-1:] + 1)).flatten() + 1
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends[:-1]])
-    return list(zip(starts.tolist(), ends.tolist()))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,12 +465,6 @@ def _calls(seqs: list[_Seq], k_shift) -> list[KernelCall]:
 # the plan of one rank
 
 
-def _tokens(meta: SequenceMeta, spec: MaskSpec, world_size: int, layout) -> _Tokens:
-    seg_start, seg_end = segment_bounds(meta, spec)
-    idx = [layout_mod.global_index(meta.seq_len, world_size, layout, r) for r in range(world_size)]
-    return _Tokens(idx=idx, seg_start=seg_start, seg_end=seg_end)
-
-
 def _spans(seqs: list[_Seq], Ls: int) -> tuple[tuple[int, int], ...]:
     """Local token ranges of the key rank needed by these sequences: the union over batch rows of
     their key ranges, merged (so each sequence's keys lie inside one range)."""
@@ -420,11 +478,40 @@ def _spans(seqs: list[_Seq], Ls: int) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in merged)
 
 
+def _band(spec: MaskSpec, seq_len: int) -> tuple[int, int]:
+    lo, hi = spec.band()
+    return int(max(lo, -seq_len)), int(min(hi, seq_len))
+
+
+def _step(seqs: list[_Seq], source: int, Ls: int, whole: bool) -> Step | None:
+    """The step computing ``seqs`` against ``source``'s keys (``whole``: its whole shard, the local
+    step; else only the spans the sequences read)."""
+    if not seqs:
+        return None
+    spans = ((0, Ls),) if whole else _spans(seqs, Ls)
+    width = sum(b - a for a, b in spans)
+    starts = [a for a, _ in spans]
+    before = [0]
+    for a, b in spans:
+        before.append(before[-1] + b - a)
+
+    def k_shift(k: int) -> int:
+        b, j = divmod(k, Ls)
+        piece = bisect.bisect_right(starts, j) - 1
+        return b * width + before[piece] + (j - starts[piece])
+
+    return Step(source=source, spans=spans, calls=tuple(_calls(seqs, k_shift)))
+
+
 def build_plan(
     meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str | layout_mod.Layout, rank: int,
-    head_kv: int, head_dim: int, itemsize: int, grad_itemsize: int = 4,
+    head_kv: int, head_dim: int, itemsize: int, grad_itemsize: int = 4, verify: bool | None = None,
 ) -> RankPlan:
     """The plan of ``rank``: a pure function of global metadata, identical wherever it is computed.
+
+    Works on runs, not tokens: each rank's token runs (``layout.rank_ranges``) are cut at the
+    attention segments (``masks.segment_runs``), and only the segments two ranks share are fitted,
+    so its cost follows the numbers of documents, chunks and ranks, not the sequence length.
 
     Args:
         meta: global document metadata (B rows of L tokens).
@@ -433,44 +520,41 @@ def build_plan(
         rank: whose plan to build (any rank can build any rank's plan, e.g. for statistics).
         head_kv, head_dim, itemsize: K/V heads, head dim and element size, for the byte counts.
         grad_itemsize: element size of the dK/dV partial sums returned in the backward pass.
+        verify: check every kernel call against the mask token by token (:func:`verify_plan`;
+            O(L), for tests and debugging). None: when ``$CP_ATTENTION_VERIFY_PLANS`` is 1.
     """
     layout_mod.check_layout(layout)
-    B, P = meta.batch, world_size
-    tok = _tokens(meta, spec, P, layout)
-    sizes = [t.numel() for t in tok.idx]
+    B, P, L = meta.batch, world_size, meta.seq_len
+    runs = [layout_mod.rank_ranges(L, P, layout, r) for r in range(P)]
+    sizes = [sum(b - a for a, b in rr) for rr in runs]
+    segs = segment_runs(meta, spec.chunk_size)
+    band = _band(spec, L)
+    pieces: dict[int, list[_Pieces]] = {}
+
+    def pieces_of(r: int) -> list[_Pieces]:
+        if r not in pieces:
+            pieces[r] = [_rank_pieces(runs[r], *segs[b]) for b in range(B)]
+        return pieces[r]
+
+    def seqs(r: int, s: int) -> list[_Seq]:
+        return _pair_sequences(pieces_of(r), pieces_of(s), segs, band, sizes[r], sizes[s])
+
     token_bytes = 2 * head_kv * head_dim * itemsize * B  # K and V, every batch row
     grad_token_bytes = 2 * head_kv * head_dim * grad_itemsize * B
-
-    def step(r: int, s: int) -> Step | None:
-        seqs = _pair_sequences(tok, spec, r, s)
-        if not seqs:
-            return None
-        Ls = sizes[s]
-        spans = ((0, Ls),) if r == s else _spans(seqs, Ls)
-        width = sum(b - a for a, b in spans)
-        starts = [a for a, _ in spans]
-        before = [0]
-        for a, b in spans:
-            before.append(before[-1] + b - a)
-
-        def k_shift(k: int) -> int:
-            b, j = divmod(k, Ls)
-            piece = bisect.bisect_right(starts, j) - 1
-            return b * width + before[piece] + (j - starts[piece])
-
-        return Step(source=s, spans=spans, calls=tuple(_calls(seqs, k_shift)))
-
-    local = step(rank, rank)
+    local = _step(seqs(rank, rank), rank, sizes[rank], whole=True)
     rounds = []
     for t in range(1, P):
         src, dst = (rank - t) % P, (rank + t) % P
-        recv = step(rank, src)
-        out = step(dst, rank)
-        if recv is None and out is None:
+        recv = _step(seqs(rank, src), src, sizes[src], whole=False)
+        out = seqs(dst, rank)
+        if recv is None and not out:
             continue
         rounds.append(Round(offset=t, recv=recv, send_to=dst if out else None,
-                            send_spans=out.spans if out else None))
-    return _rank_plan(rank, P, B, sizes, local, tuple(rounds), token_bytes, grad_token_bytes)
+                            send_spans=_spans(out, sizes[rank]) if out else None))
+    plan = _rank_plan(rank, P, B, sizes, local, tuple(rounds), token_bytes, grad_token_bytes)
+    if verify or (verify is None and os.environ.get("CP_ATTENTION_VERIFY_PLANS") == "1"):
+        verify_plan(plan, meta, spec, layout)
+    return plan
 
 
 def _rank_plan(rank, P, B, sizes, local, rounds, token_bytes, grad_token_bytes) -> RankPlan:
@@ -492,14 +576,130 @@ def _rank_plan(rank, P, B, sizes, local, rounds, token_bytes, grad_token_bytes) 
                     rounds=rounds, stats=stats)
 
 
+def _index_runs(idx: torch.Tensor) -> list[tuple[int, int]]:
+    """Global ``[start, end)`` runs of consecutive values of an increasing index tensor."""
+    if idx.numel() == 0:
+        return []
+    x = idx.to("cpu", torch.int64).numpy()
+    cut = np.flatnonzero(np.diff(x) != 1) + 1
+    firsts = np.concatenate([[0], cut])
+    lasts = np.concatenate([cut, [len(x)]]) - 1
+    return list(zip(x[firsts].tolist(), (x[lasts] + 1).tolist()))
+
+
 def build_local_plan(
-    meta: SequenceMeta, spec: MaskSpec, *, q_idx: torch.Tensor, k_idx: torch.Tensor,
+    meta: SequenceMeta, spec: MaskSpec, *, q_idx: torch.Tensor, k_idx: torch.Tensor, verify: bool | None = None,
 ) -> RankPlan:
     """A single-device plan for queries and keys at arbitrary increasing positions, e.g. the new
     tokens of a generation step (``q_idx``, (Lq,)) against the keys of a KV cache (``k_idx``,
     (Lk,), possibly a sliding window of it). ``meta`` covers every position up to
     ``max(q_idx[-1], k_idx[-1])``. Traffic statistics are zero."""
+    segs = segment_runs(meta, spec.chunk_size)
+    q_runs, k_runs = _index_runs(q_idx), _index_runs(k_idx)
+    Lq, Lk = q_idx.numel(), k_idx.numel()
+    qp = [_rank_pieces(q_runs, *segs[b]) for b in range(meta.batch)]
+    kp = [_rank_pieces(k_runs, *segs[b]) for b in range(meta.batch)]
+    seqs = _pair_sequences(qp, kp, segs, _band(spec, meta.seq_len), Lq, Lk)
+    local = Step(source=0, spans=((0, Lk),), calls=tuple(_calls(seqs, lambda k: k))) if seqs else None
+    plan = _rank_plan(0, 1, meta.batch, [Lq], local, (), 0, 0)
+    if verify or (verify is None and os.environ.get("CP_ATTENTION_VERIFY_PLANS") == "1"):
+        _verify_step(local, q_idx, k_idx, meta, spec, exact_spans=False)
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# verification (tests and debugging): every call against the mask, token by token
+
+
+def _intervals(q_idx: torch.Tensor, k_idx: torch.Tensor, seg_start: torch.Tensor, seg_end: torch.Tensor,
+               spec: MaskSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each packed query row (``b * Lq + i``), the packed key rows (``b * Lk + j``) it sees.
+
+    ``q_idx``/``k_idx``: increasing global positions of the query and key tokens; ``seg_start``/
+    ``seg_end`` (B, T): attention segment of every global position. Returns (R,), (R,)."""
+    lo_i, hi_i = _band(spec, seg_start.shape[1])
+    seg_s_BR, seg_e_BR = seg_start[:, q_idx], seg_end[:, q_idx]
+    low_BR = torch.maximum(seg_s_BR, q_idx + lo_i)
+    up_BR = torch.minimum(seg_e_BR, q_idx + hi_i + 1)
+    B, Ls = seg_s_BR.shape[0], k_idx.numel()
+    tlo_BR = torch.searchsorted(k_idx, low_BR.contiguous())
+    thi_BR = torch.maximum(torch.searchsorted(k_idx, up_BR.contiguous()), tlo_BR)
+    base_B1 = (torch.arange(B) * Ls).unsqueeze(1)
+    return (tlo_BR + base_B1).reshape(-1), (thi_BR + base_B1).reshape(-1)
+
+
+def _verify_step(step: Step | None, q_idx: torch.Tensor, k_idx: torch.Tensor, meta: SequenceMeta,
+                 spec: MaskSpec, exact_spans: bool) -> int:
+    """Check that ``step``'s calls compute every visible pair of the queries at global positions
+    ``q_idx`` against the keys at ``k_idx`` (the step's buffer, per batch row) exactly once, and
+    (``exact_spans``) that every key of the buffer is seen by some query. Returns the visible pairs."""
+    from .backends.reference import row_key_intervals
+
     seg_start, seg_end = segment_bounds(meta, spec)
-    seqs = _sequences(q_idx, k_idx, seg_start, seg_end, spec)
-    local = Step(source=0, spans=((0, k_idx.numel()),), calls=tuple(_calls(seqs, lambda k: k))) if seqs else None
-    return _rank_plan(0, 1, meta.batch, [q_idx.numel()], local, (), 0, 0)
+    lo_R, hi_R = _intervals(q_idx, k_idx, seg_start, seg_end, spec)
+    want = int((hi_R - lo_R).clamp(min=0).sum())
+    calls = step.calls if step is not None else ()
+    rows, los, his = [], [], []
+    for c in calls:
+        lo_T, hi_T = row_key_intervals(c.cu_seqlens_q, c.cu_seqlens_k, causal=c.causal, window=c.window)
+        keep = hi_T > lo_T
+        rows.append(torch.arange(c.q_start, c.q_end)[keep])
+        los.append(lo_T[keep] + c.k_start)
+        his.append(hi_T[keep] + c.k_start)
+    row_X = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+    lo_X = torch.cat(los) if los else row_X.clone()
+    hi_X = torch.cat(his) if his else row_X.clone()
+    order = torch.argsort(row_X * (int(hi_R.max()) + 2 if hi_R.numel() else 1) + lo_X, stable=True)
+    row_X, lo_X, hi_X = row_X[order], lo_X[order], hi_X[order]
+    R = lo_R.numel()
+    got_lo = torch.full((R,), -1, dtype=torch.int64).scatter_reduce(0, row_X, lo_X, "amin", include_self=False)
+    got_hi = torch.full((R,), -1, dtype=torch.int64).scatter_reduce(0, row_X, hi_X, "amax", include_self=False)
+    got_n = torch.zeros(R, dtype=torch.int64).scatter_add(0, row_X, hi_X - lo_X)
+    same_row = row_X[1:] == row_X[:-1]
+    gapless = bool((lo_X[1:][same_row] == hi_X[:-1][same_row]).all())
+    live = hi_R > lo_R
+    ok = gapless and bool((got_n == (hi_R - lo_R).clamp(min=0)).all()) and \
+        bool((got_lo[live] == lo_R[live]).all()) and bool((got_hi[live] == hi_R[live]).all())
+    if not ok:
+        bad = torch.nonzero(got_n != (hi_R - lo_R).clamp(min=0)).flatten()[:4].tolist()
+        raise AssertionError(f"plan verification: the kernel calls of the step from rank "
+                             f"{None if step is None else step.source} do not compute exactly the visible pairs "
+                             f"(rows {bad}: want {[(int(lo_R[r]), int(hi_R[r])) for r in bad]}); please report this")
+    if exact_spans and k_idx.numel():
+        used = torch.zeros(k_idx.numel() * meta.batch + 1, dtype=torch.int64)
+        used.index_add_(0, lo_R[live], torch.ones_like(lo_R[live]))
+        used.index_add_(0, hi_R[live], -torch.ones_like(hi_R[live]))
+        seen = (torch.cumsum(used, 0)[:-1] > 0).reshape(meta.batch, -1).any(0)
+        if not bool(seen.all()):
+            raise AssertionError(f"plan verification: rank {step.source} sends keys no query sees "
+                                 f"(buffer rows {torch.nonzero(~seen).flatten()[:8].tolist()}); please report this")
+    if step is not None and sum(c.entries_visible for c in step.calls) != want:
+        raise AssertionError("plan verification: the calls' visible-pair counts disagree with the mask")
+    return want
+
+
+def verify_plan(plan: RankPlan, meta: SequenceMeta, spec: MaskSpec, layout) -> None:
+    """Check ``plan`` token by token against the mask: every step's calls compute exactly the visible
+    pairs of this rank's queries with the keys of the spans it receives, every received key is seen,
+    no visible pair with a rank is missing, and what this rank sends is what its peers' plans
+    receive. O(L) time and memory: for tests and debugging (``$CP_ATTENTION_VERIFY_PLANS=1`` runs it
+    on every plan built). Raises AssertionError."""
+    L, P, r = meta.seq_len, plan.world_size, plan.rank
+    q_idx = layout_mod.global_index(L, P, layout, r)
+    by_source = {st.source: st for st in plan.steps()}
+    for s in range(P):
+        k_all = layout_mod.global_index(L, P, layout, s)
+        st = by_source.get(s)
+        spans = st.spans if st is not None else ((0, k_all.numel()),)
+        k_idx = torch.cat([k_all[a:b] for a, b in spans])
+        want = _verify_step(st, q_idx, k_idx, meta, spec, exact_spans=st is not None and s != r)
+        if st is None and want:
+            raise AssertionError(f"plan verification: rank {r} sees keys of rank {s} but its plan has no step for it")
+    for rnd in plan.rounds:  # what this rank sends is exactly what the receiver's plan reads
+        if rnd.send_to is not None:
+            peer = build_plan(meta, spec, world_size=P, layout=layout, rank=rnd.send_to, head_kv=1, head_dim=1,
+                              itemsize=1, verify=False)
+            got = {st.source: st.spans for st in peer.steps()}.get(r)
+            if got != rnd.send_spans:
+                raise AssertionError(f"plan verification: rank {r} sends {rnd.send_spans} to rank {rnd.send_to}, "
+                                     f"which reads {got}; please report this")

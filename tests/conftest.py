@@ -3,6 +3,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Every plan built by the suite (in this process and in spawned ranks) is checked token by token
+# against the mask (cp_attention.plan.verify_plan).
+os.environ.setdefault("CP_ATTENTION_VERIFY_PLANS", "1")
+
 # Without a GPU, Triton kernels run in Triton's CPU interpreter, which must be chosen before anything
 # (torch, transformers) imports triton; backend="auto" never picks the interpreter on CPU.
 if "TRITON_INTERPRET" not in os.environ:

@@ -197,3 +197,55 @@ def test_plan_is_deterministic():
             assert sa.spans == sb.spans
             for ca, cb in zip(sa.calls, sb.calls):
                 assert torch.equal(ca.cu_seqlens_q, cb.cu_seqlens_q) and ca.window == cb.window
+
+
+def _corrupt(plan, step_index: int, **change):
+    """The plan with one field of the first call (``window``) or of the step (``spans``) changed."""
+    import dataclasses
+
+    steps = plan.steps()
+    step = steps[step_index]
+    if "spans" in change:
+        new_step = dataclasses.replace(step, spans=change["spans"])
+    else:
+        new_step = dataclasses.replace(step, calls=(dataclasses.replace(step.calls[0], **change),) + step.calls[1:])
+    if step is plan.local:
+        return dataclasses.replace(plan, local=new_step)
+    rounds = tuple(dataclasses.replace(r, recv=new_step) if r.recv is step else r for r in plan.rounds)
+    return dataclasses.replace(plan, rounds=rounds)
+
+
+def test_plan_verification_rejects_a_wrong_call_and_an_extra_halo_token():
+    from cp_attention.plan import verify_plan
+
+    meta = _meta(300, [[120, 30, 150]])
+    spec = MaskSpec(window=33)
+    plan = build_plan(meta, spec, world_size=3, layout="contiguous", rank=1, head_kv=1, head_dim=1, itemsize=4,
+                      verify=True)
+    left, right = plan.local.calls[0].window
+    with pytest.raises(AssertionError, match="exactly the visible pairs"):
+        verify_plan(_corrupt(plan, 0, window=(left - 1, right)), meta, spec, "contiguous")
+    (a, b), = plan.rounds[0].recv.spans
+    with pytest.raises(AssertionError):  # one key more than the queries see
+        verify_plan(_corrupt(plan, 1, spans=((a - 1, b),)), meta, spec, "contiguous")
+
+
+@pytest.mark.parametrize("docs", [None, [[1000] * 1048]])
+def test_planning_cost_follows_documents_not_tokens(docs):
+    # 2^20 tokens: a per-token planner allocates O(L) per rank pair; the plan of one rank here is
+    # built from pieces (counted, not timed: at most a few per document and rank pair)
+    import cp_attention.plan as plan_mod
+
+    L = 1048 * 1000 if docs else 1 << 20
+    meta = _meta(L, docs)
+    calls = []
+    original = plan_mod._fit
+    plan_mod._fit = lambda *a: calls.append(1) or original(*a)
+    try:
+        plan = build_plan(meta, MaskSpec(window=4096), world_size=8, layout="zigzag", rank=3, head_kv=1, head_dim=1,
+                          itemsize=2, verify=False)
+    finally:
+        plan_mod._fit = original
+    assert plan.stats.entries_visible > 0
+    n_docs = 1 if docs is None else len(docs[0])
+    assert len(calls) <= 4 * (n_docs // 8 + 2 * 8), len(calls)

@@ -1,0 +1,112 @@
+"""Planning time per step: layout + document metadata + one rank's plan, on one CPU thread.
+
+    python benchmarks/bench_planning.py --out benchmarks/results/cpu      # 128k and 1M tokens
+    python benchmarks/bench_planning.py --smoke                           # tiny, seconds
+
+A packed data loader gives a new document layout every step, so a rank pays this every step: the
+balanced layout of the batch (``cp_attention.balanced_layout``; zigzag costs nothing), the global
+document metadata from the batch's ``position_ids`` (``masks.doc_starts``, what ``cp.shard_batch``
+computes) and its own plan for each mask (``cp_attention.build_plan``). Documents: ``--docs``
+documents (default 1000) with lognormal lengths (sigma 1) scaled to fill the row, so the same
+number of documents at every length. Reported: the median over ``--repeats`` runs of each part, in
+milliseconds, and the ratio of the 1M-token total to the 128k one. Each configuration is also
+timed with torch using every core (``torch.set_num_threads(os.cpu_count())``), the setting of a
+training process: the planner must not slow down there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cp_attention  # noqa: E402
+from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts  # noqa: E402
+from cp_attention.plan import build_plan  # noqa: E402
+
+MASKS = {"causal": MaskSpec(), "window-4096": MaskSpec(window=4096), "chunked-8192": MaskSpec(chunk_size=8192)}
+
+
+def packed_positions(L: int, docs: int, seed: int) -> torch.Tensor:
+    """(1, L) position ids of ``docs`` documents with lognormal lengths scaled to fill ``L``."""
+    rng = np.random.default_rng(seed)
+    weights = rng.lognormal(0.0, 1.0, docs)
+    lengths = np.maximum(1, (weights / weights.sum() * L).astype(np.int64))
+    lengths[np.argmax(lengths)] += L - int(lengths.sum())
+    return torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]))[None]
+
+
+def time_once(pos: torch.Tensor, P: int, layout_name: str, spec: MaskSpec, rank: int) -> dict:
+    L = pos.shape[1]
+    t0 = time.perf_counter()
+    layout = cp_attention.balanced_layout(P, position_ids=pos, masks=[dict(causal=spec.causal, window=spec.window,
+                                                                            chunk_size=spec.chunk_size)]) \
+        if layout_name == "balanced" else layout_name
+    t1 = time.perf_counter()
+    meta = SequenceMeta(batch=1, seq_len=L, doc_start=doc_starts(1, L, position_ids=pos), position=pos)
+    t2 = time.perf_counter()
+    build_plan(meta, spec, world_size=P, layout=layout, rank=rank, head_kv=8, head_dim=128, itemsize=2, verify=False)
+    t3 = time.perf_counter()
+    return dict(layout_ms=1e3 * (t1 - t0), meta_ms=1e3 * (t2 - t1), plan_ms=1e3 * (t3 - t2), total_ms=1e3 * (t3 - t0))
+
+
+def measure(L: int, P: int, docs: int, layout_name: str, mask: str, repeats: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
+    runs = []
+    for i in range(repeats):
+        pos = packed_positions(L, docs, seed=i)
+        runs.append(time_once(pos, P, layout_name, MASKS[mask], rank=i % P))
+    torch.set_num_threads(1)
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[131072, 1048576], help="tokens per row")
+    parser.add_argument("--world-size", type=int, default=8, help="P (default 8)")
+    parser.add_argument("--docs", type=int, default=1000, help="documents per row (default 1000)")
+    parser.add_argument("--repeats", type=int, default=7, help="runs per configuration, median reported")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, two repeats")
+    parser.add_argument("--out", default=None, help="directory for planning.json")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.lengths, args.docs, args.repeats = [4096, 16384], 50, 2
+    torch.set_num_threads(1)
+    records = []
+    many = os.cpu_count() or 1
+    for mask in MASKS:
+        for layout_name in ("zigzag", "balanced"):
+            for L in args.lengths:
+                row = dict(L=L, P=args.world_size, docs=args.docs, mask=mask, layout=layout_name,
+                           **measure(L, args.world_size, args.docs, layout_name, mask, args.repeats, 1))
+                row["total_ms_all_threads"] = measure(L, args.world_size, args.docs, layout_name, mask,
+                                                      max(1, args.repeats // 2), many)["total_ms"]
+                records.append(row)
+    print(f"| mask | layout | L | layout ms | metadata ms | plan ms | total ms | total, {many} torch threads | "
+          f"total / total at {args.lengths[0]} |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in records:
+        base = next(x for x in records if x["mask"] == r["mask"] and x["layout"] == r["layout"]
+                    and x["L"] == args.lengths[0])
+        r["ratio_to_first_length"] = r["total_ms"] / base["total_ms"]
+        print(f"| {r['mask']} | {r['layout']} | {r['L']} | {r['layout_ms']:.1f} | {r['meta_ms']:.1f} | "
+              f"{r['plan_ms']:.1f} | {r['total_ms']:.1f} | {r['total_ms_all_threads']:.1f} | "
+              f"{r['ratio_to_first_length']:.2f} |")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "planning.json"), "w") as f:
+            json.dump(dict(note="median ms per step on one CPU thread; layout + metadata + one rank's plan",
+                           records=records), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
