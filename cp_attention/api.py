@@ -67,6 +67,12 @@ def begin_forward() -> None:
         _FORWARD.calls, _FORWARD.layer_ran = [], False
 
 
+def note_layer_stats(stats: PlanStats, layer: int | None) -> None:
+    """Report a model layer's plan to :func:`last_plan_stats` and :func:`forward_plan_stats` (for
+    engine entries outside this module, e.g. the compiled single-device op)."""
+    _note_stats(stats, layer, in_model=True)
+
+
 def _note_stats(stats: PlanStats, layer: int | None = None, in_model: bool = False) -> None:
     _LAST_STATS[0] = stats
     if in_model and torch._C._current_graph_task_id() == -1:  # not a recomputation in backward

@@ -12,6 +12,10 @@ later ones are merged or added into it in place.
 Backward: walk the same rounds, fetching the same remote K/V spans; dQ accumulates locally, and the
 dK/dV partial sums of each received span go back to its owner, who adds them to its own.
 
+:func:`ring_forward` and :func:`ring_backward` are the two passes without autograd (the forward also
+returns the LSE), for callers with their own autograd: the single-device custom op of
+:mod:`cp_attention.compiled`.
+
 Legend: ``B`` batch, ``L`` local length, ``T = B * L`` packed local tokens, ``S`` packed rows of a
 K/V buffer, ``H`` query heads, ``K`` K/V heads, ``D`` head dim, ``W`` span width.
 """
@@ -24,7 +28,7 @@ from .comm import Comm, Pending
 from .merge import apply_sinks, merge_into_
 from .plan import RankPlan, Round, Step
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward"]
 
 
 def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -145,26 +149,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, q, k, v, sinks, plan: RankPlan, comm: Comm, backend, scale: float, softcap):
-        B, L, H, D = q.shape
-        acc = _accum_dtype(q.dtype)
-        q_THD = _packed(q)
-        outputs = _Outputs(B * L, H, D, acc, q.device)
-        rounds = plan.schedule()
-        pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
-        if plan.local is not None:
-            _forward_step(plan.local, backend, q_THD, _packed(k), _packed(v), outputs, scale, softcap)
-        for i, rnd in enumerate(rounds):
-            wait, buf = pending
-            wait.wait()
-            if i + 1 < len(rounds):
-                pending = _post_kv(comm, rounds[i + 1], k, v, rounds[i + 1].offset)
-            if buf is not None:
-                _forward_step(rnd.recv, backend, q_THD, buf[0].reshape(-1, *buf.shape[3:]),
-                              buf[1].reshape(-1, *buf.shape[3:]), outputs, scale, softcap)
-        out_THD, lse_HT = outputs.result()
-        if sinks is not None:
-            out_THD, lse_HT = apply_sinks(out_THD, lse_HT, sinks)
-        out = out_THD.to(q.dtype).reshape(B, L, H, D)
+        out, lse_HT = ring_forward(q, k, v, sinks, plan, comm, backend, scale=scale, softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse_HT, sinks)
         ctx.plan, ctx.comm, ctx.backend, ctx.scale, ctx.softcap = plan, comm, backend, scale, softcap
         return out
@@ -172,64 +157,99 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dout):
         q, k, v, out, lse_HT, sinks = ctx.saved_tensors
-        plan, comm, backend, scale, softcap = ctx.plan, ctx.comm, ctx.backend, ctx.scale, ctx.softcap
-        B, L, H, D = q.shape
-        _, Lk, K, _ = k.shape  # Lk == L under context parallelism; longer after a KV cache
-        acc = _accum_dtype(q.dtype)
-        P = plan.world_size
-        q_THD, out_THD = _packed(q), _packed(out)
-        dout_THD = _packed(dout.contiguous())
-        dq = _Sum((B * L, H, D), acc, q.device)
-        dk, dv = _Sum((B * Lk, K, D), acc, q.device), _Sum((B * Lk, K, D), acc, q.device)
-        rounds = plan.schedule()
-        grads_in_flight: list[tuple[Pending, torch.Tensor | None, Round]] = []
+        dq, dk, dv, dsinks = ring_backward(
+            dout, q, k, v, out, lse_HT, sinks, ctx.plan, ctx.comm, ctx.backend, scale=ctx.scale,
+            softcap=ctx.softcap, need_dsinks=sinks is not None and ctx.needs_input_grad[3])
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
-        def settle(entry):
-            wait, gbuf, rnd = entry
-            wait.wait()
-            if gbuf is not None:  # dK/dV partial sums of my span, computed by rnd.send_to
-                dk_BLKD, dv_BLKD = dk.result().view(B, Lk, K, D), dv.result().view(B, Lk, K, D)
-                at = 0
-                for a, b in rnd.send_spans:
-                    dk_BLKD[:, a:b] += gbuf[0][:, at:at + b - a]
-                    dv_BLKD[:, a:b] += gbuf[1][:, at:at + b - a]
-                    at += b - a
 
-        pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
-        if plan.local is not None:
-            _backward_step(plan.local, backend, dout_THD, q_THD, _packed(k), _packed(v), out_THD, lse_HT,
-                           dq, dk, dv, scale, softcap)
-        for i, rnd in enumerate(rounds):
-            wait, buf = pending
-            wait.wait()
-            if i + 1 < len(rounds):
-                pending = _post_kv(comm, rounds[i + 1], k, v, rounds[i + 1].offset)
-            if grads_in_flight:
-                settle(grads_in_flight.pop(0))
-            gbuf_out = None
-            if buf is not None:
-                gbuf_out = torch.zeros(buf.shape, dtype=acc, device=q.device)
-                _backward_step(rnd.recv, backend, dout_THD, q_THD, buf[0].reshape(-1, K, D),
-                               buf[1].reshape(-1, K, D), out_THD, lse_HT, dq,
-                               _Sum.over(gbuf_out[0].reshape(-1, K, D)), _Sum.over(gbuf_out[1].reshape(-1, K, D)),
-                               scale, softcap)
-                comm.send(gbuf_out, rnd.recv.source, P + rnd.offset)
-            gbuf_in = None
-            if rnd.send_to is not None:
-                width = sum(b - a for a, b in rnd.send_spans)
-                gbuf_in = torch.empty(2, B, width, K, D, dtype=acc, device=q.device)
-                comm.recv(gbuf_in, rnd.send_to, P + rnd.offset)
-            grads_in_flight.append((comm.commit("a dK/dV exchange"), gbuf_in, rnd))
-        for entry in grads_in_flight:
-            settle(entry)
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[3]:
-            # d loss / d sink_h = -sum_t exp(sink_h - lse_ht) * sum_d(dout * out)_ht
-            delta_HT = (dout_THD.to(acc) * out_THD.to(acc)).sum(-1).t()
-            dsinks = -(torch.exp(sinks.to(acc)[:, None] - lse_HT) * delta_HT).sum(1).to(sinks.dtype)
-        return (dq.result().to(q.dtype).reshape(B, L, H, D), dk.result().to(k.dtype).reshape(B, Lk, K, D),
-                dv.result().to(v.dtype).reshape(B, Lk, K, D), dsinks,
-                None, None, None, None, None)
+def ring_forward(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,
+                 softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's forward without autograd: q (B, L, H, D), k/v (B, Lk, K, D) -> out (B, L, H, D) in
+    q's dtype and lse (H, B * L) in the accumulation dtype (float32; float64 for float64 inputs),
+    after the sinks. :func:`ring_backward` takes both back."""
+    B, L, H, D = q.shape
+    acc = _accum_dtype(q.dtype)
+    q_THD = _packed(q)
+    outputs = _Outputs(B * L, H, D, acc, q.device)
+    rounds = plan.schedule()
+    pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
+    if plan.local is not None:
+        _forward_step(plan.local, backend, q_THD, _packed(k), _packed(v), outputs, scale, softcap)
+    for i, rnd in enumerate(rounds):
+        wait, buf = pending
+        wait.wait()
+        if i + 1 < len(rounds):
+            pending = _post_kv(comm, rounds[i + 1], k, v, rounds[i + 1].offset)
+        if buf is not None:
+            _forward_step(rnd.recv, backend, q_THD, buf[0].reshape(-1, *buf.shape[3:]),
+                          buf[1].reshape(-1, *buf.shape[3:]), outputs, scale, softcap)
+    out_THD, lse_HT = outputs.result()
+    if sinks is not None:
+        out_THD, lse_HT = apply_sinks(out_THD, lse_HT, sinks)
+    return out_THD.to(q.dtype).reshape(B, L, H, D), lse_HT
+
+
+def ring_backward(dout, q, k, v, out, lse_HT, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,
+                  softcap: float | None, need_dsinks: bool):
+    """The ring's backward without autograd, from :func:`ring_forward`'s inputs and results ->
+    (dq, dk, dv, dsinks) in the inputs' dtypes; dsinks (H,) or None unless ``need_dsinks``."""
+    B, L, H, D = q.shape
+    _, Lk, K, _ = k.shape  # Lk == L under context parallelism; longer after a KV cache
+    acc = _accum_dtype(q.dtype)
+    P = plan.world_size
+    q_THD, out_THD = _packed(q), _packed(out)
+    dout_THD = _packed(dout.contiguous())
+    dq = _Sum((B * L, H, D), acc, q.device)
+    dk, dv = _Sum((B * Lk, K, D), acc, q.device), _Sum((B * Lk, K, D), acc, q.device)
+    rounds = plan.schedule()
+    grads_in_flight: list[tuple[Pending, torch.Tensor | None, Round]] = []
+
+    def settle(entry):
+        wait, gbuf, rnd = entry
+        wait.wait()
+        if gbuf is not None:  # dK/dV partial sums of my span, computed by rnd.send_to
+            dk_BLKD, dv_BLKD = dk.result().view(B, Lk, K, D), dv.result().view(B, Lk, K, D)
+            at = 0
+            for a, b in rnd.send_spans:
+                dk_BLKD[:, a:b] += gbuf[0][:, at:at + b - a]
+                dv_BLKD[:, a:b] += gbuf[1][:, at:at + b - a]
+                at += b - a
+
+    pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
+    if plan.local is not None:
+        _backward_step(plan.local, backend, dout_THD, q_THD, _packed(k), _packed(v), out_THD, lse_HT,
+                       dq, dk, dv, scale, softcap)
+    for i, rnd in enumerate(rounds):
+        wait, buf = pending
+        wait.wait()
+        if i + 1 < len(rounds):
+            pending = _post_kv(comm, rounds[i + 1], k, v, rounds[i + 1].offset)
+        if grads_in_flight:
+            settle(grads_in_flight.pop(0))
+        gbuf_out = None
+        if buf is not None:
+            gbuf_out = torch.zeros(buf.shape, dtype=acc, device=q.device)
+            _backward_step(rnd.recv, backend, dout_THD, q_THD, buf[0].reshape(-1, K, D),
+                           buf[1].reshape(-1, K, D), out_THD, lse_HT, dq,
+                           _Sum.over(gbuf_out[0].reshape(-1, K, D)), _Sum.over(gbuf_out[1].reshape(-1, K, D)),
+                           scale, softcap)
+            comm.send(gbuf_out, rnd.recv.source, P + rnd.offset)
+        gbuf_in = None
+        if rnd.send_to is not None:
+            width = sum(b - a for a, b in rnd.send_spans)
+            gbuf_in = torch.empty(2, B, width, K, D, dtype=acc, device=q.device)
+            comm.recv(gbuf_in, rnd.send_to, P + rnd.offset)
+        grads_in_flight.append((comm.commit("a dK/dV exchange"), gbuf_in, rnd))
+    for entry in grads_in_flight:
+        settle(entry)
+    dsinks = None
+    if sinks is not None and need_dsinks:
+        # d loss / d sink_h = -sum_t exp(sink_h - lse_ht) * sum_d(dout * out)_ht
+        delta_HT = (dout_THD.to(acc) * out_THD.to(acc)).sum(-1).t()
+        dsinks = -(torch.exp(sinks.to(acc)[:, None] - lse_HT) * delta_HT).sum(1).to(sinks.dtype)
+    return (dq.result().to(q.dtype).reshape(B, L, H, D), dk.result().to(k.dtype).reshape(B, Lk, K, D),
+            dv.result().to(v.dtype).reshape(B, Lk, K, D), dsinks)
 
 
 def ring_attention(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,

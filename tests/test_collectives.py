@@ -14,7 +14,7 @@ import torch
 import cp_attention
 from cp_attention.comm import Comm
 from cp_attention.launch import run_ranks
-from cp_attention.tiny_models import tiny_model
+from cp_attention.tiny_models import tiny_config, tiny_model
 
 L = 48
 COLLECTIVES = ("all_gather", "all_gather_object", "all_reduce")
@@ -92,3 +92,26 @@ def test_a_rank_diverging_after_agreement_is_named_at_once():
     assert kind1 == "ValueError" and "position_ids" in msg1, per_rank[1]
     assert kind0 == "RankFailedError" and "rank 1" in msg0 and "position_ids" in msg0, per_rank[0]
     assert took0 < 30, f"rank 0 waited {took0:.1f} s (the 60 s timeout, not the failure report)"
+
+
+def _config_worker(rank, world_size):
+    """Rank 1's model has a sliding window on its second layer where the others have full attention:
+    the first layers agree, the second ones would not even meet (rank 1 reuses the agreed sliding
+    plan); the configuration checksum of the batch's first agreement makes both ranks raise there."""
+    config = tiny_config("qwen3", layers=2, window=8)
+    if rank == 1:
+        config.layer_types = ["sliding_attention", "sliding_attention"]
+    model = tiny_model("qwen3", "cp_flash", config=config)
+    start = time.monotonic()
+    try:
+        with cp_attention.context_parallel(timeout=60) as cp:
+            model(**cp.shard_batch(**_batch()), use_cache=False)
+        return "ok", "", time.monotonic() - start
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
+        return type(exc).__name__, str(exc), time.monotonic() - start
+
+
+def test_models_that_differ_between_ranks_raise_on_every_rank():
+    for kind, message, took in run_ranks(2, _config_worker, timeout=120):
+        assert kind == "ValueError" and "ranks disagree on model_crc" in message, (kind, message)
+        assert took < 30, took

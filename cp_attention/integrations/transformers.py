@@ -24,20 +24,31 @@ the padding mask or the context's only live batch). A forward recomputed by grad
 gets the same ``CPMask`` and ``position_ids`` again, so it runs on the same batch and group even after
 the ``context_parallel`` block has exited.
 
+``torch.compile``. On one device a layer is the custom op of :mod:`cp_attention.compiled`, which gets
+the documents as tensors and builds its plan inside: traced outside context parallelism, the mask
+function and the layers contain nothing dynamo cannot trace (no data-dependent branch, no context
+lookup), so a model compiles without a graph break and a new document layout does not recompile.
+Whether a context is active is asked once per trace (dynamo cannot guard on a contextvar) and checked
+again by the op when it runs. Under context parallelism :func:`_bound_mask` and :func:`_bound_attention`
+run eagerly (``torch.compiler.disable``): one graph break per mask and per layer.
+
 Legend: ``B`` batch, ``L``/``Lq`` query tokens, ``Lk`` key tokens, ``H`` heads, ``D`` head dim.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import weakref
+import zlib
 from dataclasses import dataclass, field
 
 import torch
+import torch._dynamo
 
-from .. import api
+from .. import api, compiled
 from ..layout import global_index
-from ..masks import MaskSpec, SequenceMeta, doc_starts
-from ..plan import build_local_plan
+from ..masks import MaskSpec
 
 __all__ = ["NAME", "CPMask", "cp_flash_attention", "cp_flash_mask", "register", "FLASH_NAME_SITES",
            "adapted_sites"]
@@ -108,10 +119,11 @@ class CPMask:
         return self
 
 
-def _hf_document_starts(mask_function, batch_size: int, length: int) -> torch.Tensor | None:
+def _hf_document_starts(mask_function, batch_size: int, length: int, *, prune: bool = True) -> torch.Tensor | None:
     """Document starts in transformers' own mask: a token opens one where it cannot see its
     predecessor (probed on the ``length - 1`` adjacent pairs, O(L)). Chunk starts and window-1 masks
-    also register, which is harmless: the MaskSpec applies the same cuts again."""
+    also register, which is harmless: the MaskSpec applies the same cuts again. ``prune``: None when
+    no token but the first opens a document (a data-dependent branch, skipped under torch.compile)."""
     if mask_function is None or length < 2:
         return None
     q_idx = torch.arange(1, length)
@@ -121,7 +133,20 @@ def _hf_document_starts(mask_function, batch_size: int, length: int) -> torch.Te
         seen = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, q_idx - 1)
         seen = torch.as_tensor(seen, dtype=torch.bool).expand(length - 1)
         opens[b, 1:] = ~seen
-    return opens if bool(opens[:, 1:].any()) else None
+    return opens if not prune or bool(opens[:, 1:].any()) else None
+
+
+@torch._dynamo.assume_constant_result
+def _traced_outside_cp() -> bool:
+    """Whether torch.compile traces outside any context of several ranks: asked once per trace and
+    not guarded (dynamo cannot guard on a contextvar), so the single-device op re-checks when it runs."""
+    return not compiled.multi_rank_context_active()
+
+
+def _compiled_single_device() -> bool:
+    """torch.compile is tracing a forward outside context parallelism: the mask function and the layers
+    skip what dynamo cannot trace (the context, the forward's bookkeeping, data-dependent branches)."""
+    return torch.compiler.is_compiling() and _traced_outside_cp()
 
 
 def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -129,11 +154,26 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
     """The mask function registered for "cp_flash": returns a :class:`CPMask`, never (L x L) data."""
     if isinstance(attention_mask, CPMask):  # prepared by generate for this forward: keep its padding
         attention_mask = attention_mask.valid
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"cp_flash expects a 2D (B, L) padding mask; got a {attention_mask.dim()}D attention_mask")
+    if not _compiled_single_device():
+        return _bound_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+    # traced by torch.compile outside context parallelism: no data-dependent branch, no bookkeeping (the
+    # single-device op notes the forward's plans itself)
+    opens = None
+    if q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+        opens = _hf_document_starts(mask_function, batch_size, q_length, prune=False)
+    return CPMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
+                  kv_offset=int(kv_offset), valid=None if attention_mask is None else attention_mask.detach().bool(),
+                  opens=opens, batch=api.batch_of(attention_mask))
+
+
+@torch.compiler.disable
+def _bound_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask) -> CPMask:
+    """The mask of a forward that may run under context parallelism; eager (torch.compile breaks the
+    graph here: the active context is a contextvar and the forward's bookkeeping thread-local)."""
     valid = None
     if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError("cp_flash expects a 2D (B, L) padding mask; got a "
-                             f"{attention_mask.dim()}D attention_mask")
         valid = attention_mask.detach().to(torch.bool)
         if bool(valid.all()):
             valid = None
@@ -190,8 +230,12 @@ def _fix_llama4_temperature(q_BLHD: torch.Tensor, module, batch: api.BatchRecord
     return (q_BLHD * ratio.to(q_BLHD.device, torch.float32).view(1, L, 1, 1)).to(q_BLHD.dtype)
 
 
-def _local_meta(info: CPMask | None, batch: api.BatchRecord | None, B: int, Lq: int, Lk: int, kwargs):
-    """Documents and positions of a single-device call: (meta, q_idx, k_idx)."""
+def _single_device(module, q, k, v, spec: MaskSpec, s_aux, info: CPMask | None, batch, kwargs):
+    """One device: the custom op :func:`cp_attention.compiled.local_attention` with this layer's
+    documents as tensors (those of ``batch``, a shard_batch record of a one-rank context, when it
+    describes these tokens)."""
+    B, Lq = q.shape[:2]
+    Lk = k.shape[1]
     q_off = info.q_offset if info is not None else 0
     kv_off = info.kv_offset if info is not None else 0
     if info is not None and info.kv_length != Lk:
@@ -200,52 +244,16 @@ def _local_meta(info: CPMask | None, batch: api.BatchRecord | None, B: int, Lq: 
         raise ValueError("cp_flash: queries and keys differ in length (a KV cache?) but no cp_flash mask "
                          "describes their positions; do not pass a prebuilt 4D mask or a dict of masks")
     cached = q_off != 0 or kv_off != 0 or Lq != Lk
-    T = max(q_off + Lq, kv_off + Lk)
-    position_ids = opens = valid = None
     if batch is not None and not cached and batch.seq_len == Lq and batch.meta.batch == B:
-        meta = SequenceMeta(batch=B, seq_len=Lq, doc_start=batch.meta.doc_start, position=batch.meta.position)
-        return meta, torch.arange(Lq), torch.arange(Lk)
-    cu = kwargs.get("cu_seq_lens_q")
-    if not cached:
-        position_ids = kwargs.get("position_ids")
-        if position_ids is not None and tuple(position_ids.shape[-1:]) != (Lq,):
-            position_ids = None
-        if cu is not None:
-            if B != 1:
-                raise ValueError("cp_flash: cu_seq_lens_q describes one packed row, but the batch has "
-                                 f"{B} rows; pass position_ids instead")
-            opens = torch.zeros(1, Lq, dtype=torch.bool)
-            opens[0, cu.detach().cpu().long()[:-1].clamp(max=Lq - 1)] = True
+        starts = batch.meta.doc_start
+        docs = dict(position_ids=batch.meta.position, valid=None, cu_seqlens=None,
+                    opens=None if starts is None else starts == torch.arange(Lq))
     else:
-        if cu is not None:
-            raise ValueError("cp_flash: cu_seq_lens_* with a non-empty KV cache is not supported")
-        pos = kwargs.get("position_ids")
-        restarts = None
-        if pos is not None and pos.shape[-1] > 1:
-            restarts = (pos[..., 1:] != pos[..., :-1] + 1).cpu()
-            if info is not None and info.valid is not None:  # padding restarts positions, not documents
-                ok = torch.zeros(B, Lq, dtype=torch.bool)
-                seen = info.valid[:, q_off:q_off + Lq].cpu()
-                ok[:, :seen.shape[1]] = seen
-                restarts = restarts & ok[:, 1:] & ok[:, :-1]
-        if restarts is not None and bool(restarts.any()):
-            raise ValueError("cp_flash: packed documents (restarting position_ids) after a non-empty KV cache "
-                             "are not supported")
-    if info is not None:
-        if info.opens is not None:
-            opens = info.opens if opens is None else (opens | info.opens)
-        if info.valid is not None:
-            valid = torch.zeros(B, T, dtype=torch.bool)  # positions past the 2D mask are invisible
-            n = min(T, info.valid.shape[1])
-            valid[:, :n] = info.valid[:, :n].cpu()
-    if opens is not None and T > Lq:
-        opens = torch.cat([opens, torch.zeros(B, T - Lq, dtype=torch.bool)], 1)
-    if position_ids is not None and T > Lq:
-        position_ids = None
-    meta = SequenceMeta(batch=B, seq_len=T, doc_start=doc_starts(
-        B, T, position_ids=position_ids, valid=valid, opens=opens),
-        position=None if position_ids is None else position_ids.detach().to("cpu", torch.int64).expand(B, T))
-    return meta, torch.arange(q_off, q_off + Lq), torch.arange(kv_off, kv_off + Lk)
+        docs = dict(position_ids=kwargs.get("position_ids"), cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                    valid=info.valid if info is not None else None, opens=info.opens if info is not None else None)
+    return compiled.local_attention(q, k, v, spec, sinks=s_aux, q_offset=q_off, kv_offset=kv_off,
+                                    backend=batch.cp.backend if batch is not None else None, bound=batch is not None,
+                                    layer=getattr(module, "layer_idx", None), **docs)
 
 
 def torch_context_parallel_active() -> bool:
@@ -326,6 +334,40 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
+    if _compiled_single_device():  # traced outside context parallelism: straight to the op
+        batch = api.batch_of(kwargs.get("position_ids")) or (info.batch if info is not None else None)
+        if batch is None:
+            return _single_device(module, q, k, v, spec, s_aux, info, None, kwargs), None
+    return _bound_attention(module, q, k, v, spec, s_aux, info, kwargs), None
+
+
+_CONFIG_CRC: dict[int, tuple] = {}  # id(config) -> (weak reference, checksum)
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")
+
+
+def config_crc(module) -> int:
+    """A 31-bit checksum of the configuration of ``module``'s model (every field but its path and
+    transformers version), agreed by the ranks on a batch's first call: two ranks whose models
+    differ (a window, the layer types) then raise together instead of one of them waiting for an
+    agreement the others skip. -1 when the module has no config. Computed once per config object."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return -1
+    entry = _CONFIG_CRC.get(id(config))
+    if entry is not None and entry[0]() is config:
+        return entry[1]
+    fields = {key: value for key, value in config.to_dict().items() if key not in _VOLATILE_CONFIG_KEYS}
+    crc = zlib.crc32(json.dumps(fields, sort_keys=True, default=str).encode()) & 0x7FFFFFFF
+    _CONFIG_CRC[id(config)] = (weakref.ref(config), crc)
+    return crc
+
+
+@torch.compiler.disable
+def _bound_attention(module, q, k, v, spec: MaskSpec, s_aux, info: CPMask | None, kwargs) -> torch.Tensor:
+    """A layer that may run under context parallelism: the batch it is bound to, the checks every rank
+    raises together, then the ring (several ranks) or the single-device op. Eager: torch.compile breaks
+    the graph here (the context is a contextvar; the agreement collectives, the planner and the ring's
+    point-to-point calls cannot be traced)."""
     B, Lq = q.shape[:2]
     Lk = k.shape[1]
     batch, local_error = _bound_batch(info, kwargs.get("position_ids"))
@@ -338,7 +380,8 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         if batch is None and active is not None and active.world_size > 1:
             api.attend(q, k, v, spec, sinks=s_aux, local_error=local_error)
         elif batch is not None and batch.cp.world_size > 1:
-            api.attend(q, k, v, spec, sinks=s_aux, batch=batch, local_error=local_error)
+            api.attend(q, k, v, spec, sinks=s_aux, batch=batch, local_error=local_error,
+                       model_crc=config_crc(module))
         raise local_error
     if batch is not None and batch.cp.world_size > 1:
         if Lq != Lk or (info is not None and (info.q_offset or info.kv_offset)):
@@ -353,18 +396,9 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                              "from them")
         q = _fix_llama4_temperature(q, module, batch)
         out = api.attend(q, k, v, spec, sinks=s_aux, batch=batch, local_error=local_error,
-                         layer=getattr(module, "layer_idx", None))
-        return out, None
-    plan_spec = MaskSpec(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size)
-    key_ = (plan_spec, B, Lq, Lk, batch is not None)
-    plans = info.plans if info is not None else {}
-    if key_ not in plans:  # once per mask and forward: the layers sharing this CPMask reuse the plan
-        meta, q_idx, k_idx = _local_meta(info, batch, B, Lq, Lk, kwargs)
-        plans[key_] = build_local_plan(meta, plan_spec, q_idx=q_idx, k_idx=k_idx)
-    backend = batch.cp.backend if batch is not None else None
-    out = api.attend_local(q, k, v, plans[key_], spec, sinks=s_aux, backend=backend,
-                           layer=getattr(module, "layer_idx", None))
-    return out, None
+                         layer=getattr(module, "layer_idx", None), model_crc=config_crc(module))
+        return out
+    return _single_device(module, q, k, v, spec, s_aux, info, batch, kwargs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,314 @@
+"""Single-device attention as one opaque ``torch.library`` custom op, for ``torch.compile``.
+
+``cp_attention::local_attention`` is what a ``cp_flash`` layer runs at world size 1 (eager or
+compiled). Its plan is data, not a constant of the graph: the op receives the tensors that describe
+the documents (``position_ids``, the 2D padding mask, document openings, ``cu_seqlens``) and the mask
+as plain ints, floats and bools, and builds the plan inside (:func:`~cp_attention.plan.build_local_plan`).
+So ``torch.compile`` traces a layer without a graph break, and a new document layout of the same
+shape runs the same compiled graph. The fake (meta) implementation only allocates the outputs;
+``register_autograd`` pairs the op with ``cp_attention::local_attention_backward``, which rebuilds the
+same plan from the same tensors (a cache hit) and runs the ring's backward.
+
+Plan cache. Plans are memoised in one process-wide LRU cache (:data:`PLAN_CACHE_SIZE` entries,
+guarded by a lock) keyed by the mask, the shapes and a digest of the *content* of the document
+tensors: a stale plan cannot be reused for other documents. Digests are remembered per tensor
+object and version (weakly: the memo dies with the tensor), so the layers of one forward, which
+share their ``position_ids`` and masks, move them to the CPU and hash them once.
+
+What dynamo cannot see. ``context_parallel`` is a contextvar, which dynamo can neither trace nor guard
+on. A graph traced outside context parallelism therefore calls this op whatever context is active
+when it runs; the op checks at run time and raises if a context of several ranks is active (eager
+``cp_flash`` raises the same error for tensors that ``cp.shard_batch`` did not return). The backend
+of a one-rank context is read when the graph is traced; the backward always uses the forward's.
+
+Legend: ``B`` batch, ``Lq``/``Lk`` query/key tokens, ``T`` positions covered (``max(q_offset + Lq,
+kv_offset + Lk)``), ``H`` query heads, ``K`` K/V heads, ``D`` head dim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+
+import torch
+import torch._dynamo
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import api
+from .backends import select_backend
+from .comm import Comm
+from .masks import MaskSpec, SequenceMeta, doc_starts
+from .plan import RankPlan, build_local_plan
+from .ring import ring_backward, ring_forward
+
+__all__ = ["local_attention", "local_meta", "PLAN_CACHE_SIZE", "multi_rank_context_active"]
+
+PLAN_CACHE_SIZE = 32
+
+
+def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 0,
+               position_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+               opens: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
+    """Documents and positions of a single-device call: ``(meta, q_idx (Lq,), k_idx (Lk,))``.
+
+    ``q_offset``/``kv_offset``: absolute position of the first query / key (non-zero after a KV
+    cache). ``position_ids`` (B or 1, Lq): a document opens wherever they do not increase by one, and
+    they place chunk boundaries (ignored after a KV cache, where restarts are refused). ``valid``
+    (B, >= 1) bool: the padding mask over absolute positions (positions past it are invisible).
+    ``opens`` (B, Lq) bool: further document openings. ``cu_seqlens`` (N+1,): document boundaries of
+    one packed row (B == 1, no KV cache)."""
+    cached = q_offset != 0 or kv_offset != 0 or Lq != Lk
+    T = max(q_offset + Lq, kv_offset + Lk)
+    if position_ids is not None and tuple(position_ids.shape[-1:]) != (Lq,):
+        position_ids = None
+    positions = None
+    if not cached:
+        positions = position_ids
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError("cp_flash: cu_seq_lens_q describes one packed row, but the batch has "
+                                 f"{B} rows; pass position_ids instead")
+            cu_opens = torch.zeros(1, Lq, dtype=torch.bool)
+            cu_opens[0, cu_seqlens.detach().cpu().long()[:-1].clamp(max=Lq - 1)] = True
+            opens = cu_opens if opens is None else (opens.cpu() | cu_opens)
+    else:
+        if cu_seqlens is not None:
+            raise ValueError("cp_flash: cu_seq_lens_* with a non-empty KV cache is not supported")
+        if position_ids is not None and Lq > 1:
+            restarts = (position_ids[..., 1:] != position_ids[..., :-1] + 1).cpu()
+            if valid is not None:  # padding restarts positions, not documents
+                ok = torch.zeros(B, Lq, dtype=torch.bool)
+                seen = valid[:, q_offset:q_offset + Lq].cpu()
+                ok[:, :seen.shape[1]] = seen
+                restarts = restarts & ok[:, 1:] & ok[:, :-1]
+            if bool(restarts.any()):
+                raise ValueError("cp_flash: packed documents (restarting position_ids) after a non-empty KV "
+                                 "cache are not supported")
+    valid_BT = None
+    if valid is not None:
+        valid_BT = torch.zeros(B, T, dtype=torch.bool)  # positions past the 2D mask are invisible
+        n = min(T, valid.shape[1])
+        valid_BT[:, :n] = valid[:, :n].cpu()
+    if opens is not None:
+        opens = opens.cpu().expand(B, Lq)
+        if T > Lq:
+            opens = torch.cat([opens, torch.zeros(B, T - Lq, dtype=torch.bool)], 1)
+    meta = SequenceMeta(batch=B, seq_len=T, doc_start=doc_starts(B, T, position_ids=positions, valid=valid_BT,
+                                                                 opens=opens),
+                        position=None if positions is None else positions.detach().to("cpu", torch.int64).expand(B, T))
+    return meta, torch.arange(q_offset, q_offset + Lq), torch.arange(kv_offset, kv_offset + Lk)
+
+
+# ----------------------------------------------------------------------------------------------
+# the plan cache
+
+
+class _PlanCache:
+    """Plans keyed by (mask, shapes, offsets, content digests of the document tensors); see the
+    module docstring. Thread-safe."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._lock = threading.Lock()
+        self._plans: OrderedDict = OrderedDict()
+        self._digests = WeakIdKeyDictionary()  # tensor -> (version, digest)
+
+    def _digest(self, t: torch.Tensor | None):
+        if t is None:
+            return None
+        try:
+            version = t._version
+        except RuntimeError:  # inference tensors track no version: hash every time
+            version = None
+        if version is not None:
+            with self._lock:
+                memo = self._digests.get(t)
+            if memo is not None and memo[0] == version:
+                return memo[1]
+        cpu = t.detach().to("cpu").contiguous()
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr((str(cpu.dtype), tuple(cpu.shape))).encode())
+        h.update(cpu.numpy().tobytes())
+        digest = h.digest()
+        if version is not None:
+            with self._lock:
+                self._digests[t] = (version, digest)
+        return digest
+
+    def plan(self, B: int, Lq: int, Lk: int, spec: MaskSpec, *, q_offset: int, kv_offset: int, position_ids,
+             valid, opens, cu_seqlens) -> RankPlan:
+        key = (spec, B, Lq, Lk, q_offset, kv_offset,
+               *(self._digest(t) for t in (position_ids, valid, opens, cu_seqlens)))
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
+        meta, q_idx, k_idx = local_meta(B, Lq, Lk, q_offset=q_offset, kv_offset=kv_offset, position_ids=position_ids,
+                                        valid=valid, opens=opens, cu_seqlens=cu_seqlens)
+        plan = build_local_plan(meta, spec, q_idx=q_idx, k_idx=k_idx)
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+        return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+
+_PLANS = _PlanCache(PLAN_CACHE_SIZE)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def multi_rank_context_active() -> bool:
+    """Whether a :func:`~cp_attention.context_parallel` context of several ranks is active in this thread."""
+    active = api.active_context()
+    return active is not None and active.world_size > 1
+
+
+@torch._dynamo.assume_constant_result
+def _context_backend() -> str:
+    """The active context's backend, else "auto" (under torch.compile: the one active when traced)."""
+    active = api.active_context()
+    return active.backend if active is not None else "auto"
+
+
+def _check_context() -> None:
+    """A call not bound to a shard_batch record refuses to run inside a context of several ranks
+    (eager cp_flash raises the same error before it calls the op)."""
+    if multi_rank_context_active():
+        raise ValueError(
+            "cp_flash under context parallelism needs the batch's global positions: shard the inputs with "
+            "cp.shard_batch(input_ids=..., position_ids=..., labels=...) and pass its outputs to the model. (A "
+            "torch.compile'd model traced outside context_parallel() cannot see the context, which is a "
+            "contextvar: call it inside the block on cp.shard_batch outputs, which recompiles)")
+
+
+def _resolve(q, backend: str, window, chunk_size, softcap, causal):
+    """The backend object and the plan's MaskSpec."""
+    spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap)
+    impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
+    return impl, MaskSpec(causal=causal, window=window, chunk_size=chunk_size)
+
+
+def _note(plan: RankPlan, layer: int) -> None:
+    """Report the plan to :func:`~cp_attention.last_plan_stats` / ``forward_plan_stats`` (the first
+    layer of a model, index 0, starts a new forward unless it is a recomputation in backward)."""
+    if layer == 0 and torch._C._current_graph_task_id() == -1:
+        api.begin_forward()
+    api.note_layer_stats(plan.stats, None if layer < 0 else layer)
+
+
+# ----------------------------------------------------------------------------------------------
+# the ops
+
+
+@torch.library.custom_op("cp_attention::local_attention", mutates_args=())
+def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                     position_ids: torch.Tensor | None, valid: torch.Tensor | None, opens: torch.Tensor | None,
+                     cu_seqlens: torch.Tensor | None, q_offset: int, kv_offset: int, causal: bool,
+                     window: int | None, chunk_size: int | None, softcap: float | None, scale: float, backend: str,
+                     layer: int, check_context: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Lq, H, D), k/v (B, Lk, K, D) -> out (B, Lq, H, D), lse (H, B * Lq) float32 (float64 for
+    float64 inputs)."""
+    if check_context:
+        _check_context()
+    impl, plan_spec = _resolve(q, backend, window, chunk_size, softcap, causal)
+    B, Lq = q.shape[:2]
+    plan = _PLANS.plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset,
+                       position_ids=position_ids, valid=valid, opens=opens, cu_seqlens=cu_seqlens)
+    _note(plan, layer)
+    out, lse = ring_forward(q, k, v, sinks, plan, Comm(single=True), impl, scale=scale, softcap=softcap)
+    return out.contiguous(), lse.contiguous()  # the strides the fake implementation promises
+
+
+@_local_attention.register_fake
+def _(q, k, v, sinks, position_ids, valid, opens, cu_seqlens, q_offset, kv_offset, causal, window, chunk_size,
+      softcap, scale, backend, layer, check_context):
+    B, Lq, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((H, B * Lq), dtype=_acc(q.dtype))
+
+
+@torch.library.custom_op("cp_attention::local_attention_backward", mutates_args=())
+def _local_attention_backward(
+        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, sinks: torch.Tensor | None, position_ids: torch.Tensor | None,
+        valid: torch.Tensor | None, opens: torch.Tensor | None, cu_seqlens: torch.Tensor | None, q_offset: int,
+        kv_offset: int, causal: bool, window: int | None, chunk_size: int | None, softcap: float | None,
+        scale: float, backend: str, need_dsinks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dq (B, Lq, H, D), dk/dv (B, Lk, K, D), dsinks (H,) (empty when not needed)."""
+    impl, plan_spec = _resolve(q, backend, window, chunk_size, softcap, causal)
+    B, Lq = q.shape[:2]
+    plan = _PLANS.plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset,
+                       position_ids=position_ids, valid=valid, opens=opens, cu_seqlens=cu_seqlens)
+    dq, dk, dv, dsinks = ring_backward(dout, q, k, v, out, lse, sinks, plan, Comm(single=True), impl, scale=scale,
+                                       softcap=softcap, need_dsinks=need_dsinks)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks if dsinks is not None else q.new_empty(0)
+
+
+@_local_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, sinks, position_ids, valid, opens, cu_seqlens, q_offset, kv_offset, causal, window,
+      chunk_size, softcap, scale, backend, need_dsinks):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None and need_dsinks else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+_DOCS = slice(4, 8)     # position_ids, valid, opens, cu_seqlens among the op's inputs
+_STATIC = slice(8, 16)  # q_offset ... backend
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks = inputs[:4]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, sinks, *inputs[_DOCS])
+    ctx.static = inputs[_STATIC]
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, sinks, *docs = ctx.saved_tensors
+    need_dsinks = sinks is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dsinks = torch.ops.cp_attention.local_attention_backward(
+        dout, q, k, v, out, lse, sinks, *docs, *ctx.static, need_dsinks)
+    return (dq, dk, dv, dsinks if need_dsinks else None) + (None,) * 14
+
+
+_local_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, *,
+                    sinks: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                    valid: torch.Tensor | None = None, opens: torch.Tensor | None = None,
+                    cu_seqlens: torch.Tensor | None = None, q_offset: int = 0, kv_offset: int = 0,
+                    backend: str | None = None, bound: bool = False, layer: int | None = None) -> torch.Tensor:
+    """Single-device attention over the documents the tensors describe (see :func:`local_meta`), as
+    one custom op that ``torch.compile`` keeps opaque.
+
+    q (B, Lq, H, D), k/v (B, Lk, K, D) (GQA not repeated), sinks (H,) or None -> (B, Lq, H, D),
+    differentiable w.r.t. q, k, v and sinks. Queries sit at absolute positions ``q_offset + i``, keys at
+    ``kv_offset + j``; causal and window act on those positions (transformers' meaning). ``backend``
+    None: the active context's, else "auto" (under torch.compile: the context active when traced); the
+    backward uses the forward's. ``bound``: the documents are those of a ``shard_batch`` record; unless
+    bound, the op raises when it runs inside a context of several ranks. ``layer``: the model layer
+    index, for :func:`~cp_attention.forward_plan_stats` (index 0 starts a new forward).
+    """
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] \
+            or k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"local_attention expects q (B, Lq, H, D) and k, v (B, Lk, K, D) with H a multiple of K, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(f"sinks must have shape (heads,) = ({q.shape[2]},), got {tuple(sinks.shape)}")
+    out, _ = torch.ops.cp_attention.local_attention(
+        q, k, v, sinks, position_ids, valid, opens, cu_seqlens, int(q_offset), int(kv_offset), bool(spec.causal),
+        spec.window, spec.chunk_size, None if spec.softcap is None else float(spec.softcap),
+        spec.resolved_scale(q.shape[3]), backend or _context_backend(), -1 if layer is None else int(layer),
+        not bound)
+    return out
