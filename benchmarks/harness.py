@@ -603,9 +603,14 @@ def load_results(path: str) -> dict:
 
 
 def latest_results(folder: str, prefix: str) -> dict | None:
-    """The last (by name) ``PREFIX*.json`` results of ``folder``, or None when there is none."""
-    paths = sorted(glob.glob(os.path.join(folder, f"{prefix}*.json")))
-    return load_results(paths[-1]) if paths else None
+    """The last (by name) ``PREFIX*.json`` results of ``folder`` written by the benchmark ``prefix``
+    (another benchmark's file that shares the prefix, ``cp_layouts.json`` for ``cp``, is skipped),
+    or None when there is none."""
+    for path in sorted(glob.glob(os.path.join(folder, f"{prefix}*.json")), reverse=True):
+        payload = load_results(path)
+        if payload.get("benchmark", prefix) == prefix:
+            return payload
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,10 @@
 * ``cp_speedup.png`` (from ``cp*.json``): compute speedup of the slowest rank over world size 1,
   per mask, for ours, the full ring and the all-gather.
 * ``model_speedup.png`` (from ``model*.json``): cp_flash's training tokens/s over sdpa and eager.
+* ``cp_layouts*.png`` (one per ``cp_layouts*.json``, ``bench_cp.py --layouts``): per world size, the
+  busiest rank's work over the mean, the predicted speedup of balanced over zigzag and the busiest
+  rank's K/V received against a full ring (worst case over the drawn batches), and the real ranks'
+  measured compute speedup over zigzag against the plan's prediction.
 
 Returns the list of files written; missing inputs are skipped.
 """
@@ -175,6 +179,73 @@ def plot_model(payload: dict, path: str) -> str:
     return _save(plt, fig, path)
 
 
+LAYOUT_COLORS = {"zigzag": "C0", "contiguous": "C1", "balanced": "C2"}
+MIX_LINES = ("-", "--", ":", "-.")
+
+
+def plot_layouts(payload: dict, path: str) -> str:
+    plt = _pyplot()
+    results = payload["results"]
+    summary = [s for s in results if s["kind"] == "plan_summary"]
+    ranks = [r for r in results if r["kind"] == "ranks"]
+    mixes = list(dict.fromkeys(s["mix"] for s in summary))
+    weights = list(dict.fromkeys(s["token_weight"] for s in summary))
+    layouts = list(dict.fromkeys(s["layout"] for s in summary))
+    fig, axes = plt.subplots(1, 4 if ranks else 3, figsize=(18 if ranks else 13.5, 5.2))
+
+    def series(key, layout, mix, tw):
+        pts = sorted((s for s in summary if (s["layout"], s["mix"], s["token_weight"]) == (layout, mix, tw)),
+                     key=lambda s: s["world_size"])
+        return [s["world_size"] for s in pts], [s[key] for s in pts]
+
+    tw0 = weights[0]
+    for i, mix in enumerate(mixes):
+        line = MIX_LINES[i % len(MIX_LINES)]
+        for layout in layouts:
+            x, y = series("busiest_over_mean", layout, mix, tw0)
+            axes[0].plot(x, y, color=LAYOUT_COLORS.get(layout, "k"), linestyle=line, marker="o",
+                         label=f"{layout}, {mix}")
+            x, y = series("kv_vs_full_ring", layout, mix, tw0)
+            axes[2].plot(x, y, color=LAYOUT_COLORS.get(layout, "k"), linestyle=line, marker="o",
+                         label=f"{layout}, {mix}")
+        for j, tw in enumerate(weights):
+            x, y = series("predicted_speedup_over_zigzag", "balanced", mix, tw)
+            axes[1].plot(x, y, color=f"C{j + 3}", linestyle=line, marker="o", label=f"{mix}, token weight {tw:g}")
+    for ax, title, ylabel in (
+            (axes[0], f"busiest rank's work / mean (token weight {tw0:g})", "busiest / mean (worst batch)"),
+            (axes[1], "predicted step speedup of balanced over zigzag", "zigzag busiest / balanced busiest"),
+            (axes[2], f"busiest rank's K/V received (token weight {tw0:g})", "fraction of a full ring")):
+        ax.set_xscale("log", base=2)
+        sizes = sorted({s["world_size"] for s in summary})
+        ax.set_xticks(sizes, [str(p) for p in sizes])
+        ax.set_xlabel("world size P")
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2)
+    axes[1].axhline(1.0, color="k", linewidth=1, alpha=0.4)
+    if ranks:
+        ax = axes[3]
+        for r in ranks:
+            if r["layout"] == "zigzag":
+                continue
+            marker = "o" if r["layout"] == "balanced" else "s"
+            ax.scatter(r["predicted_speedup_over_zigzag"], r["compute_speedup_over_zigzag"], marker=marker,
+                       color=LAYOUT_COLORS.get(r["layout"], "k"), s=14 * r["world_size"],
+                       label=f"{r['layout']}, P = {r['world_size']}, {r['mix']}")
+        lo = min([0.9] + [min(r["predicted_speedup_over_zigzag"], r["compute_speedup_over_zigzag"]) for r in ranks])
+        hi = max([1.1] + [max(r["predicted_speedup_over_zigzag"], r["compute_speedup_over_zigzag"]) for r in ranks])
+        ax.plot([lo, hi], [lo, hi], color="k", alpha=0.3, linewidth=1)
+        ax.set_xlabel("predicted (visible pairs of the busiest rank)")
+        ax.set_ylabel("measured compute speedup (slowest rank)")
+        ax.set_title(f"real ranks, L = {ranks[0]['seq_len']}: speedup over zigzag", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.17), ncol=2)
+    cfg = payload["config"]
+    return _save(plt, fig, path, f"layouts on packed batches, L = {cfg['seq_len']}, worst of {len(cfg['seeds'])} "
+                                 f"drawn batches ({_machine_title(payload)})")
+
+
 def main(argv=None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", help="folder holding attention*.json, cp*.json, model*.json")
@@ -196,6 +267,11 @@ def main(argv=None) -> list[str]:
     if cp is not None:
         written.append(plot_traffic(cp, os.path.join(out, "cp_traffic.png")))
         written.append(plot_speedup(cp, os.path.join(out, "cp_speedup.png")))
+    for path in sorted(glob.glob(os.path.join(args.folder, "cp_layouts*.json"))):  # one PNG per run (tag)
+        layouts = harness.load_results(path)
+        if layouts.get("benchmark") == "cp_layouts":
+            name = os.path.splitext(os.path.basename(path))[0] + ".png"
+            written.append(plot_layouts(layouts, os.path.join(out, name)))
     model = harness.latest_results(args.folder, "model")
     if model is not None:
         written.append(plot_model(model, os.path.join(out, "model_speedup.png")))

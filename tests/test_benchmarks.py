@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.abspath(BENCH_DIR))
 
 import harness  # noqa: E402
 
+import cp_attention  # noqa: E402
 from cp_attention import layout as layout_mod  # noqa: E402
 from cp_attention.backends import BACKENDS  # noqa: E402
 from cp_attention.comm import Comm  # noqa: E402
@@ -298,3 +299,109 @@ def test_timed_backend_counts_kernel_time():
     assert first > 0
     timed.reset()
     assert timed.seconds() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# bench_cp.py --layouts: zigzag, contiguous and balanced layouts on packed batches
+
+
+@pytest.fixture(scope="module")
+def layouts_smoke(tmp_path_factory):
+    """``bench_cp.py --layouts --smoke`` (plan level at P = 4 and 8, real gloo ranks at P = 2) into its
+    own folder; return it."""
+    out = str(tmp_path_factory.mktemp("layouts"))
+    threads = torch.get_num_threads()
+    try:
+        assert importlib.import_module("bench_cp").main(["--layouts", "--smoke", "--out", out]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_layouts_smoke_numbers_follow_their_definitions(layouts_smoke):
+    """Every plan-level number of the --layouts run from its definition: each rank's tokens (the
+    layout definition; balanced_layout's own answer for balanced), its visible pairs per layer and
+    its K/V halo from the oracle mask of the drawn documents, work = pairs summed over the layers +
+    token weight x tokens, busiest / mean, token spread, K/V against a full ring, the predicted
+    speedup, the worst case over batches; the real ranks' ratios and outputs."""
+    payload = harness.load_results(os.path.join(layouts_smoke, "cp_layouts.json"))
+    cfg, results = payload["config"], payload["results"]
+    L, token = cfg["seq_len"], 2 * 8 * 128 * 2  # K and V of one token: 8 K/V heads of 128, bfloat16
+    documents = {(b["seq_len"], b["seed"]): b["document_lengths"] for b in results if b["kind"] == "batch"}
+    assert max(len(documents[(L, seed)]) for seed in cfg["seeds"]) >= 3  # packed batches
+    plans = [r for r in results if r["kind"] == "plan"]
+    combos = {(P, mix, tw, seed, name) for P in cfg["world_sizes"] for mix in cfg["mixes"]
+              for tw in cfg["token_weights"] for seed in cfg["seeds"] for name in ("zigzag", "contiguous", "balanced")}
+    assert {(r["world_size"], r["mix"], r["token_weight"], r["seed"], r["layout"]) for r in plans} == combos
+    masks = {}
+    for r in plans:
+        P, tw, layers = r["world_size"], r["token_weight"], cfg["mixes"][r["mix"]]
+        lengths = documents[(L, r["seed"])]
+        assert sum(lengths) == L
+        pos = torch.tensor([[p for n in lengths for p in range(n)]])
+        if r["layout"] == "balanced":
+            layout = cp_attention.balanced_layout(P, position_ids=pos, masks=layers, token_weight=tw)
+            tokens = [layout.indices(q).tolist() for q in range(P)]
+        else:
+            tokens = [rank_tokens(L, P, r["layout"], q) for q in range(P)]
+        assert r["tokens_per_rank"] == [len(t) for t in tokens]
+        entries, kv = [0] * P, [0] * P
+        for layer in layers:
+            label = f"window:{layer['window']}" if layer.get("window") else "causal"
+            key = (r["seed"], label)
+            if key not in masks:
+                masks[key] = oracle_mask(1, L, position_ids=pos, window=layer.get("window"))[0]
+            mask = masks[key]
+            pairs = [int(mask[t].sum()) for t in tokens]
+            assert r["entries_visible_by_layer"][label] == pairs, (r["layout"], P, label)
+            assert sum(r["entries_visible_by_layer"][label]) == int(mask.sum())  # every visible pair, once
+            for q, t in enumerate(tokens):
+                entries[q] += pairs[q]
+                seen = mask[t].any(0)
+                seen[t] = False
+                kv[q] += int(seen.sum()) * token  # exactly the halo the rank's queries see
+        assert r["entries_visible_per_rank"] == entries
+        assert r["kv_bytes_recv_per_rank"] == kv, (r["layout"], P)
+        work = [e + tw * len(t) for e, t in zip(entries, tokens)]
+        assert r["work_per_rank"] == pytest.approx(work) and r["busiest_work"] == pytest.approx(max(work))
+        assert r["busiest_over_mean"] == pytest.approx(max(work) * P / sum(work)) and r["busiest_over_mean"] >= 1
+        assert r["token_spread"] == pytest.approx(max(len(t) for t in tokens) / (L / P)) and r["token_spread"] >= 1
+        if r["layout"] != "balanced":
+            assert r["token_spread"] <= 1 + (2 if r["layout"] == "zigzag" else 1) * P / L
+        # a full ring delivers every other rank's tokens, every layer: (L - L/P) tokens with equal shards
+        assert all(k <= (L - len(t)) * token * len(layers) for k, t in zip(kv, tokens))
+        assert r["kv_vs_full_ring"] == pytest.approx(max(kv) / ((L - L / P) * token * len(layers)))
+        assert r["kv_vs_full_ring"] <= 1 or r["layout"] == "balanced"  # fewer tokens than L / P: more to receive
+        assert r["planning_ms"] >= r["layout_ms"] >= 0 and min(r["plan_ms_per_rank"]) > 0
+        assert r["kernel_calls_max"] == max(r["kernel_calls_per_rank"]) >= len(layers)
+        zz = next(z for z in plans if z["layout"] == "zigzag" and
+                  all(z[k] == r[k] for k in ("world_size", "mix", "token_weight", "seed")))
+        assert r["predicted_speedup_over_zigzag"] == pytest.approx(zz["busiest_work"] / max(work))
+    for s in (s for s in results if s["kind"] == "plan_summary"):  # the worst batch of each line
+        mine = [r for r in plans if all(r[k] == s[k] for k in ("world_size", "mix", "token_weight", "layout"))]
+        assert len(mine) == len(cfg["seeds"])
+        for key in ("busiest_over_mean", "token_spread", "kv_vs_full_ring", "planning_ms", "kernel_calls_max"):
+            assert s[key] == max(r[key] for r in mine)
+        assert s["predicted_speedup_over_zigzag"] == min(r["predicted_speedup_over_zigzag"] for r in mine)
+    ranks = [r for r in results if r["kind"] == "ranks"]
+    assert {(r["world_size"], r["mix"], r["layout"]) for r in ranks} == {
+        (P, mix, name) for P in cfg["ranks"]["world_sizes"] for mix in cfg["mixes"]
+        for name in ("zigzag", "contiguous", "balanced")}
+    for r in ranks:
+        zz = next(z for z in ranks if (z["world_size"], z["mix"], z["layout"]) == (r["world_size"], r["mix"], "zigzag"))
+        assert len(r["compute_s_per_rank"]) == r["world_size"] and min(r["compute_s_per_rank"]) > 0
+        assert r["compute_speedup_over_zigzag"] == pytest.approx(zz["compute_s_max"] / max(r["compute_s_per_rank"]))
+        assert r["wall_speedup_over_zigzag"] == pytest.approx(zz["wall_s_max"] / max(r["wall_s_per_rank"]))
+        assert r["predicted_speedup_over_zigzag"] == pytest.approx(
+            max(zz["entries_visible_per_rank"]) / max(r["entries_visible_per_rank"]))
+        assert sum(r["tokens_per_rank"]) == cfg["ranks"]["seq_len"] and r["busiest_over_mean"] >= 1
+        assert r["max_abs_diff_vs_zigzag"] < 1e-5  # every layout computes the same attention
+        assert all(s >= c >= 1 for c, s in zip(r["kernel_calls_per_rank"], r["varlen_sequences_per_rank"]))
+
+
+def test_layouts_plot(layouts_smoke):
+    written = importlib.import_module("plot").main([layouts_smoke])
+    assert [os.path.basename(p) for p in written] == ["cp_layouts.png"]
+    with open(written[0], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(written[0]) > 5000
