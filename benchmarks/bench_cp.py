@@ -151,17 +151,19 @@ def _step(approach, plan, shards, comm, timed, scale, gather=None):
     return out.detach()
 
 
+def _rank_device(rank, cfg):
+    """A spawned rank's device and comm: its own GPU and an NCCL group, or the CPU (gloo WORLD)."""
+    if cfg["device"] == "cuda":
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank), Comm(dist.new_group(backend="nccl"))
+    torch.set_num_threads(cfg["threads"])
+    return torch.device("cpu"), Comm(None)
+
+
 def _rank_main(rank, world_size, cfg):
     """One spawned rank: every mask, every approach; returns per-run measurements."""
-    use_cuda = cfg["device"] == "cuda"
-    if use_cuda:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        group = dist.new_group(backend="nccl")
-    else:
-        torch.set_num_threads(cfg["threads"])
-        device, group = torch.device("cpu"), None
-    comm = Comm(group)
+    device, comm = _rank_device(rank, cfg)
+    group = comm.group
     full = _inputs(cfg, device)
     shards = [layout_mod.shard(t, 1, world_size, cfg["layout"], rank).contiguous() for t in full]
     inner = select_backend(cfg["backend"], device=device, dtype=full[0].dtype, head_dim=cfg["head_dim"],
@@ -181,7 +183,7 @@ def _rank_main(rank, world_size, cfg):
             out, compute, wall = _repeat(
                 cfg, timed, lambda: dist.barrier(group=group),
                 lambda: _step(approach, plan, shards, comm, timed, scale, gather),
-                (lambda: torch.cuda.synchronize(device)) if use_cuda else (lambda: None))
+                (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None))
             reference = out if reference is None else reference
             records.append(_record(mask, approach, rank, compute, wall, out, reference))
     return records
@@ -445,15 +447,8 @@ def _layouts_rank_main(rank, world_size, cfg):
     interleaved (rotating order) after a barrier; per layout the kernel and wall seconds of every
     repeat, the rank's summed output of the last one, and its forward kernel calls and varlen query
     sequences over the layers."""
-    use_cuda = cfg["device"] == "cuda"
-    if use_cuda:
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        group = dist.new_group(backend="nccl")
-    else:
-        torch.set_num_threads(cfg["threads"])
-        device, group = torch.device("cpu"), None
-    comm = Comm(group)
+    device, comm = _rank_device(rank, cfg)
+    group = comm.group
     full = _inputs(cfg, device)
     L = cfg["seq_len"]
     meta = harness.MaskCase(name="documents", spec=cp_attention.MaskSpec(), documents=tuple(cfg["documents"])).meta(L)
@@ -462,7 +457,7 @@ def _layouts_rank_main(rank, world_size, cfg):
                            spec=cp_attention.MaskSpec())
     timed = harness.TimedBackend(inner, device)
     scale = cfg["head_dim"] ** -0.5
-    sync = (lambda: torch.cuda.synchronize(device)) if use_cuda else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     records = []
     for mix, layouts in cfg["layouts"].items():
         runs, shapes = {}, {}

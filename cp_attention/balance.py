@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from .layout import Layout
-from .masks import MaskSpec, SequenceMeta, doc_starts, doc_starts_from_cu_seqlens, segment_bounds
+from .masks import MaskSpec, SequenceMeta, doc_starts, doc_starts_from_cu_seqlens, segment_bounds, segment_runs
 
 __all__ = ["balanced_layout", "plan_stats", "token_costs"]
 
@@ -90,12 +90,14 @@ SEARCH = 16
 """Items tried per move when filling bins exactly."""
 
 
-def _meta(seq_len: int | None, position_ids, cu_seqlens) -> SequenceMeta:
+def _meta(seq_len: int | None, position_ids, cu_seqlens, document_starts=None) -> SequenceMeta:
     if position_ids is not None:
         pos = torch.as_tensor(position_ids).to("cpu", torch.int64)
         pos = pos[None] if pos.dim() == 1 else pos
         B, L = pos.shape
-        return SequenceMeta(batch=B, seq_len=L, doc_start=doc_starts(B, L, position_ids=pos), position=pos)
+        opens = None if document_starts is None else torch.as_tensor(document_starts).to("cpu", torch.bool)
+        return SequenceMeta(batch=B, seq_len=L, doc_start=doc_starts(B, L, position_ids=pos, opens=opens),
+                            position=pos)
     if cu_seqlens is not None:
         cu = torch.as_tensor(cu_seqlens).to("cpu", torch.int64)
         L = int(cu[-1])
@@ -145,10 +147,7 @@ def _doc_bounds(meta: SequenceMeta) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros((B, L), dtype=np.int64), np.full((B, L), L, dtype=np.int64)
     start_BL = meta.doc_start.numpy().astype(np.int64, copy=False)
     end_BL = np.empty_like(start_BL)
-    idx_L = np.arange(L)
-    for b in range(B):
-        opens = np.flatnonzero(start_BL[b] == idx_L)
-        ends = np.append(opens[1:], L)
+    for b, (opens, ends) in enumerate(segment_runs(meta, None)):
         end_BL[b] = np.repeat(ends, ends - opens)
     return start_BL, end_BL
 
@@ -172,9 +171,7 @@ def _documents(meta: SequenceMeta) -> list[tuple[int, int]]:
     """Items: the index ranges between the union of every row's document boundaries."""
     if meta.doc_start is None:
         return [(0, meta.seq_len)]
-    idx = torch.arange(meta.seq_len)
-    opens = (meta.doc_start == idx).any(0)
-    starts = torch.nonzero(opens).flatten().tolist()
+    starts = np.unique(np.concatenate([opens for opens, _ in segment_runs(meta, None)])).tolist()
     return list(zip(starts, starts[1:] + [meta.seq_len]))
 
 
@@ -327,7 +324,7 @@ class _Long:
 
     def __init__(self, a: int, b: int, lo: int, m: int, csum: np.ndarray, traffic: _Traffic, most: int):
         self.a, self.b, self.lo, self.m = a, b, lo, m
-        self.cs = (csum[a:b + 1] - csum[a]).tolist()
+        self.cs = _Floats(csum[a:b + 1] - csum[a])
         self.cost = self.cs[-1] - self.cs[lo - a]
         self.traffic = traffic
         self.slots: list[int] = []
@@ -416,7 +413,8 @@ class _Bin:
 
 
 def balanced_layout(world_size: int, *, position_ids=None, cu_seqlens=None, seq_len: int | None = None,
-                    masks=None, token_weight: float = 0.0, max_token_ratio: float = 1.25) -> Layout:
+                    masks=None, token_weight: float = 0.0, max_token_ratio: float = 1.25,
+                    document_starts=None) -> Layout:
     """A layout giving every rank about the same cost for this batch, cutting few documents where
     their halos are short (see the module docstring).
 
@@ -430,6 +428,8 @@ def balanced_layout(world_size: int, *, position_ids=None, cu_seqlens=None, seq_
         token_weight: dense per-token work in units of one visible pair of one layer.
         max_token_ratio: no rank holds more than this x L / P tokens (activation memory) where the
             documents allow it.
+        document_starts: (B, L) bool, with ``position_ids``: further tokens that open a document
+            (padding, a collator's document boundaries; what ``cp.shard_batch`` records).
 
     Returns a :class:`~cp_attention.layout.Layout` (one index set for every row of the batch).
     """
@@ -437,7 +437,14 @@ def balanced_layout(world_size: int, *, position_ids=None, cu_seqlens=None, seq_
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not token_weight >= 0:
         raise ValueError(f"token_weight must be >= 0, got {token_weight!r}")
-    meta = _meta(seq_len, position_ids, cu_seqlens)
+    return balanced_layout_of(_meta(seq_len, position_ids, cu_seqlens, document_starts), world_size, masks=masks,
+                              token_weight=token_weight, max_token_ratio=max_token_ratio)
+
+
+def balanced_layout_of(meta: SequenceMeta, world_size: int, *, masks=None, token_weight: float = 0.0,
+                       max_token_ratio: float = 1.25) -> Layout:
+    """:func:`balanced_layout` for documents already described by ``meta`` (e.g. the metadata
+    ``cp.shard_batch`` records), without reading the position ids again."""
     L, P = meta.seq_len, world_size
     if L < P:
         raise ValueError(f"sequence length {L} is shorter than the world size {P}")
@@ -466,12 +473,29 @@ def balanced_layout(world_size: int, *, position_ids=None, cu_seqlens=None, seq_
     return _layout(L, best[3], batch.size_of)
 
 
+class _Floats:
+    """Python floats read from a float64 array on demand: the sequence ``bisect`` and the cost sums
+    index a few hundred times per batch (converting the whole array, one float per token, costs more
+    than everything else at a million tokens)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: np.ndarray):
+        self.values = values
+
+    def __getitem__(self, i: int) -> float:
+        return float(self.values[i])
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
 class _Batch:
     """One batch's cumulative costs (``csum[i]``: cost of tokens ``[0, i)``), documents and targets."""
 
     def __init__(self, csum: np.ndarray, P: int, cap: int, docs: list[tuple[int, int]], traffic: _Traffic):
         self.csum, self.P, self.cap, self.docs, self.traffic = csum, P, cap, docs, traffic
-        self.cs = csum.tolist()
+        self.cs = _Floats(csum)
         self.L = len(csum) - 1
         self.target, self.tau = csum[-1] / P, self.L / P
         self.starts = {a for a, _ in docs}

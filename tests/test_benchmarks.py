@@ -405,3 +405,18 @@ def test_layouts_plot(layouts_smoke):
     with open(written[0], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(written[0]) > 5000
+
+
+def test_planning_benchmark_smoke(tmp_path):
+    import json
+
+    bench_planning = importlib.import_module("bench_planning")
+    assert bench_planning.main(["--smoke", "--out", str(tmp_path)]) == 0
+    records = json.load(open(tmp_path / "planning.json"))["records"]
+    assert {(r["mask"], r["layout"]) for r in records} == {(m, lay) for m in bench_planning.MASKS
+                                                            for lay in ("zigzag", "balanced")}
+    for r in records:
+        assert r["total_ms"] >= r["plan_ms"] > 0 and r["ratio_to_first_length"] > 0
+        assert (r["layout_ms"] > 0) == (r["layout"] == "balanced") or r["layout_ms"] < 1
+    pos = bench_planning.packed_positions(4096, 50, seed=0)
+    assert pos.shape == (1, 4096) and int((pos == 0).sum()) == 50  # 50 documents fill the row

@@ -254,3 +254,18 @@ def test_bench_layouts_smoke(capsys):
         cells = [c.strip() for c in row.strip("|").split("|")]
         zigzag, balanced = float(cells[4]), float(cells[6])
         assert balanced <= min(zigzag, 1.1), row
+
+
+def test_balanced_layout_takes_document_starts_beyond_position_restarts():
+    # shard_batch passes every document it records (padding, a collator's boundaries) as
+    # document_starts: the layout must equal the one of positions that restart there
+    from cp_attention import balanced_layout
+
+    L, cut = 96, 40
+    opens = torch.zeros(1, L, dtype=torch.bool)
+    opens[0, cut] = True
+    restarted = torch.cat([torch.arange(cut), torch.arange(L - cut)])[None]
+    got = balanced_layout(2, position_ids=torch.arange(L)[None], document_starts=opens)
+    want = balanced_layout(2, position_ids=restarted)
+    assert got.ranges == want.ranges
+    assert got.ranges != balanced_layout(2, position_ids=torch.arange(L)[None]).ranges

@@ -126,11 +126,12 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
         position=position_ids.detach().to("cpu", torch.int64).contiguous())
     layout = None
     if cp.layout == "balanced":  # this batch's own layout, from its documents and the model's masks
-        from ..balance import balanced_layout
+        from ..balance import balanced_layout_of
 
         masks, token_weight = model_masks(model) if model is not None else (None, 0.0)
-        layout = balanced_layout(cp.world_size, position_ids=meta.position,
-                                 masks=[dict(m) for m in masks] if masks else None, token_weight=token_weight)
+        # every document the batch records (padding and a collator's boundaries included)
+        layout = balanced_layout_of(meta, cp.world_size, masks=[dict(m) for m in masks] if masks else None,
+                                    token_weight=token_weight)
     out: dict[str, torch.Tensor] = {}
     labels = tensors.pop("labels", None)
     num_items = None
