@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from .layout import Layout
-from .masks import MaskSpec, SequenceMeta, doc_starts, doc_starts_from_cu_seqlens, segment_bounds, segment_runs
+from .masks import MaskSpec, SequenceMeta, doc_starts, doc_starts_from_cu_seqlens, segment_runs
 
 __all__ = ["balanced_layout", "plan_stats", "token_costs"]
 
@@ -127,28 +127,31 @@ def _layers(meta: SequenceMeta, masks) -> list[tuple[int, MaskSpec, np.ndarray, 
         spec = _spec(mask)
         spec = MaskSpec(causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size)
         counts[spec] = counts.get(spec, 0) + 1
-    segments: dict[int | None, tuple[np.ndarray, np.ndarray]] = {}
+    need_end = {spec.chunk_size for spec in counts if not spec.causal}
+    segments: dict[int | None, tuple[np.ndarray, np.ndarray | None]] = {}
     out = []
     for spec, count in counts.items():
         if spec.chunk_size not in segments:
-            if spec.chunk_size is None:  # the documents themselves
-                segments[None] = _doc_bounds(meta)
-            else:
-                start, end = segment_bounds(meta, spec)
-                segments[spec.chunk_size] = (start.numpy(), end.numpy())
+            segments[spec.chunk_size] = _segment_arrays(meta, spec.chunk_size, spec.chunk_size in need_end)
         out.append((count, spec, *segments[spec.chunk_size]))
     return out
 
 
-def _doc_bounds(meta: SequenceMeta) -> tuple[np.ndarray, np.ndarray]:
-    """(start_BL, end_BL) of every token's document, numpy int64, per document (no O(L) Python)."""
+def _segment_arrays(meta: SequenceMeta, chunk_size: int | None, need_end: bool):
+    """(start_BL, end_BL) of every token's attention segment (document cut into chunks), numpy int64,
+    from the segments' runs (``end_BL`` None unless ``need_end``: causal layers never read it)."""
     B, L = meta.batch, meta.seq_len
-    if meta.doc_start is None:
-        return np.zeros((B, L), dtype=np.int64), np.full((B, L), L, dtype=np.int64)
-    start_BL = meta.doc_start.numpy().astype(np.int64, copy=False)
-    end_BL = np.empty_like(start_BL)
-    for b, (opens, ends) in enumerate(segment_runs(meta, None)):
-        end_BL[b] = np.repeat(ends, ends - opens)
+    if chunk_size is None and meta.doc_start is not None:
+        start_BL = meta.doc_start.numpy().astype(np.int64, copy=False)
+    else:
+        start_BL = np.empty((B, L), dtype=np.int64)
+        for b, (starts, ends) in enumerate(segment_runs(meta, chunk_size)):
+            start_BL[b] = np.repeat(starts, ends - starts)
+    end_BL = None
+    if need_end:
+        end_BL = np.empty((B, L), dtype=np.int64)
+        for b, (starts, ends) in enumerate(segment_runs(meta, chunk_size)):
+            end_BL[b] = np.repeat(ends, ends - starts)
     return start_BL, end_BL
 
 
@@ -159,11 +162,22 @@ def token_costs(meta: SequenceMeta, masks=None, token_weight: float = 0.0, *, la
     layers = _layers(meta, masks) if layers is None else layers
     idx_L = np.arange(meta.seq_len)
     total_L = np.full(meta.seq_len, float(token_weight) * meta.batch)
+    seen_L = np.empty(meta.seq_len, dtype=np.int64)
     for count, spec, start_BL, end_BL in layers:
         reach = None if spec.window is None else spec.window - 1
-        lo_BL = start_BL if reach is None else np.maximum(start_BL, idx_L - reach)
-        hi_BL = idx_L + 1 if spec.causal else (end_BL if reach is None else np.minimum(end_BL, idx_L + reach + 1))
-        total_L += count * np.maximum(hi_BL - lo_BL, 0).sum(0)
+        for b in range(meta.batch):  # one row at a time, in place: a few passes over L per layer
+            if spec.causal:  # keys [max(start, q - reach), q]: min(q - start, reach) + 1 of them
+                np.subtract(idx_L, start_BL[b], out=seen_L)
+                if reach is not None:
+                    np.minimum(seen_L, reach, out=seen_L)
+                seen_L += 1
+            else:
+                lo_L = start_BL[b] if reach is None else np.maximum(start_BL[b], idx_L - reach)
+                hi_L = end_BL[b] if reach is None else np.minimum(end_BL[b], idx_L + reach + 1)
+                np.subtract(hi_L, lo_L, out=seen_L)
+            if count != 1:
+                seen_L *= count
+            total_L += seen_L
     return torch.from_numpy(total_L)
 
 
@@ -449,7 +463,8 @@ def balanced_layout_of(meta: SequenceMeta, world_size: int, *, masks=None, token
     if L < P:
         raise ValueError(f"sequence length {L} is shorter than the world size {P}")
     layers = _layers(meta, masks)
-    csum = np.concatenate(([0.0], np.cumsum(token_costs(meta, token_weight=token_weight, layers=layers).numpy())))
+    csum = np.zeros(L + 1)
+    np.cumsum(token_costs(meta, token_weight=token_weight, layers=layers).numpy(), out=csum[1:])
     if P == 1:
         return Layout(L, (((0, L),),), name="balanced")
     batch = _Batch(csum, P, max(math.ceil(max_token_ratio * L / P), math.ceil(L / P)), _documents(meta),
