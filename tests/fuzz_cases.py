@@ -113,7 +113,12 @@ def run_fuzz_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         ref = oracle_attention(q, k, v, oracle_mask(case), scale=scale, softcap=case.get("softcap"), sinks=sinks)
         ref_grads = torch.autograd.grad(ref, leaves, dout)
         position_ids, cu_seqlens = positions_and_cu(case)
-        with cp_attention.context_parallel(layout=case["layout"]) as cp:
+        layout = case["layout"]
+        if layout == "balanced":  # the batch's own balanced layout for its documents and mask
+            layout = cp_attention.balanced_layout(
+                world_size, position_ids=position_ids, cu_seqlens=cu_seqlens, seq_len=L,
+                masks=[dict(causal=case["causal"], window=case.get("window"), chunk_size=case.get("chunk_size"))])
+        with cp_attention.context_parallel(layout=layout) as cp:
             ours = [cp.shard(t.detach().to(dtype)).requires_grad_() for t in (q, k, v)]
             sinks_in = sinks.detach().to(dtype).requires_grad_() if sinks is not None else None
             out = cp_attention.attention(

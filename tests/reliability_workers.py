@@ -2,7 +2,8 @@
 tests/test_determinism.py).
 
 Spawning gloo ranks is the expensive part of a multi-rank test (every rank imports torch), so one
-spawned group per (world size, backend) runs every case with both layouts and checks both
+spawned group per (world size, backend) runs every case with every layout (zigzag, contiguous and
+each case's own balanced layout) and checks both
 properties:
 
 * isolation: every case packs documents; one "victim" document gets different values, NaN or
@@ -166,7 +167,8 @@ def check_group(rank: int, world_size: int, layouts: tuple[str, ...], backend: s
         reports = found[layout] = []
         for ci, case in enumerate(cases):
             tensors, victim_BL, position_ids, cu_seqlens = _global_inputs(case, seed=100 + ci)
-            with cp_attention.context_parallel(layout=layout) as cp:
+            lay = _case_layout(layout, case, world_size, position_ids, cu_seqlens)
+            with cp_attention.context_parallel(layout=lay) as cp:
                 pos = cp.shard(position_ids) if position_ids is not None else None  # one object: plan reuse
                 base = _run(cp, case, tensors, pos, cu_seqlens, backend)
                 again = _run(cp, case, tensors, pos, cu_seqlens, backend) if cached_rerun else None  # cached plan
@@ -183,7 +185,7 @@ def check_group(rank: int, world_size: int, layouts: tuple[str, ...], backend: s
                     if world_size > 1:
                         dist.all_reduce(dsinks)
                     full["dsinks"] = dsinks.numpy()
-            with cp_attention.context_parallel(layout=layout) as cp:  # a fresh context: the plan is built again
+            with cp_attention.context_parallel(layout=lay) as cp:  # a fresh context: the plan is built again
                 pos = cp.shard(position_ids) if position_ids is not None else None
                 fresh = _run(cp, case, tensors, pos, cu_seqlens, backend)
             reruns = [fresh] if again is None else [again, fresh]
@@ -193,7 +195,16 @@ def check_group(rank: int, world_size: int, layouts: tuple[str, ...], backend: s
     return found
 
 
-LAYOUTS = ("zigzag", "contiguous")
+LAYOUTS = ("zigzag", "contiguous", "balanced")
+
+
+def _case_layout(layout: str, case: dict, world_size: int, position_ids, cu_seqlens):
+    """A layout name, or for "balanced" the case's own ``balanced_layout`` (its documents and mask;
+    every row of a B = 2 batch shares it)."""
+    if layout != "balanced":
+        return layout
+    mask = dict(causal=case.get("causal", True), window=case.get("window"), chunk_size=case.get("chunk_size"))
+    return cp_attention.balanced_layout(world_size, position_ids=position_ids, cu_seqlens=cu_seqlens, masks=[mask])
 
 
 @functools.lru_cache(maxsize=None)

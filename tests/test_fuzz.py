@@ -1,7 +1,7 @@
 """Hypothesis fuzzing of the whole engine against an independent float64 oracle.
 
 Each hypothesis example is a *batch*: one world size (1-4) and a list of cases, each with its own
-layout, B, L, GQA head counts, head dim, causal/bidirectional, window, chunk size, documents
+layout (zigzag, contiguous or the batch's own balanced layout), B, L, GQA head counts, head dim, causal/bidirectional, window, chunk size, documents
 (``position_ids`` with arbitrary first positions, or ``cu_seqlens`` with empty documents allowed),
 softcap, sinks, scale, input gain and dtype (see ``fuzz_cases.py`` for the case format and the
 oracle). One persistent group of ranks per world size (``rank_pool.RankPool``) evaluates the
@@ -74,7 +74,7 @@ def attention_cases(draw, world_size: int, max_len: int) -> dict:
     else:
         scale, qk_gain = draw(st.sampled_from([None, 0.1])), 1.0
     return dict(
-        layout=draw(st.sampled_from(["zigzag", "contiguous"])), B=B, L=L, heads=(heads, kv_heads),
+        layout=draw(st.sampled_from(["zigzag", "contiguous", "balanced"])), B=B, L=L, heads=(heads, kv_heads),
         head_dim=draw(st.sampled_from([4, 8, 16, 24])), causal=draw(st.booleans()),
         window=draw(st.one_of(st.none(), st.integers(1, L + 2))),
         chunk_size=draw(st.one_of(st.none(), st.integers(1, L + 2))),
