@@ -62,7 +62,7 @@ import math
 import numpy as np
 import torch
 
-from .layout import Layout
+from .layout import Layout, merge_ranges
 from .masks import MaskSpec, SequenceMeta, doc_starts, doc_starts_from_cu_seqlens, segment_runs
 
 __all__ = ["balanced_layout", "plan_stats", "token_costs"]
@@ -218,16 +218,8 @@ class _Traffic:
                     if e > q:
                         need.append((q, e))
             n = 0
-            if need:
-                need.sort()
-                merged = [list(need[0])]
-                for a, b in need[1:]:
-                    if a <= merged[-1][1]:
-                        merged[-1][1] = max(merged[-1][1], b)
-                    else:
-                        merged.append([a, b])
-                for a, b in merged:
-                    n += b - a - sum(max(0, min(b, q) - max(a, p)) for p, q in runs)
+            for a, b in merge_ranges(need):
+                n += b - a - sum(max(0, min(b, q) - max(a, p)) for p, q in runs)
             out.append((n, count))
         return out[0][0], sum(n * count for n, count in out)
 
@@ -976,16 +968,8 @@ def _layout(L: int, owned: list[list], size_of) -> Layout:
             if rest:
                 owned[donor].append(rest)
             owned[r] = [[(b - 1, b)]]
-    ranges = []
-    for items in owned:
-        merged: list[list[int]] = []
-        for a, b in sorted(run for item in items for run in item):
-            if merged and merged[-1][1] == a:
-                merged[-1][1] = b
-            else:
-                merged.append([a, b])
-        ranges.append(tuple((a, b) for a, b in merged))
-    return Layout(L, tuple(ranges), name="balanced")
+    ranges = tuple(tuple(merge_ranges(run for item in items for run in item)) for items in owned)
+    return Layout(L, ranges, name="balanced")
 
 
 def plan_stats(layout, rank: int, *, world_size: int | None = None, position_ids=None, cu_seqlens=None,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LAYOUTS", "Layout", "check_layout", "layout_code", "slice_bounds", "rank_ranges", "local_lengths",
+__all__ = ["LAYOUTS", "Layout", "merge_ranges", "check_layout", "layout_code", "slice_bounds", "rank_ranges", "local_lengths",
            "global_index", "shard", "unshard", "infer_seq_len"]
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -89,6 +89,17 @@ class Layout:
     def __repr__(self) -> str:
         return (f"Layout({self.name!r}, seq_len={self.seq_len}, world_size={self.world_size}, "
                 f"runs per rank={[len(r) for r in self.ranges]}, tokens per rank={self.local_lengths()})")
+
+
+def merge_ranges(ranges) -> list[tuple[int, int]]:
+    """Sorted ``[start, end)`` ranges with overlapping and touching ones joined."""
+    merged: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
 
 
 def check_layout(layout: str | Layout) -> str | Layout:

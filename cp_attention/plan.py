@@ -469,13 +469,7 @@ def _spans(seqs: list[_Seq], Ls: int) -> tuple[tuple[int, int], ...]:
     """Local token ranges of the key rank needed by these sequences: the union over batch rows of
     their key ranges, merged (so each sequence's keys lie inside one range)."""
     ranges = sorted({(sq.k0 % Ls, (sq.k1 - 1) % Ls + 1) for sq in seqs})
-    merged = [list(ranges[0])]
-    for a, b in ranges[1:]:
-        if a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return tuple((a, b) for a, b in merged)
+    return tuple(layout_mod.merge_ranges(ranges))
 
 
 def _band(spec: MaskSpec, seq_len: int) -> tuple[int, int]:
