@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from cp_attention.backends import BACKENDS
-from cp_attention.backends.reference import row_key_intervals
+from cp_attention.backends.base import row_key_intervals
 from cp_attention.masks import MaskSpec
 
 

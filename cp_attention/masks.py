@@ -89,6 +89,13 @@ class MaskSpec:
     def resolved_scale(self, head_dim: int) -> float:
         return float(self.scale) if self.scale is not None else head_dim ** -0.5
 
+    def for_planning(self) -> MaskSpec:
+        """The part of the mask a plan depends on: which pairs are visible (causal, window, chunk).
+        Softcap and scale act inside the kernels, so masks that differ only there share plans."""
+        if self.softcap is None and self.scale is None:
+            return self
+        return MaskSpec(causal=self.causal, window=self.window, chunk_size=self.chunk_size)
+
 
 @dataclass(frozen=True, eq=False)
 class SequenceMeta:
@@ -106,6 +113,44 @@ class SequenceMeta:
     doc_start: torch.Tensor | None = None
     position: torch.Tensor | None = None
     _runs: dict = field(default_factory=dict, repr=False, compare=False)  # segment_runs, per chunk size
+
+    @classmethod
+    def from_inputs(cls, batch: int, seq_len: int, *, position_ids: torch.Tensor | None = None,
+                    cu_seqlens: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                    opens: torch.Tensor | None = None) -> SequenceMeta:
+        """The metadata of ``batch`` rows of ``seq_len`` tokens in global order, from any input form
+        (the one constructor every entry uses; each argument optional):
+
+        * ``position_ids`` (B or 1, L) int: a document opens where they do not increase by one; they
+          are kept as the tokens' positions (chunk boundaries);
+        * ``cu_seqlens`` (N+1,) int: document boundaries of one packed row (``batch == 1``),
+          checked to run from 0 to ``seq_len`` without decreasing;
+        * ``valid`` (B, L) bool padding mask: every padding token is a document of its own;
+        * ``opens`` (B or 1, L) bool: further document openings.
+
+        None of them: every row is one document (``doc_start`` None). Raises ValueError naming the
+        argument when ``cu_seqlens`` is malformed."""
+        if cu_seqlens is not None:
+            cu = torch.as_tensor(cu_seqlens).detach().to("cpu", torch.int64)
+            if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
+                raise ValueError(f"cu_seqlens must start at 0 and be non-decreasing, got {cu.tolist()[:16]}")
+            if int(cu[-1]) != seq_len:
+                raise ValueError(f"cu_seqlens must end at the global sequence length {seq_len}, got {int(cu[-1])}")
+            if batch != 1:
+                raise ValueError(f"cu_seqlens describes one packed row, but the batch has {batch} rows; "
+                                 f"describe the documents of several rows with position_ids")
+            cu_opens = torch.zeros(1, seq_len, dtype=torch.bool)
+            starts = cu[:-1]
+            cu_opens[0, starts[starts < seq_len]] = True
+            opens = cu_opens if opens is None else (torch.as_tensor(opens).to("cpu", torch.bool) | cu_opens)
+        position = None
+        if position_ids is not None:
+            position = torch.as_tensor(position_ids).detach().to("cpu", torch.int64).expand(batch, seq_len)
+        if position is None and valid is None and opens is None:
+            return cls(batch=batch, seq_len=seq_len)
+        return cls(batch=batch, seq_len=seq_len,
+                   doc_start=doc_starts(batch, seq_len, position_ids=position, valid=valid, opens=opens),
+                   position=None if position is None else position.contiguous())
 
     def doc_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(start, end) of each token's document, both (B, L) int64, ``end`` exclusive."""

@@ -627,7 +627,7 @@ def _verify_step(step: Step | None, q_idx: torch.Tensor, k_idx: torch.Tensor, me
     """Check that ``step``'s calls compute every visible pair of the queries at global positions
     ``q_idx`` against the keys at ``k_idx`` (the step's buffer, per batch row) exactly once, and
     (``exact_spans``) that every key of the buffer is seen by some query. Returns the visible pairs."""
-    from .backends.reference import row_key_intervals
+    from .backends.base import row_key_intervals
 
     seg_start, seg_end = segment_bounds(meta, spec)
     lo_R, hi_R = _intervals(q_idx, k_idx, seg_start, seg_end, spec)

@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import torch
 
+from .backends.base import accumulation_dtype
 from .comm import Comm, Pending
 from .merge import apply_sinks, merge_into_
 from .plan import RankPlan, Round, Step
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward"]
-
-
-def _accum_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _gather_spans(x_BLKD: torch.Tensor, spans) -> torch.Tensor:
@@ -169,7 +166,7 @@ def ring_forward(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: 
     q's dtype and lse (H, B * L) in the accumulation dtype (float32; float64 for float64 inputs),
     after the sinks. :func:`ring_backward` takes both back."""
     B, L, H, D = q.shape
-    acc = _accum_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     q_THD = _packed(q)
     outputs = _Outputs(B * L, H, D, acc, q.device)
     rounds = plan.schedule()
@@ -196,7 +193,7 @@ def ring_backward(dout, q, k, v, out, lse_HT, sinks, plan: RankPlan, comm: Comm,
     (dq, dk, dv, dsinks) in the inputs' dtypes; dsinks (H,) or None unless ``need_dsinks``."""
     B, L, H, D = q.shape
     _, Lk, K, _ = k.shape  # Lk == L under context parallelism; longer after a KV cache
-    acc = _accum_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     P = plan.world_size
     q_THD, out_THD = _packed(q), _packed(out)
     dout_THD = _packed(dout.contiguous())

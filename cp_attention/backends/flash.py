@@ -50,6 +50,7 @@ import sys
 import torch
 
 from ..masks import MaskSpec
+from .base import accumulation_dtype
 
 log = logging.getLogger(__name__)
 
@@ -607,7 +608,7 @@ class FlashBackend:
         without a copy. The kernels write the input dtype; the upcast is exact."""
         iface = self._interface(q, softcap)
         kw = kernel_arguments(scale=scale, causal=causal, window=window, softcap=softcap)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(q.dtype)
         grads = flash_varlen_bwd(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
             _kernel_lse(lse, INTERFACES[iface].empty_lse), cu_seqlens_q.int().contiguous(),

@@ -23,38 +23,15 @@ from __future__ import annotations
 import torch
 
 from ..masks import MaskSpec
+from .base import accumulation_dtype, row_key_intervals
 
-__all__ = ["ReferenceBackend", "row_key_intervals", "TILE_Q"]
+__all__ = ["ReferenceBackend", "row_key_intervals", "TILE_Q"]  # row_key_intervals: defined by the contract (base)
 
 TILE_Q = 128
 """Query rows per tile (the planner's ``WORK_TILE`` counts work with the same tiles)."""
 BLOCK_ENTRIES = 1 << 22
 """Score entries per block of K/V heads of a tile (16 MiB in float32): fewer, larger batched
 products beat cache-sized ones on CPU, where per-call overhead dominates."""
-
-
-def row_key_intervals(
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, causal: bool, window: tuple[int, int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every packed query row, the packed key rows ``[lo, hi)`` it sees (CPU int64, (Tq,) each).
-
-    Implements the bottom-right alignment of the contract; ``hi <= lo`` means the row sees nothing.
-    """
-    cu_q = cu_seqlens_q.detach().to("cpu", torch.int64)
-    cu_k = cu_seqlens_k.detach().to("cpu", torch.int64)
-    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    total_q = int(cu_q[-1])
-    seq_of_T = torch.repeat_interleave(torch.arange(len(len_q)), len_q, output_size=total_q)
-    i_T = torch.arange(total_q) - cu_q[seq_of_T]
-    lk_T = len_k[seq_of_T]
-    diag_T = i_T + lk_T - len_q[seq_of_T]  # key aligned with query i (bottom-right)
-    left, right = window
-    if causal:
-        right = 0
-    lo_T = torch.zeros_like(i_T) if left < 0 else (diag_T - left).clamp(min=0)
-    hi_T = lk_T.clone() if right < 0 else torch.minimum(lk_T, diag_T + right + 1)
-    base_T = cu_k[:-1][seq_of_T]
-    return lo_T + base_T, torch.maximum(hi_T, lo_T) + base_T
 
 
 def _tile_rows(cu_seqlens_q: torch.Tensor) -> list[tuple[int, int]]:
@@ -162,10 +139,6 @@ def _head_blocks(kv_heads: int, entries_per_head: int) -> list[tuple[int, int]]:
     return [(h, min(kv_heads, h + step)) for h in range(0, kv_heads, step)]
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class ReferenceBackend:
     """Plain torch, any device, float16/bfloat16/float32/float64, every mask feature."""
 
@@ -181,7 +154,7 @@ class ReferenceBackend:
         Tq, H, D = q.shape
         K = k.shape[1]
         G = H // K
-        acc = _compute_dtype(q.dtype)
+        acc = accumulation_dtype(q.dtype)
         out_THD = torch.zeros(Tq, H, D, dtype=q.dtype, device=q.device)
         lse_HT = torch.full((H, Tq), float("-inf"), dtype=acc, device=q.device)
         tiles = _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, q.device)
@@ -216,7 +189,7 @@ class ReferenceBackend:
         Tq, H, D = q.shape
         K = k.shape[1]
         G = H // K
-        acc = _compute_dtype(q.dtype)
+        acc = accumulation_dtype(q.dtype)
         dq_THD = torch.zeros(Tq, H, D, dtype=acc, device=q.device)
         dk_SKD = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv_SKD = torch.zeros(v.shape, dtype=acc, device=v.device)

@@ -17,15 +17,12 @@ import os
 import torch
 
 from ..masks import MaskSpec
+from .base import accumulation_dtype
 
 __all__ = ["TritonBackend"]
 
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _kernels():
@@ -47,7 +44,7 @@ def _triton_varlen_fwd(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Te
 def _(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window_left,
       window_right, softcap):
     Tq, Hq, _ = q_THD.shape
-    return torch.empty_like(q_THD), q_THD.new_empty((Hq, Tq), dtype=_acc(q_THD.dtype))
+    return torch.empty_like(q_THD), q_THD.new_empty((Hq, Tq), dtype=accumulation_dtype(q_THD.dtype))
 
 
 @torch.library.custom_op("cp_attention::triton_varlen_bwd", mutates_args=())
@@ -65,7 +62,7 @@ def _triton_varlen_bwd(dout_THD: torch.Tensor, q_THD: torch.Tensor, k_SKD: torch
 @_triton_varlen_bwd.register_fake
 def _(dout_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       scale, causal, window_left, window_right, softcap):
-    acc = _acc(q_THD.dtype)
+    acc = accumulation_dtype(q_THD.dtype)
     return (q_THD.new_empty(q_THD.shape, dtype=acc), k_SKD.new_empty(k_SKD.shape, dtype=acc),
             v_SKD.new_empty(v_SKD.shape, dtype=acc))
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backends.base import accumulation_dtype
+
 __all__ = ["varlen_fwd", "varlen_bwd", "INTERPRET", "SUPPORTED_HEAD_DIMS"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -372,10 +374,6 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q
 # Launchers
 # --------------------------------------------------------------------------------------------------
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _window_bounds(causal: bool, window: tuple[int, int], max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
     """(left, right) as plain non-negative ints: unlimited becomes a bound no sequence reaches."""
     unlimited = int(max_seqlen_q) + int(max_seqlen_k) + 1
@@ -418,7 +416,7 @@ def varlen_fwd(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     meta, batch = _common(q_THD, k_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                           window, softcap)
     out_THD = torch.zeros_like(q_THD)
-    lse_HT = torch.full((Hq, Tq), float("-inf"), dtype=_acc_dtype(q_THD.dtype), device=q_THD.device)
+    lse_HT = torch.full((Hq, Tq), float("-inf"), dtype=accumulation_dtype(q_THD.dtype), device=q_THD.device)
     if Tq == 0 or batch == 0 or max_seqlen_q == 0:
         return out_THD, lse_HT
     grid = lambda META: (triton.cdiv(max_seqlen_q, META["BLOCK_M"]), batch, Hq)  # noqa: E731
@@ -437,7 +435,7 @@ def varlen_bwd(dout_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, cu_seqlens_q, cu_
     dout_THD, q_THD, k_SKD, v_SKD, out_THD = (t if t.stride(-1) == 1 else t.contiguous()
                                               for t in (dout_THD, q_THD, k_SKD, v_SKD, out_THD))
     Tq, Hq, D = q_THD.shape
-    acc = _acc_dtype(q_THD.dtype)
+    acc = accumulation_dtype(q_THD.dtype)
     lse_HT = lse_HT.to(acc).contiguous()
     meta, batch = _common(q_THD, k_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                           window, softcap)
