@@ -15,7 +15,8 @@
    each backend against ``scaled_dot_product_attention``: flash SDPA with ``is_causal`` for plain
    causal, SDPA with the dense mask for window and packed masks; the flash backend also against a
    direct call of the kernel it wraps (our overhead). TFLOP/s count visible (query, key) pairs only:
-   4 * pairs * D * H for the forward, 3.5x that for forward+backward.
+   4 * pairs * D * H for the forward, 3.5x that for forward+backward. Timing, dense masks and FLOPs
+   come from the benchmarks' shared harness, :mod:`cp_attention.tools.harness`.
 
 Meant to finish well within 8 minutes on one H200.
 """
@@ -25,9 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -35,22 +34,18 @@ import torch.nn.functional as F
 from cp_attention.backends import BACKENDS
 from cp_attention.backends.base import row_key_intervals
 from cp_attention.masks import MaskSpec
+from cp_attention.tools import harness
 
 
 def _cu(lengths, device):
     return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
 
 
-def visible_pairs(cu_q, cu_k, causal, window) -> int:
+def mask_and_pairs(cu_q, cu_k, causal, window, device) -> tuple[torch.Tensor, int]:
+    """(Tq, Tk) bool mask of the contract's semantics on ``device``, for the SDPA baselines, and the
+    number of visible pairs (its True entries)."""
     lo, hi = row_key_intervals(cu_q, cu_k, causal=causal, window=window)
-    return int((hi - lo).clamp(min=0).sum())
-
-
-def dense_mask(cu_q, cu_k, causal, window, device) -> torch.Tensor:
-    """(Tq, Tk) bool mask of the contract's semantics, for SDPA baselines."""
-    lo, hi = row_key_intervals(cu_q, cu_k, causal=causal, window=window)
-    j = torch.arange(int(cu_k[-1]))
-    return ((j[None] >= lo[:, None]) & (j[None] < hi[:, None])).to(device)
+    return harness.interval_mask(lo, hi, int(cu_k[-1]), device), harness.interval_pairs(lo, hi)
 
 
 def _sdpa(q, k, v, mask, scale, is_causal=False):
@@ -59,25 +54,6 @@ def _sdpa(q, k, v, mask, scale, is_causal=False):
     qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=is_causal, scale=scale)
     return out.squeeze(0).transpose(0, 1)
-
-
-def _timeit(fn, device, repeats):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 CASES = {  # name: (sequence lengths as fractions of L, causal, window, softcap, (H, K))
@@ -197,7 +173,7 @@ def correctness(backends, L, D, device) -> list[CaseResult]:
         f32 = [t.float() for t in (q, k, v, dout)]
         ref_out, ref_lse = ref.forward(*f32[:3], cu, cu, mx, mx, **kw)
         ref_grads = ref.backward(f32[3], *f32[:3], ref_out, ref_lse, cu, cu, mx, mx, **kw)
-        mask = dense_mask(cu.cpu(), cu.cpu(), kw["causal"], kw["window"], device)
+        mask, _ = mask_and_pairs(cu.cpu(), cu.cpu(), kw["causal"], kw["window"], device)
         baseline = _baseline(q, k, v, dout, mask, kw, ref_out, ref_grads)
         for bname, backend in backends.items():
             spec = MaskSpec(softcap=kw["softcap"])
@@ -226,10 +202,9 @@ def timing(backends, L, D, device, repeats) -> list[str]:
     rows = []
     for name in ("causal", "window", "packed+window"):
         q, k, v, dout, cu, mx, kw = _inputs(CASES[name], L, D, device, torch.bfloat16)
-        pairs = visible_pairs(cu.cpu(), cu.cpu(), kw["causal"], kw["window"])
-        H = q.shape[1]
-        fwd_flops = 4 * pairs * D * H
-        mask = dense_mask(cu.cpu(), cu.cpu(), kw["causal"], kw["window"], device)
+        mask, pairs = mask_and_pairs(cu.cpu(), cu.cpu(), kw["causal"], kw["window"], device)
+        fwd_flops = harness.pair_flops(pairs, heads=q.shape[1], head_dim=D, backward=False)
+        fwd_bwd_flops = harness.pair_flops(pairs, heads=q.shape[1], head_dim=D, backward=True)
         entries = {}
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
         if name == "causal":
@@ -258,15 +233,16 @@ def timing(backends, L, D, device, repeats) -> list[str]:
                     lambda i=iface, a=args: flash_mod.INTERFACES[i].forward(q, k, v, cu, cu, mx, mx, **a), None)
         base = None
         for ename, (fwd, fwd_bwd) in entries.items():
-            t_f = _timeit(fwd, device, repeats)
-            t_fb = _timeit(fwd_bwd, device, repeats) if fwd_bwd is not None else float("nan")
+            t_f = harness.median_time(fwd, device=device, warmup=3, repeats=repeats)
+            t_fb = (harness.median_time(fwd_bwd, device=device, warmup=3, repeats=repeats) if fwd_bwd is not None
+                    else float("nan"))
             if device.type != "cuda":  # no absolute CPU times: ratios to the first row of the case
                 base = base or (t_f, t_fb)
                 rows.append(f"{name:14s} {ename:18s} fwd x{t_f / base[0]:6.2f}   fwd+bwd x{t_fb / base[1]:6.2f}"
                             f"   (time relative to {next(iter(entries))})")
                 continue
             rows.append(f"{name:14s} {ename:18s} fwd {t_f * 1e3:8.3f} ms {fwd_flops / t_f / 1e12:7.1f} TFLOP/s   "
-                        f"fwd+bwd {t_fb * 1e3:8.3f} ms {3.5 * fwd_flops / t_fb / 1e12:7.1f} TFLOP/s")
+                        f"fwd+bwd {t_fb * 1e3:8.3f} ms {fwd_bwd_flops / t_fb / 1e12:7.1f} TFLOP/s")
     return rows
 
 

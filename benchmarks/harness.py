@@ -1,13 +1,16 @@
-"""The one harness behind every benchmark script.
+"""The one harness behind every benchmark script: :mod:`cp_attention.tools.harness` (shared with
+``cp-attention bench`` and ``gpu_check.py``) and the helpers of the scripts here.
 
 What it provides:
 
-* :class:`MaskCase`: a named mask (causal, sliding window, packed documents, chunked) with its
-  global metadata, position ids, dense mask (for the baselines) and :func:`flops`, which counts
-  only the (query, key) pairs the mask keeps.
-* :func:`measure`: warm-up, then repeats interleaved across implementations (so a noisy, shared
+* From :mod:`cp_attention.tools.harness`: :class:`MaskCase`, a named mask (causal, sliding
+  window, packed documents, chunked) with its global metadata, position ids, dense mask (for the
+  baselines) and :func:`flops`, which counts only the (query, key) pairs the mask keeps;
+  :func:`measure`: warm-up, then repeats interleaved across implementations (so a noisy, shared
   machine slows every contender alike), median / min / max per implementation; CUDA events on a
-  GPU, wall clock on a CPU.
+  GPU, wall clock on a CPU; :func:`pick_device`, :func:`dtype_of`.
+* :func:`parse_mask` (the masks' names on the command line) and :func:`document_lengths` (a
+  realistic mix of packed document lengths).
 * :func:`peak_memory`: extra memory one call needs beyond its inputs. GPU: the allocator's peak
   (``torch.cuda.max_memory_allocated``). CPU: the resident-set high-water mark of a fresh
   subprocess (glibc told to return every freed block of 64 KiB or more to the system, so resident
@@ -17,8 +20,10 @@ What it provides:
   all-gather of K/V, and the exact halo the mask needs (:func:`traffic`).
 * Execution helpers shared by the context-parallel benchmarks: :func:`full_ring_plan` and
   :func:`all_gather_plan` (the baselines as plans run by the same ring and kernels),
-  :class:`TimedBackend` (time spent in kernel calls) and :class:`SimComm` (every rank of a world in
-  one process, for a single GPU).
+  :class:`TimedBackend` (time spent in kernel calls), :class:`SimComm` (every rank of a world in
+  one process, for a single GPU), :func:`rank_device`, :func:`timed_backend`,
+  :func:`attention_inputs`, :func:`ring_step` (forward+backward of one rank's plan) and
+  :func:`timed_step`.
 * :func:`write_results` / :func:`load_results` / :func:`latest_results`: one JSON file per
   benchmark run; :func:`add_run_arguments` / :func:`add_shape_arguments`: the command-line options
   every script shares.
@@ -38,24 +43,30 @@ import math
 import multiprocessing as mp
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from cp_attention import layout as layout_mod
+from cp_attention.backends import select_backend
 from cp_attention.comm import Comm
-from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids, segment_bounds
+from cp_attention.masks import MaskSpec, SequenceMeta
 from cp_attention.plan import PlanStats, RankPlan, Round, Step, build_local_plan, build_plan
+from cp_attention.ring import ring_attention
+from cp_attention.tools.harness import (MaskCase, Timing, dtype_of, flops, key_intervals, measure, pick_device,
+                                        synchronize, visible_pairs)
 
 __all__ = [
     "MaskCase", "parse_mask", "document_lengths", "flops", "visible_pairs",
     "Timing", "measure", "peak_memory", "Workload",
-    "traffic", "full_ring_plan", "all_gather_plan", "TimedBackend", "SimComm",
-    "machine_info", "memory_budget", "write_results", "load_results", "pick_device", "dtype_of",
+    "traffic", "needed_halo_tokens", "full_ring_plan", "all_gather_plan", "TimedBackend", "SimComm",
+    "rank_device", "timed_backend", "attention_inputs", "ring_step", "timed_step",
+    "machine_info", "memory_budget", "write_results", "load_results", "latest_results", "pick_device", "dtype_of",
+    "add_run_arguments", "add_shape_arguments",
 ]
 
 SCHEMA = 1
@@ -82,60 +93,6 @@ def document_lengths(seq_len: int, *, seed: int = 0, median: int = 768, max_len:
     return lengths
 
 
-@dataclass(kw_only=True, frozen=True)
-class MaskCase:
-    """A named mask over one row of ``L`` tokens: a :class:`MaskSpec` plus, for packed documents,
-    the document lengths."""
-
-    name: str
-    """Label in tables and plots, e.g. ``"window:1024"``."""
-    spec: MaskSpec
-    """Causal flag, window and chunk size."""
-    documents: tuple[int, ...] | None = None
-    """Lengths of the packed documents (summing to ``L``); None: one document."""
-
-    @property
-    def kind(self) -> str:
-        return self.name.split(":")[0]
-
-    def position_ids(self, seq_len: int) -> torch.Tensor | None:
-        """(1, L) int64 positions restarting at 0 in every document, or None for one document."""
-        if self.documents is None:
-            return None
-        self._check(seq_len)
-        return torch.cat([torch.arange(n) for n in self.documents]).unsqueeze(0)
-
-    def meta(self, seq_len: int) -> SequenceMeta:
-        """Global metadata of one row of ``seq_len`` tokens."""
-        pos = self.position_ids(seq_len)
-        return SequenceMeta(batch=1, seq_len=seq_len,
-                            doc_start=None if pos is None else doc_starts_from_position_ids(pos))
-
-    def dense(self, seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """(L, L) bool mask on ``device``, True where query q sees key k (the dense baselines'
-        input). Built from per-row bounds with (L, L) booleans only: key k is visible from query q
-        when it lies in q's segment ``[start_q, end_q)`` and inside the band of the mask."""
-        start_L, end_L = (t[0].to(device) for t in segment_bounds(self.meta(seq_len), self.spec))
-        lo, hi = self.spec.band()
-        q_L1 = torch.arange(seq_len, device=device)[:, None]
-        k_1L = torch.arange(seq_len, device=device)[None, :]
-        visible_LL = (k_1L >= start_L[:, None]) & (k_1L < end_L[:, None])
-        if lo > -seq_len:
-            visible_LL &= k_1L >= q_L1 + int(lo)
-        if hi < seq_len:
-            visible_LL &= k_1L <= q_L1 + int(hi)
-        return visible_LL
-
-    def attention_kwargs(self, seq_len: int) -> dict:
-        """Keyword arguments of ``cp_attention.attention`` for this mask at world size 1."""
-        return dict(causal=self.spec.causal, window=self.spec.window, chunk_size=self.spec.chunk_size,
-                    position_ids=self.position_ids(seq_len))
-
-    def _check(self, seq_len: int) -> None:
-        if self.documents is not None and sum(self.documents) != seq_len:
-            raise ValueError(f"mask {self.name!r}: documents sum to {sum(self.documents)}, not L = {seq_len}")
-
-
 def parse_mask(name: str, seq_len: int, *, seed: int = 0, max_document: int | None = None) -> MaskCase:
     """``"causal"``, ``"window:W"``, ``"chunked:C"``, ``"documents"`` (a realistic length mix) or
     ``"documents:N"`` (documents of at most N tokens) -> :class:`MaskCase` for ``seq_len`` tokens."""
@@ -154,40 +111,8 @@ def parse_mask(name: str, seq_len: int, *, seed: int = 0, max_document: int | No
     raise ValueError(f"unknown mask {name!r}; valid: 'causal', 'window:W', 'chunked:C', 'documents', 'documents:N'")
 
 
-def visible_pairs(meta: SequenceMeta, spec: MaskSpec) -> int:
-    """Number of (query, key) pairs the mask keeps, over all rows; O(B * L), no dense mask."""
-    start_BL, end_BL = segment_bounds(meta, spec)
-    lo, hi = spec.band()
-    q_L = torch.arange(meta.seq_len)
-    first_BL = torch.maximum(start_BL, q_L + int(max(lo, -meta.seq_len)))
-    last_BL = torch.minimum(end_BL, q_L + int(min(hi, meta.seq_len)) + 1)
-    return int((last_BL - first_BL).clamp(min=0).sum())
-
-
-def flops(meta: SequenceMeta, spec: MaskSpec, *, heads: int, head_dim: int, backward: bool) -> float:
-    """Floating-point operations of attention that counts only visible pairs: the forward does
-    two matrix products per pair (4 * pairs * D per head), the backward five (2.5x the forward)."""
-    forward = 4.0 * visible_pairs(meta, spec) * head_dim * heads
-    return forward * (3.5 if backward else 1.0)
-
-
 # ----------------------------------------------------------------------------------------------
-# devices, dtypes, machine
-
-
-def pick_device(name: str = "auto") -> torch.device:
-    """``"auto"``: CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def dtype_of(name: str) -> torch.dtype:
-    valid = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-             "float64": torch.float64}
-    if name not in valid:
-        raise ValueError(f"dtype must be one of {sorted(valid)}, got {name!r}")
-    return valid[name]
+# machine
 
 
 def machine_info(device: torch.device, note: str | None = None) -> dict:
@@ -208,66 +133,6 @@ def memory_budget(device: torch.device) -> int:
         return int(0.8 * free)
     with open("/proc/meminfo") as f:
         return int(0.6 * next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# ----------------------------------------------------------------------------------------------
-# timing
-
-
-@dataclass(frozen=True)
-class Timing:
-    """Seconds per call: median, min, max over ``times`` (the measured repeats)."""
-
-    median: float
-    min: float
-    max: float
-    times: tuple[float, ...]
-
-    def as_dict(self) -> dict:
-        return dict(median_s=self.median, min_s=self.min, max_s=self.max, repeats=len(self.times),
-                    times_s=list(self.times))
-
-
-def _time_once(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def measure(fns: dict[str, Callable[[], object]], *, device: torch.device, warmup: int = 2, repeats: int = 5,
-            min_repeats: int = 2, max_seconds: float = 120.0, slow_s: float = 2.0) -> dict[str, Timing]:
-    """Time several implementations of one workload side by side.
-
-    Warm-up: ``warmup`` calls each (one only when a call takes longer than ``slow_s``). Then up to
-    ``repeats`` rounds, each calling every implementation once (in rotating order), stopping early
-    once ``min_repeats`` rounds are done and ``max_seconds`` have passed.
-    """
-    names = list(fns)
-    for name in names:
-        for i in range(max(warmup, 0)):
-            if _time_once(fns[name], device) > slow_s:
-                break
-    times: dict[str, list[float]] = {n: [] for n in names}
-    started = time.perf_counter()
-    for rnd in range(repeats):
-        order = names[rnd % len(names):] + names[:rnd % len(names)]
-        for name in order:
-            times[name].append(_time_once(fns[name], device))
-        if rnd + 1 >= min_repeats and time.perf_counter() - started > max_seconds:
-            break
-    return {n: Timing(median=statistics.median(t), min=min(t), max=max(t), times=tuple(t)) for n, t in times.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,13 +212,13 @@ def peak_memory(workloads: list[Workload], *, device: torch.device, warm: list[W
         for workload in workloads:
             run = workload.build()
             run()
-            _sync(device)
+            synchronize(device)
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
             run()
-            _sync(device)
+            synchronize(device)
             peaks.append(int(torch.cuda.max_memory_allocated(device) - base))
             del run
             gc.collect()
@@ -399,14 +264,12 @@ def _token_bytes(batch: int, head_kv: int, head_dim: int, itemsize: int) -> int:
 def needed_halo_tokens(meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str) -> list[int]:
     """Per rank: how many other ranks' tokens its queries see at all (the least any plan must
     receive), counted per batch row and summed; computed from the mask model, not the planner."""
-    seg_start, seg_end = segment_bounds(meta, spec)
-    lo, hi = spec.band()
+    first_BL, last_BL = key_intervals(meta, spec)
     L = meta.seq_len
     needed = []
     for r in range(world_size):
         q_idx = layout_mod.global_index(L, world_size, layout, r)
-        first = torch.maximum(seg_start[:, q_idx], q_idx + int(max(lo, -L)))
-        last = torch.minimum(seg_end[:, q_idx], q_idx + int(min(hi, L)) + 1)
+        first, last = first_BL[:, q_idx], last_BL[:, q_idx]
         total = 0
         for b in range(meta.batch):
             keep = last[b] > first[b]
@@ -578,6 +441,60 @@ class SimComm(Comm):
         return super().commit(*args, **kwargs)  # nothing queued there: a completed exchange
 
 
+def rank_device(rank: int, cfg: dict) -> tuple[torch.device, Comm]:
+    """A spawned rank's device and comm: its own GPU and an NCCL group when ``cfg["device"]`` is
+    ``"cuda"``, else the CPU (``cfg["threads"]`` torch threads) and the gloo WORLD."""
+    if cfg["device"] == "cuda":
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank), Comm(dist.new_group(backend="nccl"))
+    torch.set_num_threads(cfg["threads"])
+    return torch.device("cpu"), Comm(None)
+
+
+def timed_backend(cfg: dict, device: torch.device, dtype: torch.dtype) -> TimedBackend:
+    """The backend ``cfg["backend"]`` names (``"auto"``: the first that fits) for ``cfg["head_dim"]``
+    in ``dtype`` on ``device``, wrapped in a :class:`TimedBackend`."""
+    inner = select_backend(cfg["backend"], device=device, dtype=dtype, head_dim=cfg["head_dim"], spec=MaskSpec())
+    return TimedBackend(inner, device)
+
+
+def attention_inputs(cfg: dict, device: torch.device) -> list[torch.Tensor]:
+    """Full (1, L, H, D) q, (1, L, K, D) k and v, (1, L, H, D) dout of ``cfg`` (``seq_len``,
+    ``heads``, ``kv_heads``, ``head_dim``, ``dtype``) drawn from ``cfg["seed"]``: the same on every rank."""
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    L, H, K, D = cfg["seq_len"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    dt = dtype_of(cfg["dtype"])
+    shapes = ((1, L, H, D), (1, L, K, D), (1, L, K, D), (1, L, H, D))
+    return [torch.randn(*s, generator=gen).to(device, dt) for s in shapes]
+
+
+def ring_step(plan: RankPlan, shards: list[torch.Tensor], comm: Comm, backend, scale: float,
+              gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Forward+backward of one rank's ``plan`` through the ring on its (q, k, v, dout) ``shards``;
+    ``gather`` (optional) turns the rank's K/V into what the plan reads (the all-gather baseline).
+    Returns the output, detached."""
+    q, k, v, dout = shards
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    if gather is not None:
+        k, v = gather(k), gather(v)
+    out = ring_attention(q, k, v, None, plan, comm, backend, scale=scale, softcap=None)
+    out.backward(dout)
+    return out.detach()
+
+
+def timed_step(timed: TimedBackend, run: Callable[[], object], *, before: Callable[[], object],
+               sync: Callable[[], object]) -> tuple[object, float, float]:
+    """One measured run: ``before()`` (a barrier, a synchronisation), then ``run()`` until ``sync()``
+    returns; (its result, seconds inside ``timed``'s kernel calls, wall seconds)."""
+    timed.reset()
+    before()
+    t0 = time.perf_counter()
+    out = run()
+    sync()
+    elapsed = time.perf_counter() - t0
+    return out, timed.seconds(), elapsed
+
+
 # ----------------------------------------------------------------------------------------------
 # results files
 
@@ -631,9 +548,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, warmup: int, repeats: 
     parser.add_argument("--note", default=None, help="machine description stored with the results")
 
 
-def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
-    """The attention problem: --masks, --heads, --kv-heads, --head-dim, --dtype, --backend."""
-    parser.add_argument("--masks", nargs="+", help="causal, window:W, documents, documents:N, chunked:C")
+def add_shape_arguments(parser: argparse.ArgumentParser, *, masks: bool = True) -> None:
+    """The attention problem: --masks (unless ``masks`` is False), --heads, --kv-heads, --head-dim,
+    --dtype, --backend."""
+    if masks:
+        parser.add_argument("--masks", nargs="+", help="causal, window:W, documents, documents:N, chunked:C")
     parser.add_argument("--heads", type=int)
     parser.add_argument("--kv-heads", type=int)
     parser.add_argument("--head-dim", type=int)

@@ -12,7 +12,7 @@
 * ``cp_speedup.png`` (from ``cp*.json``): compute speedup of the slowest rank over world size 1,
   per mask, for ours, the full ring and the all-gather.
 * ``model_speedup.png`` (from ``model*.json``): cp_flash's training tokens/s over sdpa and eager.
-* ``cp_layouts*.png`` (one per ``cp_layouts*.json``, ``bench_cp.py --layouts``): per world size, the
+* ``cp_layouts*.png`` (one per ``cp_layouts*.json``, ``bench_cp_layouts.py``): per world size, the
   busiest rank's work over the mean, the predicted speedup of balanced over zigzag and the busiest
   rank's K/V received against a full ring (worst case over the drawn batches), and the real ranks'
   measured compute speedup over zigzag against the plan's prediction.

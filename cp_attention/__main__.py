@@ -1,7 +1,7 @@
-"""``python -m cp_attention``: the ``cp-attention`` command (see :mod:`cp_attention.cli`)."""
+"""``python -m cp_attention``: the ``cp-attention`` command (see :mod:`cp_attention.tools.cli`)."""
 
 import sys
 
-from cp_attention.cli import main
+from cp_attention.tools.cli import main
 
 sys.exit(main(prog="python -m cp_attention"))

@@ -9,8 +9,8 @@ shape runs the same compiled graph. The fake (meta) implementation only allocate
 ``register_autograd`` pairs the op with ``cp_attention::local_attention_backward``, which rebuilds the
 same plan from the same tensors (a cache hit) and runs the ring's backward.
 
-Plan cache. Plans are memoised in one process-wide LRU cache (:data:`PLAN_CACHE_SIZE` entries,
-guarded by a lock) keyed by the mask, the shapes and a digest of the *content* of the document
+Plan cache. Plans are memoised in one process-wide LRU cache (:data:`cp_attention.state.LOCAL_PLANS`,
+a :class:`~cp_attention.plan_cache.PlanCache`) keyed by the mask, the shapes and a digest of the *content* of the document
 tensors: a stale plan cannot be reused for other documents. Digests are remembered per tensor
 object and version (weakly: the memo dies with the tensor), so the layers of one forward, which
 share their ``position_ids`` and masks, move them to the CPU and hash them once.
@@ -27,24 +27,24 @@ kv_offset + Lk)``), ``H`` query heads, ``K`` K/V heads, ``D`` head dim.
 
 from __future__ import annotations
 
-import hashlib
-import threading
-from collections import OrderedDict
+import logging
+import time
 
 import torch
-import torch._dynamo
-from torch.utils.weak import WeakIdKeyDictionary
 
-from . import api
+from . import context, stats
 from .backends import select_backend
+from .backends.base import accumulation_dtype
 from .comm import Comm
-from .masks import MaskSpec, SequenceMeta, doc_starts
+from .masks import MaskSpec, SequenceMeta
 from .plan import RankPlan, build_local_plan
 from .ring import ring_backward, ring_forward
+from .state import LOCAL_PLANS
+from .torch_compat import assume_constant_result, in_backward
 
-__all__ = ["local_attention", "local_meta", "PLAN_CACHE_SIZE", "multi_rank_context_active"]
+__all__ = ["local_attention", "local_meta", "local_plan", "multi_rank_context_active"]
 
-PLAN_CACHE_SIZE = 32
+log = logging.getLogger("cp_attention.api")
 
 
 def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 0,
@@ -65,13 +65,9 @@ def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 
     positions = None
     if not cached:
         positions = position_ids
-        if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError("cp_flash: cu_seq_lens_q describes one packed row, but the batch has "
-                                 f"{B} rows; pass position_ids instead")
-            cu_opens = torch.zeros(1, Lq, dtype=torch.bool)
-            cu_opens[0, cu_seqlens.detach().cpu().long()[:-1].clamp(max=Lq - 1)] = True
-            opens = cu_opens if opens is None else (opens.cpu() | cu_opens)
+        if cu_seqlens is not None and B != 1:
+            raise ValueError("cp_flash: cu_seq_lens_q describes one packed row, but the batch has "
+                             f"{B} rows; pass position_ids instead")
     else:
         if cu_seqlens is not None:
             raise ValueError("cp_flash: cu_seq_lens_* with a non-empty KV cache is not supported")
@@ -94,88 +90,48 @@ def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 
         opens = opens.cpu().expand(B, Lq)
         if T > Lq:
             opens = torch.cat([opens, torch.zeros(B, T - Lq, dtype=torch.bool)], 1)
-    meta = SequenceMeta(batch=B, seq_len=T, doc_start=doc_starts(B, T, position_ids=positions, valid=valid_BT,
-                                                                 opens=opens),
-                        position=None if positions is None else positions.detach().to("cpu", torch.int64).expand(B, T))
+    meta = SequenceMeta.from_inputs(B, T, position_ids=positions, valid=valid_BT, opens=opens,
+                                    cu_seqlens=None if cached else cu_seqlens)
     return meta, torch.arange(q_offset, q_offset + Lq), torch.arange(kv_offset, kv_offset + Lk)
 
 
 # ----------------------------------------------------------------------------------------------
-# the plan cache
+# the plan of a single-device call
 
 
-class _PlanCache:
-    """Plans keyed by (mask, shapes, offsets, content digests of the document tensors); see the
-    module docstring. Thread-safe."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._lock = threading.Lock()
-        self._plans: OrderedDict = OrderedDict()
-        self._digests = WeakIdKeyDictionary()  # tensor -> (version, digest)
-
-    def _digest(self, t: torch.Tensor | None):
-        if t is None:
-            return None
-        try:
-            version = t._version
-        except RuntimeError:  # inference tensors track no version: hash every time
-            version = None
-        if version is not None:
-            with self._lock:
-                memo = self._digests.get(t)
-            if memo is not None and memo[0] == version:
-                return memo[1]
-        cpu = t.detach().to("cpu").contiguous()
-        h = hashlib.blake2b(digest_size=16)
-        h.update(repr((str(cpu.dtype), tuple(cpu.shape))).encode())
-        h.update(cpu.numpy().tobytes())
-        digest = h.digest()
-        if version is not None:
-            with self._lock:
-                self._digests[t] = (version, digest)
-        return digest
-
-    def plan(self, B: int, Lq: int, Lk: int, spec: MaskSpec, *, q_offset: int, kv_offset: int, position_ids,
-             valid, opens, cu_seqlens) -> RankPlan:
-        key = (spec, B, Lq, Lk, q_offset, kv_offset,
-               *(self._digest(t) for t in (position_ids, valid, opens, cu_seqlens)))
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                return plan
-        meta, q_idx, k_idx = local_meta(B, Lq, Lk, q_offset=q_offset, kv_offset=kv_offset, position_ids=position_ids,
-                                        valid=valid, opens=opens, cu_seqlens=cu_seqlens)
-        plan = build_local_plan(meta, spec, q_idx=q_idx, k_idx=k_idx)
-        with self._lock:
-            self._plans[key] = plan
-            while len(self._plans) > self.size:
-                self._plans.popitem(last=False)
+def local_plan(B: int, Lq: int, Lk: int, spec: MaskSpec, *, q_offset: int = 0, kv_offset: int = 0,
+               position_ids=None, valid=None, opens=None, cu_seqlens=None, label: str = "single device") -> RankPlan:
+    """The single-device plan of ``spec`` (its planning part) over the documents the tensors describe
+    (see :func:`local_meta`), from the process-wide cache keyed by their *content*
+    (:data:`cp_attention.state.LOCAL_PLANS`): what the op and the bare ``attention()`` on one device
+    both run. ``label``: how the log names the call."""
+    spec = spec.for_planning()
+    cache = LOCAL_PLANS
+    key = (spec, B, Lq, Lk, q_offset, kv_offset, *(cache.digest(t) for t in (position_ids, valid, opens, cu_seqlens)))
+    plan = cache.get(key)
+    if plan is not None:
+        log.debug("plan reused from the cache (rank 0 of 1, %s)", label)
         return plan
-
-    def clear(self) -> None:
-        with self._lock:
-            self._plans.clear()
-
-
-_PLANS = _PlanCache(PLAN_CACHE_SIZE)
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    start = time.perf_counter()
+    meta, q_idx, k_idx = local_meta(B, Lq, Lk, q_offset=q_offset, kv_offset=kv_offset, position_ids=position_ids,
+                                    valid=valid, opens=opens, cu_seqlens=cu_seqlens)
+    plan = cache.put(key, build_local_plan(meta, spec, q_idx=q_idx, k_idx=k_idx))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("plan built in %.1f ms: rank 0 of 1, %s, %d x %d tokens, %s", 1e3 * (time.perf_counter() - start),
+                  label, B, Lq, spec)
+    return plan
 
 
 def multi_rank_context_active() -> bool:
     """Whether a :func:`~cp_attention.context_parallel` context of several ranks is active in this thread."""
-    active = api.active_context()
+    active = context.active_context()
     return active is not None and active.world_size > 1
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _context_backend() -> str:
     """The active context's backend, else "auto" (under torch.compile: the one active when traced)."""
-    active = api.active_context()
+    active = context.active_context()
     return active.backend if active is not None else "auto"
 
 
@@ -194,15 +150,15 @@ def _resolve(q, backend: str, window, chunk_size, softcap, causal):
     """The backend object and the plan's MaskSpec."""
     spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap)
     impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
-    return impl, MaskSpec(causal=causal, window=window, chunk_size=chunk_size)
+    return impl, spec.for_planning()
 
 
 def _note(plan: RankPlan, layer: int) -> None:
     """Report the plan to :func:`~cp_attention.last_plan_stats` / ``forward_plan_stats`` (the first
     layer of a model, index 0, starts a new forward unless it is a recomputation in backward)."""
-    if layer == 0 and torch._C._current_graph_task_id() == -1:
-        api.begin_forward()
-    api.note_layer_stats(plan.stats, None if layer < 0 else layer)
+    if layer == 0 and not in_backward():
+        stats.begin_forward()
+    stats.note_stats(plan.stats, None if layer < 0 else layer, in_model=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,8 +177,8 @@ def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: t
         _check_context()
     impl, plan_spec = _resolve(q, backend, window, chunk_size, softcap, causal)
     B, Lq = q.shape[:2]
-    plan = _PLANS.plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset,
-                       position_ids=position_ids, valid=valid, opens=opens, cu_seqlens=cu_seqlens)
+    plan = local_plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset,
+                      position_ids=position_ids, valid=valid, opens=opens, cu_seqlens=cu_seqlens, label="the op")
     _note(plan, layer)
     out, lse = ring_forward(q, k, v, sinks, plan, Comm(single=True), impl, scale=scale, softcap=softcap)
     return out.contiguous(), lse.contiguous()  # the strides the fake implementation promises
@@ -232,7 +188,7 @@ def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: t
 def _(q, k, v, sinks, position_ids, valid, opens, cu_seqlens, q_offset, kv_offset, causal, window, chunk_size,
       softcap, scale, backend, layer, check_context):
     B, Lq, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((H, B * Lq), dtype=_acc(q.dtype))
+    return q.new_empty(q.shape), q.new_empty((H, B * Lq), dtype=accumulation_dtype(q.dtype))
 
 
 @torch.library.custom_op("cp_attention::local_attention_backward", mutates_args=())
@@ -245,8 +201,8 @@ def _local_attention_backward(
     """-> dq (B, Lq, H, D), dk/dv (B, Lk, K, D), dsinks (H,) (empty when not needed)."""
     impl, plan_spec = _resolve(q, backend, window, chunk_size, softcap, causal)
     B, Lq = q.shape[:2]
-    plan = _PLANS.plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset,
-                       position_ids=position_ids, valid=valid, opens=opens, cu_seqlens=cu_seqlens)
+    plan = local_plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset,
+                      position_ids=position_ids, valid=valid, opens=opens, cu_seqlens=cu_seqlens, label="the op")
     dq, dk, dv, dsinks = ring_backward(dout, q, k, v, out, lse, sinks, plan, Comm(single=True), impl, scale=scale,
                                        softcap=softcap, need_dsinks=need_dsinks)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks if dsinks is not None else q.new_empty(0)

@@ -9,8 +9,13 @@ is truncated or padded.
   balances causal work (early and late tokens on every rank).
 
 Any other assignment of tokens to ranks is a :class:`Layout` object (for example one balanced
-for a batch's documents by :func:`cp_attention.balanced_layout`); every function here takes a
-layout name or a :class:`Layout`.
+for a batch's documents by :func:`cp_attention.balanced_layout`).
+
+Layouts are objects: :class:`Zigzag`, :class:`Contiguous` and :class:`Layout` answer the same
+questions (``rank_ranges``, ``wire_code``), so no function branches on the kind of layout;
+:class:`Balanced` is a *policy* that makes a :class:`Layout` for each batch
+(``context_parallel(layout="balanced")``). A name is parsed once, at the boundary, by
+:func:`as_layout`; the functions here also accept a name, for convenience.
 
 Local order is always increasing global order.
 """
@@ -23,10 +28,83 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LAYOUTS", "Layout", "merge_ranges", "check_layout", "layout_code", "slice_bounds", "rank_ranges", "local_lengths",
-           "global_index", "shard", "unshard", "infer_seq_len"]
+__all__ = ["LAYOUTS", "Layout", "NamedLayout", "Zigzag", "Contiguous", "Balanced", "as_layout", "merge_ranges",
+           "check_layout", "layout_code", "slice_bounds", "rank_ranges", "local_lengths", "global_index", "shard",
+           "unshard", "infer_seq_len"]
 
 LAYOUTS = ("zigzag", "contiguous")
+
+
+class NamedLayout:
+    """A layout defined for every length and world size by a rule (equal instances are the same
+    layout): :meth:`rank_ranges` says which tokens a rank holds."""
+
+    name = ""
+    per_batch = False
+
+    def rank_ranges(self, seq_len: int, world_size: int, rank: int) -> list[tuple[int, int]]:
+        """Global ``[start, end)`` ranges held by ``rank``, in local order (empty ranges dropped)."""
+        raise NotImplementedError
+
+    @property
+    def wire_code(self) -> int:
+        """One int identifying the layout across ranks (the agreement header's field)."""
+        return LAYOUTS.index(self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Zigzag(NamedLayout):
+    """``2P`` slices; rank ``r`` holds slices ``r`` and ``2P-1-r`` (balances one causal sequence)."""
+
+    name = "zigzag"
+
+    def rank_ranges(self, seq_len: int, world_size: int, rank: int) -> list[tuple[int, int]]:
+        bounds = slice_bounds(seq_len, 2 * world_size)
+        ranges = [bounds[rank], bounds[2 * world_size - 1 - rank]]
+        return [(a, b) for a, b in ranges if b > a]
+
+
+@dataclass(frozen=True)
+class Contiguous(NamedLayout):
+    """``P`` slices; rank ``r`` holds slice ``r``."""
+
+    name = "contiguous"
+
+    def rank_ranges(self, seq_len: int, world_size: int, rank: int) -> list[tuple[int, int]]:
+        a, b = slice_bounds(seq_len, world_size)[rank]
+        return [(a, b)] if b > a else []
+
+
+@dataclass(frozen=True)
+class Balanced:
+    """A policy, not a layout: each batch gets its own :class:`Layout` from its documents and the
+    model's attention layers (:func:`cp_attention.balanced_layout_of`), made by ``cp.shard_batch``."""
+
+    name = "balanced"
+    per_batch = True
+
+    def for_batch(self, meta, world_size: int, *, masks=None, token_weight: float = 0.0) -> Layout:
+        """The balanced :class:`Layout` of the batch ``meta`` (a :class:`~cp_attention.SequenceMeta`)."""
+        from .balance import balanced_layout_of  # the balancer builds on this module
+
+        return balanced_layout_of(meta, world_size, masks=masks, token_weight=token_weight)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def as_layout(layout, *, policy: bool = False):
+    """The layout object for ``layout``: a name (``"zigzag"``, ``"contiguous"``; also ``"balanced"``
+    where ``policy``) or an object, returned as it is. Raises ValueError naming the valid options."""
+    if isinstance(layout, (NamedLayout, Layout)) or (policy and isinstance(layout, Balanced)):
+        return layout
+    named = {"zigzag": Zigzag, "contiguous": Contiguous, **({"balanced": Balanced} if policy else {})}
+    if isinstance(layout, str) and layout in named:
+        return named[layout]()
+    raise ValueError(f"layout must be one of {tuple(named)} or a cp_attention.layout.Layout, got {layout!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,6 +151,23 @@ class Layout:
     def local_lengths(self) -> list[int]:
         return [sum(b - a for a, b in runs) for runs in self.ranges]
 
+    per_batch = False
+
+    def rank_ranges(self, seq_len: int, world_size: int, rank: int) -> list[tuple[int, int]]:
+        """Rank ``rank``'s runs; ValueError unless ``seq_len`` and ``world_size`` are the layout's."""
+        if (seq_len, world_size) != (self.seq_len, self.world_size):
+            raise ValueError(f"the layout is for {self.seq_len} tokens over {self.world_size} ranks, not "
+                             f"{seq_len} tokens over {world_size}; build it for this batch (balanced_layout)")
+        return list(self.ranges[rank])
+
+    @property
+    def wire_code(self) -> int:
+        """One int identifying the layout across ranks (distinct from the named layouts' codes)."""
+        return self.code + len(LAYOUTS)
+
+    def __str__(self) -> str:
+        return repr(self)
+
     @functools.cached_property
     def code(self) -> int:
         """A positive 31-bit checksum of the assignment (ranks compare layouts by it)."""
@@ -82,9 +177,9 @@ class Layout:
     @classmethod
     def named(cls, name: str, seq_len: int, world_size: int) -> Layout:
         """The ``"zigzag"`` or ``"contiguous"`` layout of ``seq_len`` tokens as an object."""
-        check_layout(name)
-        return cls(seq_len, tuple(tuple(rank_ranges(seq_len, world_size, name, r)) for r in range(world_size)),
-                   name=name)
+        scheme = as_layout(name)
+        return cls(seq_len, tuple(tuple(scheme.rank_ranges(seq_len, world_size, r)) for r in range(world_size)),
+                   name=str(scheme))
 
     def __repr__(self) -> str:
         return (f"Layout({self.name!r}, seq_len={self.seq_len}, world_size={self.world_size}, "
@@ -102,17 +197,14 @@ def merge_ranges(ranges) -> list[tuple[int, int]]:
     return [(a, b) for a, b in merged]
 
 
-def check_layout(layout: str | Layout) -> str | Layout:
-    if isinstance(layout, Layout):
-        return layout
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS} or a cp_attention.layout.Layout, got {layout!r}")
-    return layout
+def check_layout(layout) -> NamedLayout | Layout:
+    """:func:`as_layout` for one attention call or one sharding (no per-batch policy)."""
+    return as_layout(layout)
 
 
-def layout_code(layout: str | Layout) -> int:
-    """One int identifying a layout across ranks: the index of a name, else the Layout's checksum."""
-    return layout.code + len(LAYOUTS) if isinstance(layout, Layout) else LAYOUTS.index(layout)
+def layout_code(layout) -> int:
+    """One int identifying a layout across ranks (its ``wire_code``)."""
+    return as_layout(layout).wire_code
 
 
 def slice_bounds(seq_len: int, n: int) -> list[tuple[int, int]]:
@@ -126,43 +218,34 @@ def slice_bounds(seq_len: int, n: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def rank_ranges(seq_len: int, world_size: int, layout: str | Layout, rank: int) -> list[tuple[int, int]]:
+def rank_ranges(seq_len: int, world_size: int, layout, rank: int) -> list[tuple[int, int]]:
     """Global ``[start, end)`` ranges held by ``rank``, in local order (empty ranges dropped)."""
-    check_layout(layout)
-    if isinstance(layout, Layout):
-        if (seq_len, world_size) != (layout.seq_len, layout.world_size):
-            raise ValueError(f"the layout is for {layout.seq_len} tokens over {layout.world_size} ranks, not "
-                             f"{seq_len} tokens over {world_size}; build it for this batch (balanced_layout)")
-        return list(layout.ranges[rank])
-    if layout == "contiguous":
-        ranges = [slice_bounds(seq_len, world_size)[rank]]
-    else:
-        bounds = slice_bounds(seq_len, 2 * world_size)
-        ranges = [bounds[rank], bounds[2 * world_size - 1 - rank]]
-    return [(a, b) for a, b in ranges if b > a]
+    return as_layout(layout).rank_ranges(seq_len, world_size, rank)
 
 
-def local_lengths(seq_len: int, world_size: int, layout: str | Layout) -> list[int]:
+def local_lengths(seq_len: int, world_size: int, layout) -> list[int]:
     """Number of tokens each rank holds."""
     return [sum(b - a for a, b in rank_ranges(seq_len, world_size, layout, r)) for r in range(world_size)]
 
 
-def global_index(seq_len: int, world_size: int, layout: str | Layout, rank: int) -> torch.Tensor:
+def global_index(seq_len: int, world_size: int, layout, rank: int) -> torch.Tensor:
     """Global index of each of ``rank``'s tokens, (L_local,) int64, increasing."""
     parts = [torch.arange(a, b) for a, b in rank_ranges(seq_len, world_size, layout, rank)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def infer_seq_len(lengths: list[int], world_size: int, layout: str | Layout) -> int:
+def infer_seq_len(lengths: list[int], world_size: int, layout) -> int:
     """The global length implied by every rank's local length; ValueError if the layout disagrees."""
     seq_len = sum(lengths)
-    if isinstance(layout, Layout) and seq_len != layout.seq_len:
+    layout = as_layout(layout)
+    fixed = getattr(layout, "seq_len", seq_len)  # a Layout is for one length; a NamedLayout for any
+    if seq_len != fixed:
         raise ValueError(f"local sequence lengths {list(lengths)} across ranks add up to {seq_len} tokens, but the "
-                         f"layout is for {layout.seq_len}; shard the inputs with this layout")
+                         f"layout is for {fixed}; shard the inputs with this layout")
     expected = local_lengths(seq_len, world_size, layout)
     if list(lengths) != expected:
         raise ValueError(
-            f"local sequence lengths {list(lengths)} across ranks do not match the {layout!r} layout of "
+            f"local sequence lengths {list(lengths)} across ranks do not match the {str(layout)!r} layout of "
             f"{seq_len} tokens over {world_size} ranks, which gives {expected}; shard inputs with "
             f"cp.shard(x, dim=1) (or cp_attention.layout.shard) using the same layout")
     if seq_len < world_size:
@@ -171,7 +254,7 @@ def infer_seq_len(lengths: list[int], world_size: int, layout: str | Layout) -> 
     return seq_len
 
 
-def shard(x: torch.Tensor, dim: int, world_size: int, layout: str | Layout, rank: int) -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int, world_size: int, layout, rank: int) -> torch.Tensor:
     """``rank``'s shard of a full-length tensor along ``dim`` (a view when the layout allows)."""
     seq_len = x.shape[dim]
     if seq_len < world_size:
@@ -181,7 +264,7 @@ def shard(x: torch.Tensor, dim: int, world_size: int, layout: str | Layout, rank
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def unshard(parts: list[torch.Tensor], dim: int, layout: str | Layout) -> torch.Tensor:
+def unshard(parts: list[torch.Tensor], dim: int, layout) -> torch.Tensor:
     """Reassemble every rank's shard (in rank order) into the full tensor in global token order."""
     world_size = len(parts)
     seq_len = sum(p.shape[dim] for p in parts)

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import cp_attention
-from cp_attention.launch import run_ranks
-from cp_attention.tiny_models import FAMILIES, is_causal_lm, tiny_model
+from cp_attention.tools.launch import run_ranks
+from cp_attention.tools.tiny_models import FAMILIES, is_causal_lm, tiny_model
 
 CAUSAL_FAMILIES = tuple(f for f in FAMILIES if is_causal_lm(f))
 

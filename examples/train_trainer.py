@@ -22,7 +22,7 @@ import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from cp_attention.integrations.trainer import CPTrainer  # CP
-from cp_attention.tiny_models import tiny_model
+from cp_attention.tools.tiny_models import tiny_model
 
 
 def dataset(n: int = 32, seed: int = 0, vocab: int = 128) -> list[dict]:

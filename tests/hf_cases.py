@@ -1,6 +1,6 @@
 """Cases and rank workers for tests/test_transformers_families.py (issue 3, "must show" item 1).
 
-Every family of ``cp_attention.tiny_models`` runs under ``attn_implementation="cp_flash"`` and is
+Every family of ``cp_attention.tools.tiny_models`` runs under ``attn_implementation="cp_flash"`` and is
 compared with the ground truth: the same weights under ``"eager"`` on one device with each packed
 document run alone (never transformers' packed eager, which lets gpt-oss documents see each other).
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 import cp_attention
-from cp_attention.tiny_models import FAMILIES, is_causal_lm, tiny_config, tiny_model
+from cp_attention.tools.tiny_models import FAMILIES, is_causal_lm, tiny_config, tiny_model
 
 # Window (and Llama 4 chunk) sizes, in tokens. With L = 67 at world size 4 a contiguous shard holds
 # 16-17 tokens and a zigzag slice 8-9: SMALL fits inside one. With L = 90 a contiguous shard holds

@@ -1,6 +1,6 @@
 """A persistent group of gloo ranks (local CPU processes) that runs one task after another.
 
-``cp_attention.launch.run_ranks`` spawns a fresh group per call; every rank then imports torch,
+``cp_attention.tools.launch.run_ranks`` spawns a fresh group per call; every rank then imports torch,
 which costs seconds per rank. The fuzz tests evaluate many small batches (and hypothesis re-runs
 shrunk batches while minimising a failure), so they keep one group per world size alive instead:
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cp_attention.launch import free_port
+from cp_attention.tools.launch import free_port
 
 __all__ = ["RankPool", "single_thread"]
 

@@ -219,6 +219,6 @@ def group_report(world_size: int, backend: str = "reference") -> tuple:
     if world_size == 1:
         with single_thread():
             return (check_group(0, 1, layouts, backend, cases, cached_rerun),)
-    from cp_attention.launch import run_ranks
+    from cp_attention.tools.launch import run_ranks
 
     return tuple(run_ranks(world_size, check_group, layouts, backend, cases, cached_rerun, timeout=900))

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import cp_attention
-from cp_attention.launch import run_ranks
 from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids
-from cp_attention.tiny_models import tiny_config, tiny_model
+from cp_attention.tools.launch import run_ranks
+from cp_attention.tools.tiny_models import tiny_config, tiny_model
 from fuzz_cases import check_cases, oracle_mask
 
 TOL = {"float64": 1e-9, "float32": 1e-5}

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cp_attention
-from cp_attention import bench, cli
+from cp_attention.tools import bench, cli
 
 OPTIONS = {
     "probe": {"--model", "--nproc", "--seq-len", "--window", "--layout", "--tol"},

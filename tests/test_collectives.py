@@ -13,8 +13,8 @@ import torch
 
 import cp_attention
 from cp_attention.comm import Comm
-from cp_attention.launch import run_ranks
-from cp_attention.tiny_models import tiny_config, tiny_model
+from cp_attention.tools.launch import run_ranks
+from cp_attention.tools.tiny_models import tiny_config, tiny_model
 
 L = 48
 COLLECTIVES = ("all_gather", "all_gather_object", "all_reduce")

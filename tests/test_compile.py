@@ -19,9 +19,9 @@ import torch._dynamo as dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import cp_attention
-from cp_attention import api
-from cp_attention.launch import run_ranks
-from cp_attention.tiny_models import tiny_config, tiny_model
+from cp_attention import context
+from cp_attention.tools.launch import run_ranks
+from cp_attention.tools.tiny_models import tiny_config, tiny_model
 from hf_cases import compare, failures, flat_grads, ground_truth, inputs
 
 TOL = 1e-5  # logits, absolute; gradients: 1e-5 of the largest reference gradient (hf_cases.grad_tol)
@@ -123,7 +123,7 @@ def test_op_checks_the_context_when_it_runs(monkeypatch):
     class TwoRanks:
         world_size, backend = 2, "auto"
 
-    monkeypatch.setattr(api, "active_context", lambda: TwoRanks())
+    monkeypatch.setattr(context, "active_context", lambda: TwoRanks())
     with pytest.raises(ValueError, match="shard_batch"):
         compiled_model(input_ids=ids, position_ids=pos, use_cache=False)
 

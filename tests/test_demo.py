@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cp_attention import cli
+from cp_attention.tools import cli
 
 
 def test_demo_runs_and_agrees(capsys):

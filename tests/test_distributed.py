@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cases import named_cases, random_cases, run_cases
-from cp_attention.launch import run_ranks
+from cp_attention.tools.launch import run_ranks
 
 TOL_FP32 = 1e-5
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import cp_attention
-from cp_attention.launch import run_ranks
 from cp_attention.masks import MaskSpec, SequenceMeta
+from cp_attention.tools.launch import run_ranks
 from oracle import dense_attention
 
 

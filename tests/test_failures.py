@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import cp_attention
-from cp_attention import api
+from cp_attention import engine
 from cp_attention.backends import BACKENDS
 from cp_attention.comm import RankFailedError
-from cp_attention.launch import run_ranks
 from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids
+from cp_attention.tools.launch import run_ranks
 from oracle import dense_attention
 
 L, H, K, D = 24, 4, 2, 8
@@ -98,7 +98,7 @@ def _agreement_worker(rank, world_size):
         # shard_batch saw a different batch on rank 2
         pos = torch.arange(L)[None] if rank != 2 else torch.tensor([[*range(8), *range(L - 8)]])
         cp.shard_batch(input_ids=torch.arange(L)[None] % 7, position_ids=pos)
-        results["batch"] = _outcome(lambda: api.attend(ql, kl, vl, dict(causal=True), batch=cp._batch))
+        results["batch"] = _outcome(lambda: engine.attend(ql, kl, vl, dict(causal=True), batch=cp._batch))
         results["after"] = _outcome(lambda: cp_attention.attention(ql, kl, vl))  # still in step
     return results
 

@@ -78,7 +78,7 @@ def _padded_run(model, embeds_BLE: torch.Tensor, mask_BL: torch.Tensor, weight_B
 @functools.lru_cache(maxsize=None)
 def _padded_batch(family: str):
     """A tiny cp_flash model, a left- and a right-padded row, fixed loss weights, and the baseline."""
-    from cp_attention.tiny_models import tiny_model
+    from cp_attention.tools.tiny_models import tiny_model
 
     model = tiny_model(family, "cp_flash", window=6)
     gen = torch.Generator().manual_seed(5)

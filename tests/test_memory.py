@@ -176,7 +176,7 @@ def test_cp_flash_model_never_builds_a_square_tensor():
     neither transformers' mask creation (our mask function) nor the attention makes an (L x L)
     tensor, and the largest tensor grows linearly."""
     pytest.importorskip("transformers")
-    from cp_attention.tiny_models import tiny_model
+    from cp_attention.tools.tiny_models import tiny_model
 
     model = tiny_model("qwen3", "cp_flash", window=32)
     model.train()
@@ -193,7 +193,7 @@ def test_registered_mask_function_returns_linear_metadata():
     from transformers import masking_utils
 
     from cp_attention.integrations.transformers import CPMask
-    from cp_attention.tiny_models import tiny_config
+    from cp_attention.tools.tiny_models import tiny_config
 
     config = tiny_config("qwen3", window=16)
     config._attn_implementation = "cp_flash"

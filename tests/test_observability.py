@@ -11,7 +11,7 @@ import torch
 
 import cp_attention
 from cp_attention.backends import select_backend
-from cp_attention.tiny_models import tiny_model
+from cp_attention.tools.tiny_models import tiny_model
 
 
 def _qkv(L=24, dtype=torch.float32):

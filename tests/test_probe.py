@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from cp_attention import cli, probe
+from cp_attention.tools import cli, probe
 
 ROW = re.compile(r"^(sliding|packed|own mix)\s+.*?\s(\d+\.\d)% \((\d+)\)\s+(\d+\.\d)% \((\d+)\)\s+(\S+)\s+"
                  r"(\d+\.\d)% \((\d+)\)\s+(OK|FAIL.*)$")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import training_workers as tw
-from cp_attention.launch import free_port, run_ranks
+from cp_attention.tools.launch import free_port, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -201,10 +201,10 @@ def test_shard_batch_takes_the_flattening_collator_output_whole():
     with cp_attention.context_parallel() as cp:
         local = cp.shard_batch(**batch)
         assert sorted(local) == ["input_ids", "labels", "num_items_in_batch", "position_ids", "shift_labels"]
-        record = cp_attention.api.batch_of(local["input_ids"])
+        record = cp_attention.batch.batch_of(local["input_ids"])
         starts = record.meta.doc_start[0]
         no_pos = cp.shard_batch(**{k: v for k, v in batch.items() if k != "position_ids"})
-        assert torch.equal(cp_attention.api.batch_of(no_pos["input_ids"]).meta.doc_start[0], starts)
+        assert torch.equal(cp_attention.batch.batch_of(no_pos["input_ids"]).meta.doc_start[0], starts)
         lengths = [d.numel() for d in docs]
         expected = torch.repeat_interleave(torch.tensor([0, *lengths[:-1]]).cumsum(0), torch.tensor(lengths))
         assert torch.equal(starts, expected)

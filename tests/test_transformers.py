@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import cp_attention
-from cp_attention.launch import run_ranks
-from cp_attention.tiny_models import FAMILIES, is_causal_lm, tiny_config, tiny_model
+from cp_attention.tools.launch import run_ranks
+from cp_attention.tools.tiny_models import FAMILIES, is_causal_lm, tiny_config, tiny_model
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface  # noqa: E402  loading the modeling code registers cp_flash

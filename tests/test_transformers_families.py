@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import hf_cases
-from cp_attention.launch import run_ranks
-from cp_attention.tiny_models import FAMILIES
+from cp_attention.tools.launch import run_ranks
+from cp_attention.tools.tiny_models import FAMILIES
 
 # ModernBERT builds its masks without position_ids and passes none to attention: without a
 # context, cp_flash cannot know packed documents there (transformers' eager cannot either), so its

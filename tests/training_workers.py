@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import cp_attention
-from cp_attention.tiny_models import tiny_config, tiny_model
+from cp_attention.tools.tiny_models import tiny_config, tiny_model
 
 WINDOW = 6  # tokens: windows cross shard and document boundaries at these lengths
 REL_TOL = 1e-5
@@ -265,7 +265,7 @@ def run_balanced(rank: int, world_size: int) -> dict:
         ddp = DistributedDataParallel(model)
         with cp_attention.context_parallel(layout="balanced") as cp:
             local = cp.shard_batch(**batch, model=model)
-            layout = cp_attention.api.batch_of(local["input_ids"]).layout
+            layout = cp_attention.batch.batch_of(local["input_ids"]).layout
             out = ddp(**local, use_cache=False)
             logits = cp.gather(out.logits.detach())
         out.loss.backward()

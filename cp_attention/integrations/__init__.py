@@ -1,4 +1,7 @@
-"""Integrations with other libraries, registered lazily so ``import cp_attention`` stays cheap."""
+"""Integrations with other libraries, registered lazily so ``import cp_attention`` stays cheap.
+
+The engine never imports this package: what it needs from an integration (how ``cp.shard_batch``
+reads a collator's batch) is registered into :mod:`cp_attention.state` by :func:`install`."""
 
 from __future__ import annotations
 
@@ -52,7 +55,12 @@ class _AfterTransformersImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Register "cp_flash" now if transformers' modeling code is loaded, else when it loads."""
+    """Register transformers' batch conventions for ``cp.shard_batch`` (plain torch, no transformers
+    import) and "cp_flash" now if transformers' modeling code is loaded, else when it loads."""
+    from .. import state
+    from .hf_batch import shard_batch
+
+    state.BATCH_CONVENTIONS.setdefault("transformers", shard_batch)
     if _TRIGGER in sys.modules:
         _register_transformers()
     elif importlib.util.find_spec("transformers") is not None and not any(

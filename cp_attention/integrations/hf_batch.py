@@ -1,7 +1,7 @@
 """transformers' batch conventions under context parallelism: what ``cp.shard_batch`` does.
 
 A data collator's whole batch (padding collators, or transformers' ``DataCollatorWithFlattening``
-with its document keys) becomes this rank's shard plus a :class:`~cp_attention.api.BatchRecord`
+with its document keys) becomes this rank's shard plus a :class:`~cp_attention.batch.BatchRecord`
 of the batch's documents; transformers' loss conventions are applied here: labels shifted
 globally into ``shift_labels`` (-100 where nothing is predicted), ``num_items_in_batch`` such that
 the mean of the ranks' losses is the single-device loss.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import SequenceMeta, doc_starts
+from .models import model_masks
 
 __all__ = ["DOCUMENT_KEYS", "shard_batch"]
 
@@ -62,38 +62,10 @@ def _document_opens(documents: dict, seq_len: int) -> torch.Tensor | None:
     return opens
 
 
-def model_masks(model) -> tuple[list[dict], float]:
-    """A transformers model's attention layers as ``balanced_layout`` masks (one dict per layer:
-    sliding windows, Llama 4 chunks, bidirectional layers) and its token weight: the dense compute
-    per token (2 x the parameters outside the embeddings) in units of one visible pair of one layer
-    (4 x heads x head_dim flops: the scores and the weighted values)."""
-    config = getattr(model, "config", model)
-    config = getattr(config, "text_config", None) or config
-    n = int(config.num_hidden_layers)
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * n)
-    causal = bool(getattr(config, "is_causal", True)) and getattr(config, "model_type", "") != "modernbert"
-    window = getattr(config, "sliding_window", None)
-    masks = []
-    for t in types[:n]:
-        if t == "sliding_attention" and window:
-            masks.append(dict(causal=causal, window=int(window)))
-        elif t == "chunked_attention":
-            masks.append(dict(causal=causal, chunk_size=int(config.attention_chunk_size)))
-        else:
-            masks.append(dict(causal=causal))
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    token_weight = 0.0
-    if hasattr(model, "named_parameters"):
-        dense = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name)
-        token_weight = 2.0 * dense / (4.0 * heads * head_dim)
-    return masks, token_weight
-
-
 def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor | None = None, model=None,
                 **inputs) -> dict[str, torch.Tensor]:
-    """:meth:`ContextParallel.shard_batch <cp_attention.api.ContextParallel.shard_batch>` (see
-    there) for the context ``cp``."""
+    """:meth:`ContextParallel.shard_batch <cp_attention.ContextParallel.shard_batch>` (see there) for the
+    context ``cp``: transformers' conventions, then the engine's :meth:`~cp_attention.ContextParallel.shard_documents`."""
     tensors, opens, num_items_given = _translate_inputs(inputs)
     ref_name = "input_ids" if "input_ids" in tensors else next(iter(tensors))
     B, L = tensors[ref_name].shape[:2]
@@ -117,22 +89,10 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
     position_ids = tensors.pop("position_ids", None)
     if position_ids is None:
         position_ids = torch.arange(L, device=device).expand(B, L)
-    position_ids = position_ids.expand(B, L)
     valid = tensors.get("attention_mask")
     if valid is not None and valid.dim() != 2:
         raise ValueError("shard_batch: attention_mask must be a 2D (B, L) padding mask")
-    meta = SequenceMeta(batch=B, seq_len=L, doc_start=doc_starts(
-        B, L, position_ids=position_ids, valid=None if valid is None else valid.bool(), opens=opens),
-        position=position_ids.detach().to("cpu", torch.int64).contiguous())
-    layout = None
-    if cp.layout == "balanced":  # this batch's own layout, from its documents and the model's masks
-        from ..balance import balanced_layout_of
-
-        masks, token_weight = model_masks(model) if model is not None else (None, 0.0)
-        # every document the batch records (padding and a collator's boundaries included)
-        layout = balanced_layout_of(meta, cp.world_size, masks=[dict(m) for m in masks] if masks else None,
-                                    token_weight=token_weight)
-    out: dict[str, torch.Tensor] = {}
+    to_shard: dict[str, torch.Tensor] = {}
     labels = tensors.pop("labels", None)
     num_items = None
     if labels is not None:
@@ -140,16 +100,16 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
         if shift_labels and "shift_labels" not in tensors:
             target = torch.full_like(labels, -100)
             target[:, :-1] = labels[:, 1:]
-            out["shift_labels"] = cp.shard(target, layout=layout).contiguous()
+            to_shard["shift_labels"] = target
         num_items = num_items_given if num_items_given is not None else (target != -100).sum()
-        out["labels"] = cp.shard(labels, layout=layout).contiguous()
-        # each rank's loss is P x its share, so the MEAN over ranks is the single-device loss
-        out["num_items_in_batch"] = num_items.to(device, torch.float32) / cp.world_size
-    for name, t in tensors.items():
-        out[name] = cp.shard(t, layout=layout).contiguous()
-    out["position_ids"] = cp.shard(position_ids, layout=layout).contiguous()
-    cp.bind_batch(out, meta=meta, num_items=num_items, padded=valid is not None, layout=layout)
-    return out
+        to_shard["labels"] = labels
+    to_shard.update(tensors)
+    # each rank's loss is P x its share, so the MEAN over ranks is the single-device loss
+    scaled = {} if num_items is None else {"num_items_in_batch": num_items.to(device, torch.float32) / cp.world_size}
+    return cp.shard_documents(to_shard, position_ids=position_ids, opens=opens,
+                              valid=None if valid is None else valid.bool(),
+                              model_masks=None if model is None else (lambda: model_masks(model)),
+                              num_items=num_items, bind_also=scaled)
 
 
 def _translate_inputs(inputs: dict):

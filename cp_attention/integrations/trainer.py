@@ -17,7 +17,7 @@ What one training step does, on every rank:
    changes). The ranks of a CP group all-gather their micro-batches and join them along the
    sequence: each row of the joined batch is the ranks' rows one after the other, each kept a
    document of its own (no token attends across, no label is predicted across).
-2. :meth:`~cp_attention.api.ContextParallel.shard_batch` shards the joined batch; the model runs on
+2. :meth:`~cp_attention.ContextParallel.shard_batch` shards the joined batch; the model runs on
    this rank's shard with the documents of the whole batch, and backward runs inside the context.
 3. Trainer's own loss scaling is kept: ``num_items_in_batch`` counts the label tokens of every
    rank's micro-batch once, each rank's loss is its tokens' sum divided by it times the number of
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from ..api import context_parallel
+from ..context import context_parallel
 from .hf_batch import DOCUMENT_KEYS
 
 __all__ = ["CPTrainer", "join_micro_batches"]

@@ -22,6 +22,11 @@ def is_causal_lm(family: str) -> bool:
     return family != "modernbert"
 
 
+def _alternating(n: int) -> list[str]:
+    """``n`` layer types, sliding window and full attention in turn (sliding first)."""
+    return (["sliding_attention", "full_attention"] * n)[:n]
+
+
 def tiny_config(family: str, *, window: int = 16, chunk: int = 16, vocab: int = 128, layers: int | None = None):
     """A tiny config of ``family`` (see FAMILIES) whose masks use ``window``/``chunk`` tokens."""
     import transformers as tf
@@ -32,18 +37,17 @@ def tiny_config(family: str, *, window: int = 16, chunk: int = 16, vocab: int = 
     if family == "qwen3":
         n = layers or 2
         return tf.Qwen3Config(**common, num_hidden_layers=n, use_sliding_window=True, sliding_window=window,
-                              max_window_layers=0, layer_types=(["sliding_attention", "full_attention"] * n)[:n])
+                              max_window_layers=0, layer_types=_alternating(n))
     if family == "mistral":
         return tf.MistralConfig(**common, num_hidden_layers=layers or 2, sliding_window=window)
     if family == "ministral":
         n = layers or 2
-        return tf.MinistralConfig(**common, num_hidden_layers=n, sliding_window=window,
-                                  layer_types=(["sliding_attention", "full_attention"] * n)[:n])
+        return tf.MinistralConfig(**common, num_hidden_layers=n, sliding_window=window, layer_types=_alternating(n))
     if family == "gemma2":
         n = layers or 2
         return tf.Gemma2Config(**common, num_hidden_layers=n, sliding_window=window, query_pre_attn_scalar=16,
                                attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
-                               layer_types=(["sliding_attention", "full_attention"] * n)[:n])
+                               layer_types=_alternating(n))
     if family == "gemma3":
         n = layers or 3
         types = ["sliding_attention"] * (n - 1) + ["full_attention"]  # the 5:1 pattern, shortened
@@ -53,7 +57,7 @@ def tiny_config(family: str, *, window: int = 16, chunk: int = 16, vocab: int = 
         n = layers or 2
         cfg = dict(common, intermediate_size=64)
         return tf.GptOssConfig(**cfg, num_hidden_layers=n, sliding_window=window, num_local_experts=4,
-                               num_experts_per_tok=2, layer_types=(["sliding_attention", "full_attention"] * n)[:n])
+                               num_experts_per_tok=2, layer_types=_alternating(n))
     if family == "llama4":
         n = layers or 4
         return tf.Llama4TextConfig(**dict(common, intermediate_size_mlp=128), num_hidden_layers=n,
@@ -62,12 +66,10 @@ def tiny_config(family: str, *, window: int = 16, chunk: int = 16, vocab: int = 
                                    use_qk_norm=True)
     if family == "cohere2":
         n = layers or 2
-        return tf.Cohere2Config(**common, num_hidden_layers=n, sliding_window=window,
-                                layer_types=(["sliding_attention", "full_attention"] * n)[:n])
+        return tf.Cohere2Config(**common, num_hidden_layers=n, sliding_window=window, layer_types=_alternating(n))
     if family == "olmo3":
         n = layers or 2
-        return tf.Olmo3Config(**common, num_hidden_layers=n, sliding_window=window,
-                              layer_types=(["sliding_attention", "full_attention"] * n)[:n])
+        return tf.Olmo3Config(**common, num_hidden_layers=n, sliding_window=window, layer_types=_alternating(n))
     if family == "phi3":
         cfg = {k: v for k, v in common.items() if k != "head_dim"}
         return tf.Phi3Config(**cfg, num_hidden_layers=layers or 2, sliding_window=None)

@@ -16,9 +16,9 @@ __all__ = ["COMMANDS", "main"]
 
 # name -> (module, one-line description)
 COMMANDS = {
-    "probe": ("cp_attention.probe", "does CP keep a tiny model's masks? (the main check)"),
-    "demo": ("cp_attention.demo", "attention on gloo ranks: error and K/V traffic"),
-    "bench": ("cp_attention.bench", "time cp_attention.attention against dense-mask SDPA"),
+    "probe": ("cp_attention.tools.probe", "does CP keep a tiny model's masks? (the main check)"),
+    "demo": ("cp_attention.tools.demo", "attention on gloo ranks: error and K/V traffic"),
+    "bench": ("cp_attention.tools.bench", "time cp_attention.attention against dense-mask SDPA"),
 }
 
 

@@ -1,0 +1,178 @@
+"""The batch record: what one ``cp.shard_batch`` call learned about its full batch, bound to the
+tensors it returned, and the one rule by which an attention layer finds the batch it runs on.
+
+Which batch a layer runs on (:func:`resolve`), in this order:
+
+1. the record bound to the ``position_ids`` the layer received (exact: they are the batch's);
+2. else the record its mask was built for (:func:`resolve_for_mask`, once per forward when the model
+   builds its masks): the record bound to the padding ``attention_mask``, else the active context's
+   only live batch, else, in a forward recomputed by checkpointing after its ``context_parallel``
+   block exited, the only live multi-rank batch of the mask's shape.
+
+A layer never looks the batch up anywhere else (not at backward time, not in "whatever context is
+active"): the record carries its context, so checkpoint recomputation after the block runs on the
+same group and documents. Several live batches with nothing to tell them apart raise.
+
+Legend: ``B`` rows, ``L`` global length, ``L_local`` this rank's tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from . import state
+from .agreement import meta_crc
+from .masks import SequenceMeta
+from .torch_compat import in_backward, tensor_version
+
+__all__ = ["BatchRecord", "LiveRecords", "batch_of", "bind", "resolve", "resolve_for_mask", "AMBIGUOUS", "NO_MASK"]
+
+AMBIGUOUS = object()
+"""Returned where several live sharded batches could be meant (a forward must then name its batch
+through the tensors it got from ``shard_batch``)."""
+NO_MASK = object()
+"""The layer got no mask of ours (e.g. a prebuilt dict of masks): :func:`resolve` falls back to the
+active context's only live batch."""
+
+_BATCH_ATTR = "_cp_attention_batch"
+
+
+@dataclass(frozen=True, eq=False)
+class BatchRecord:
+    """What one :meth:`~cp_attention.ContextParallel.shard_batch` call learned about its full batch:
+    its length, its global documents (position restarts, ``cu_seq_lens``/``seq_idx`` boundaries and
+    the padding of ``attention_mask``) and the global number of label tokens.
+
+    A record is bound to the tensors that call returned (see :func:`batch_of`) and to its context
+    ``cp``: a forward on those tensors uses this record, whichever context is active when it runs
+    (or when autograd recomputes it under gradient checkpointing)."""
+
+    cp: object  # the ContextParallel of the shard_batch call
+    seq_len: int
+    meta: SequenceMeta
+    num_items: torch.Tensor | None
+    local_position_ids: torch.Tensor = field(repr=False)
+    layout: object = None  # the layout object the batch was sharded with
+    padded: bool = False
+    crc: int = 0  # checksum of ``meta``, compared across ranks by the batch's first attention call
+    agreed: dict = field(default_factory=dict, repr=False, compare=False)
+    """The plans the group agreed on for this batch, per call signature (every header field that
+    must agree): a later call with an agreed signature exchanges nothing."""
+
+
+def batch_of(*tensors) -> BatchRecord | None:
+    """The :class:`BatchRecord` of the ``shard_batch`` call that returned any of ``tensors`` (the
+    first one found), or None. Tensors derived from them (``.to()``, arithmetic) carry no record."""
+    for t in tensors:
+        record = getattr(t, _BATCH_ATTR, None) if isinstance(t, torch.Tensor) else None
+        if record is not None:
+            return record
+    return None
+
+
+def _alive(refs: list[weakref.ref]) -> bool:
+    return any(ref() is not None for ref in refs)
+
+
+class LiveRecords:
+    """The records of one context's ``shard_batch`` calls, with weak references to the tensors each
+    returned: a batch is alive while any of them is. Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._records: list[tuple[list[weakref.ref], BatchRecord]] = []
+
+    def add(self, refs: list[weakref.ref], record: BatchRecord) -> None:
+        with self._lock:
+            self._records = [(r, rec) for r, rec in self._records if _alive(r)]
+            self._records.append((refs, record))
+
+    def only(self):
+        """The only live record, None when there is none, :data:`AMBIGUOUS` when several."""
+        with self._lock:
+            self._records = [(r, rec) for r, rec in self._records if _alive(r)]
+            if not self._records:
+                return None
+            return self._records[0][1] if len(self._records) == 1 else AMBIGUOUS
+
+
+def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_items: torch.Tensor | None = None,
+         padded: bool = False) -> BatchRecord:
+    """Record a sharded batch of the context ``cp``: ``local`` (this rank's tensors, ``position_ids``
+    among them) and the global ``meta`` of its documents. The record is bound to every tensor of
+    ``local`` (see :func:`batch_of`) and is live while any of them is."""
+    # the record keeps its own copy of the position ids: it must not keep the returned tensors
+    # alive, whose lifetime tells whether the batch is still in use
+    record = BatchRecord(cp=cp, seq_len=meta.seq_len, meta=meta, num_items=num_items,
+                         local_position_ids=local["position_ids"].clone(), padded=padded, crc=meta_crc(meta),
+                         layout=layout)
+    for t in local.values():
+        setattr(t, _BATCH_ATTR, record)
+    refs = [weakref.ref(t) for t in local.values()]
+    cp.records.add(refs, record)
+    with state.LIVE_LOCK:
+        state.LIVE_BATCHES[:] = [(r, rec) for r, rec in state.LIVE_BATCHES if _alive(r)]
+        state.LIVE_BATCHES.append((refs, record))
+    return record
+
+
+def _recomputed_batch(batch_size: int, local_len: int):
+    """The only live multi-rank batch with this shape (a forward recomputed during backward after its
+    block exited, with nothing binding it); None if there is none, :data:`AMBIGUOUS` if several."""
+    with state.LIVE_LOCK:
+        state.LIVE_BATCHES[:] = [(refs, rec) for refs, rec in state.LIVE_BATCHES if _alive(refs)]
+        found = [rec for _, rec in state.LIVE_BATCHES if rec.cp.world_size > 1 and rec.meta.batch == batch_size
+                 and rec.local_position_ids.shape[-1] == local_len]
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else AMBIGUOUS
+
+
+def resolve_for_mask(attention_mask, active, batch_size: int, q_length: int):
+    """Step 2 of the rule (module docstring): the record a forward's mask is built for, or None, or
+    :data:`AMBIGUOUS`. ``active``: the active context, or None."""
+    batch = batch_of(attention_mask)
+    if batch is None and active is not None:
+        batch = active.records.only()
+    elif batch is None and in_backward():
+        batch = _recomputed_batch(batch_size, q_length)
+    return batch
+
+
+_AMBIGUOUS_MESSAGE = (
+    "cp_flash: several batches returned by cp.shard_batch are alive and this forward does not say "
+    "which one it runs on (this model does not hand position_ids to its attention layers); run each "
+    "batch's forward before sharding the next one, or delete the other batches' tensors first")
+
+
+def resolve(position_ids, active, *, mask_batch=NO_MASK, memo: dict | None = None
+            ) -> tuple[BatchRecord | None, Exception | None]:
+    """The batch a layer call runs on (the rule of the module docstring), and an error if it cannot
+    be told. ``active``: the active context or None. ``mask_batch``: what :func:`resolve_for_mask`
+    gave the layer's mask (:data:`NO_MASK` without a mask of ours). ``memo``: a per-forward memo (the
+    mask's) of the one check that syncs with the device: ``position_ids`` equal the batch's."""
+    batch = batch_of(position_ids)
+    if batch is not None:
+        return batch, None
+    batch = mask_batch
+    if batch is NO_MASK:
+        batch = active.records.only() if active is not None else None
+    if batch is AMBIGUOUS:
+        return None, ValueError(_AMBIGUOUS_MESSAGE)
+    mine = None if batch is None else batch.local_position_ids
+    if isinstance(position_ids, torch.Tensor) and mine is not None and position_ids.shape[-1] == mine.shape[-1]:
+        # other lengths (a KV cache, another batch) are refused by the length checks that follow. The
+        # comparison syncs with the device: once per forward (the layers share the mask), not per layer
+        memo = {} if memo is None else memo
+        key = ("positions match", id(position_ids), tensor_version(position_ids))
+        if key not in memo:
+            memo[key] = bool((position_ids.to(mine.device) == mine).all())
+        if not memo[key]:
+            return batch, ValueError(
+                "cp_flash: the model got position_ids that cp.shard_batch did not return for this batch; pass "
+                "the position_ids (and every other tensor) of one cp.shard_batch call to the model")
+    return batch, None

@@ -1,0 +1,249 @@
+"""The context object: :func:`context_parallel` and :class:`ContextParallel`, a group with its
+layout, backend, failure channel, plan cache and live batches.
+
+Legend: ``B`` batch, ``L`` global length, ``L_local`` this rank's tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable
+
+import torch
+
+from . import layout as layout_mod
+from . import state
+from .backends import BACKENDS
+from .batch import BatchRecord, LiveRecords, bind
+from .comm import Comm
+from .masks import SequenceMeta
+from .plan_cache import PlanCache
+
+__all__ = ["ContextParallel", "context_parallel", "active_context", "as_group", "PLAN_CACHE_SIZE"]
+
+log = logging.getLogger("cp_attention.api")
+
+PLAN_CACHE_SIZE = 16
+"""Plans and document metadata a context keeps (least recently used first out)."""
+
+
+def active_context() -> ContextParallel | None:
+    """The innermost active :func:`context_parallel` context of this thread, or None."""
+    return state.ACTIVE_CONTEXT.get()
+
+
+def as_group(group, mesh_dim: str | None = None):
+    """A process group from a ProcessGroup, None (the WORLD group) or a DeviceMesh (1-D, or with the
+    name of its context-parallel dimension in ``mesh_dim``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if mesh_dim is not None:
+            if mesh_dim not in (group.mesh_dim_names or ()):
+                raise ValueError(f"mesh_dim={mesh_dim!r} is not a dimension of the DeviceMesh "
+                                 f"(its dimensions: {group.mesh_dim_names})")
+            return group.get_group(mesh_dim)
+        if group.ndim != 1:
+            raise ValueError(f"context_parallel got a {group.ndim}-D DeviceMesh with dimensions "
+                             f"{group.mesh_dim_names}; pass its context-parallel dimension: group=mesh['cp'] "
+                             f"or context_parallel(mesh, mesh_dim='cp')")
+        return group.get_group()
+    if mesh_dim is not None:
+        raise ValueError("mesh_dim names a dimension of a DeviceMesh; group is not a DeviceMesh")
+    return group
+
+
+class ContextParallel:
+    """A context-parallel group: how sequences are sharded over its ranks, plus a plan cache.
+
+    Plans depend on the batch's sequence metadata and the mask; they are cached here (keyed by the
+    content of the documents, shapes, layout and mask) so every layer of one forward that shares a
+    mask reuses one plan and the metadata is exchanged once.
+    """
+
+    def __init__(self, group=None, layout="zigzag", timeout: float | None = None, backend: str = "auto"):
+        group = as_group(group)
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+        self.comm = Comm(group, timeout=timeout, fresh_scope=True)
+        self.group = group
+        # a layout object, or the Balanced policy (shard_batch lays out each batch)
+        self.layout = layout_mod.as_layout(layout, policy=True)
+        self.backend = backend
+        key = (self.comm.world_size, self.layout, backend)
+        with state.ANNOUNCED_LOCK:
+            announce = key not in state.ANNOUNCED
+            state.ANNOUNCED.add(key)
+        if announce:
+            log.info("context parallelism over %d rank(s), %s layout, backend %r (rank %d)",
+                     self.comm.world_size, self.layout, backend, self.comm.rank)
+        self.plans = PlanCache(PLAN_CACHE_SIZE)
+        self.records = LiveRecords()
+        self._batch: BatchRecord | None = None  # the most recent shard_batch record
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(rank={self.rank}, world_size={self.world_size}, layout={str(self.layout)!r})"
+
+    def current_layout(self):
+        """The layout tensors are sharded with: the context's, or under ``layout="balanced"`` the one
+        computed for the most recent ``shard_batch`` call."""
+        if not self.layout.per_batch:
+            return self.layout
+        if self._batch is None:
+            raise ValueError('context_parallel(layout="balanced") computes each batch\'s layout in cp.shard_batch: '
+                             "call it first (or pass layout= explicitly)")
+        return self._batch.layout
+
+    def shard(self, x: torch.Tensor, dim: int = 1, layout=None) -> torch.Tensor:
+        """This rank's shard of a full-length tensor along ``dim`` (differentiable); ``layout``
+        None: :meth:`current_layout`."""
+        return layout_mod.shard(x, dim, self.world_size, layout or self.current_layout(), self.rank)
+
+    def current_batch(self):
+        """The record of this context's only live sharded batch, None when there is none, or
+        :data:`~cp_attention.batch.AMBIGUOUS` when several batches returned by :meth:`shard_batch`
+        are still alive (a forward must then name its batch through the tensors it got from
+        :meth:`shard_batch`)."""
+        return self.records.only()
+
+    def shard_batch(self, *, shift_labels: bool = True, document_starts: torch.Tensor | None = None, model=None,
+                    **inputs) -> dict[str, torch.Tensor]:
+        """Shard a full batch for a transformers model; returns the dict of local tensors.
+
+        ``inputs`` are what a data collator returns for the whole (unsharded) batch: every
+        (B, L, ...) tensor (``input_ids``, ``inputs_embeds``, ``attention_mask``, ``position_ids``,
+        ``labels``, ``token_type_ids``, ...) is sharded along dim 1 with this context's layout.
+        The output of transformers' ``DataCollatorWithFlattening`` is taken whole: its
+        ``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``/``max_length_k`` and ``seq_idx``
+        describe the documents of the packed row; they are checked, turned into the batch's
+        documents and not passed on. Anything else (other scalars, lists, 1-D tensors) raises a
+        ValueError naming the key.
+
+        * ``position_ids`` default to ``arange(L)`` so rotary embeddings see global positions.
+        * ``document_starts`` (B, L) bool: further tokens that open a document (optional).
+        * Under ``context_parallel(layout="balanced")`` the batch gets its own
+          :func:`~cp_attention.balanced_layout` from its documents and ``model``'s attention layers
+          and size (windows, chunks, token weight; without ``model``: one causal layer).
+        * The batch's documents (wherever ``position_ids`` do not increase by one, the collator's
+          document boundaries, ``document_starts`` and padding in ``attention_mask``) are recorded in a
+          :class:`~cp_attention.batch.BatchRecord` bound to the returned tensors: every attention
+          layer under ``attn_implementation="cp_flash"`` that runs on them uses these documents,
+          including layers that receive no ``position_ids`` (Llama 4, ModernBERT), and including
+          forwards recomputed by gradient checkpointing after this context has exited. Several
+          sharded batches may be alive at once (prefetching).
+        * ``labels`` are shifted by one token globally before sharding (``shift_labels``, so no
+          label is lost at a shard boundary; pass ``shift_labels=False`` for masked-LM labels),
+          and ``num_items_in_batch`` is added: the global count of label tokens (or the
+          ``num_items_in_batch`` passed in, e.g. counted over accumulated micro-batches) divided by
+          the world size. Each rank's ``out.loss`` is then ``P`` times its token-weighted share:
+          the **mean** over the group of the ranks' losses is the single-device loss, and the
+          mean of their gradients (what DDP, FSDP2 and ``all_reduce(AVG)`` compute) is the
+          single-device gradient.
+
+        The collator's conventions are transformers' (registered by ``cp_attention.integrations``);
+        the engine's half is :meth:`shard_documents`.
+        """
+        convention = state.BATCH_CONVENTIONS.get("transformers")
+        if convention is None:
+            raise RuntimeError("cp.shard_batch: no batch convention is registered (import cp_attention, which "
+                               "registers transformers' conventions); shard tensors with cp.shard_documents")
+        return convention(self, shift_labels=shift_labels, document_starts=document_starts, model=model, **inputs)
+
+    def shard_documents(self, tensors: dict[str, torch.Tensor], *, position_ids: torch.Tensor,
+                        opens: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                        model_masks: Callable[[], tuple[list | None, float]] | None = None,
+                        num_items: torch.Tensor | None = None,
+                        bind_also: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The engine's half of :meth:`shard_batch`: documents -> metadata, layout, shards, record.
+
+        ``tensors``: full (B, L, ...) tensors to shard along dim 1; ``position_ids`` (B or 1, L)
+        global positions; ``opens`` (B, L) bool further document openings; ``valid`` (B, L) bool
+        padding mask. ``model_masks``: under a per-batch layout policy, returns the model's per-layer
+        masks and token weight (called only then). ``num_items``: the batch's global label count,
+        kept on the record. ``bind_also``: local tensors returned and bound as they are. Returns the
+        local tensors (``position_ids`` included), all bound to one :class:`BatchRecord`."""
+        B, L = next(iter(tensors.values())).shape[:2] if tensors else position_ids.shape
+        position_ids = position_ids.expand(B, L)
+        meta = SequenceMeta.from_inputs(B, L, position_ids=position_ids, valid=valid, opens=opens)
+        layout = self.layout
+        if layout.per_batch:  # this batch's own layout, from every document it records
+            masks, token_weight = model_masks() if model_masks is not None else (None, 0.0)
+            layout = layout.for_batch(meta, self.world_size, masks=[dict(m) for m in masks] if masks else None,
+                                      token_weight=token_weight)
+        out = {name: self.shard(t, layout=layout).contiguous() for name, t in tensors.items()}
+        out.update(bind_also or {})
+        out["position_ids"] = self.shard(position_ids, layout=layout).contiguous()
+        self._batch = bind(self, out, meta=meta, layout=layout, num_items=num_items, padded=valid is not None)
+        return out
+
+    def bind_batch(self, local: dict[str, torch.Tensor], *, meta: SequenceMeta,
+                   num_items: torch.Tensor | None = None, padded: bool = False, layout=None) -> BatchRecord:
+        """Record a batch sharded by hand: ``local`` (this rank's tensors, ``position_ids`` among them)
+        and the global ``meta`` of its documents (see :func:`cp_attention.batch.bind`)."""
+        layout = layout_mod.as_layout(layout) if layout is not None else self.current_layout()
+        self._batch = bind(self, local, meta=meta, layout=layout, num_items=num_items, padded=padded)
+        return self._batch
+
+    def gather(self, x: torch.Tensor, dim: int = 1, layout=None) -> torch.Tensor:
+        """Every rank's shard along ``dim``, reassembled in original token order, on every rank.
+
+        Not differentiable (a collective on detached data)."""
+        if self.world_size == 1:
+            return x
+        x = x.detach()
+        dim = dim % x.dim()
+        lengths = self.comm.all_gather(torch.tensor([x.shape[dim]], device=self.comm.device))
+        lengths = [int(n) for n in lengths]
+        longest = max(lengths)
+        pad_shape = list(x.shape)
+        pad_shape[dim] = longest - x.shape[dim]
+        padded = torch.cat([x, x.new_zeros(pad_shape)], dim=dim).to(self.comm.device)
+        parts = self.comm.all_gather(padded)
+        parts = [p.narrow(dim, 0, n).to(x.device) for p, n in zip(parts, lengths)]
+        return layout_mod.unshard(parts, dim, layout or self.current_layout())
+
+
+@contextlib.contextmanager
+def context_parallel(group=None, layout="zigzag", timeout: float | None = None, *,
+                     mesh_dim: str | None = None, backend: str = "auto"):
+    """Make ``group`` (None: the default WORLD group) the context-parallel group of the block.
+
+    ``group``: a ProcessGroup, a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]`` of a (dp, cp) mesh), or a
+    DeviceMesh with the name of its context-parallel dimension in ``mesh_dim``. ``layout``:
+    ``"zigzag"``, ``"contiguous"``, ``"balanced"`` (each batch of ``cp.shard_batch`` gets its own
+    balanced layout) or a layout object (:mod:`cp_attention.layout`). ``backend``: the varlen backend
+    of the block's attention calls that do not name one, ``cp_flash`` layers included ("auto", or a
+    name in ``cp_attention.backends.BACKENDS``).
+
+    Inside, :func:`~cp_attention.attention` with ``group=None`` shards over this group with this layout::
+
+        with cp_attention.context_parallel(layout="zigzag") as cp:
+            q, k, v = (cp.shard(t, dim=1) for t in (q_full, k_full, v_full))
+            out = cp_attention.attention(q, k, v, window=4096)
+            out_full = cp.gather(out, dim=1)
+
+    Without an initialised torch.distributed and with ``group=None`` the context has world size 1.
+
+    Failures: every wait for the other ranks gives up after ``timeout`` seconds (None:
+    ``$CP_ATTENTION_TIMEOUT`` or 300) with a :class:`~cp_attention.comm.RankFailedError`. An
+    exception escaping the block (or raised inside attention) is recorded for the group, so ranks
+    waiting on this one raise at once, naming it, instead of waiting for the timeout.
+    """
+    cp = ContextParallel(as_group(group, mesh_dim), layout, timeout, backend)
+    token = state.ACTIVE_CONTEXT.set(cp)
+    try:
+        yield cp
+    except BaseException as exc:
+        cp.comm.report_failure("its context_parallel block", exc)
+        raise
+    finally:
+        state.ACTIVE_CONTEXT.reset(token)

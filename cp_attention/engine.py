@@ -1,0 +1,423 @@
+"""The engine: planning and running one attention call, for the bare :func:`~cp_attention.attention`
+(:func:`attend`) and for model integrations (:func:`attend_layer`, the one entry they use).
+
+A call runs in a context (:func:`resolve_call`): the batch record's, else the active
+:func:`~cp_attention.context_parallel` block's or the ``group`` given, else a single device. On one
+device the plan comes from :func:`cp_attention.compiled.local_plan` (the same plans, cache and
+checks as the custom op ``cp_flash`` layers run); on several ranks every check that can fail on one
+rank runs first, then the ranks agree (:mod:`cp_attention.agreement`) and each builds its plan,
+which the ring (:mod:`cp_attention.ring`) executes.
+
+Legend: ``B`` batch, ``L`` local (this rank's) length, ``H`` query heads, ``K`` K/V heads,
+``D`` head dim, ``N`` documents.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import compiled, context, stats
+from . import layout as layout_mod
+from .agreement import DTYPES, collective_error, exchange_headers, make_header, meta_crc, signature
+from .backends import BACKENDS, select_backend
+from .batch import NO_MASK, BatchRecord, batch_of, resolve, resolve_for_mask
+from .comm import Comm
+from .layout import global_index
+from .masks import MaskSpec, SequenceMeta
+from .plan import RankPlan, build_plan
+from .ring import ring_attention
+from .torch_compat import assume_constant_result
+
+__all__ = ["attend", "attend_layer", "LayerDocs", "layer_mask_batch", "compiling_outside_cp", "check_inputs",
+           "resolve_call", "Resolved"]
+
+log = logging.getLogger("cp_attention.api")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The context a call runs in: the context object (None: a single device), its comm, the layout."""
+
+    cp: context.ContextParallel | None
+    comm: Comm
+    layout: object
+
+
+def resolve_call(group, layout, bound=None) -> Resolved:
+    """The context a call runs in: ``bound`` (the context of the batch record the call uses), else
+    the active context or ``group``, else a single device."""
+    active = context.active_context()
+    group = context.as_group(group)
+    if bound is not None:
+        cp = bound
+    elif group is None and active is not None:
+        cp = active
+    elif group is not None:
+        cp = active if active is not None and active.group is group else None
+        if cp is None:
+            cp = context.ContextParallel(group, layout if layout is not None else "zigzag")
+    else:
+        cp = None
+    use_layout = layout_mod.as_layout(layout) if layout is not None else (
+        cp.current_layout() if cp is not None else layout_mod.Zigzag())
+    # no group and no active context: an ordinary single-device attention, even inside a job
+    return Resolved(cp=cp, comm=cp.comm if cp is not None else Comm(single=True), layout=use_layout)
+
+
+# ----------------------------------------------------------------------------------------------
+# input checks
+
+
+def check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend, same_length: bool = True) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape (B, L_local, heads, head_dim), "
+                            f"got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (B, L_local, heads, head_dim), got {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[:2] != k.shape[:2] and (same_length or q.shape[0] != k.shape[0]):
+        raise ValueError(f"q and k must agree on (B, L_local), got {tuple(q.shape[:2])} and "
+                         f"{tuple(k.shape[:2])}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of key/value heads "
+                         f"({k.shape[2]}) for GQA/MQA")
+    B, L = q.shape[:2]
+    if L == 0:
+        raise ValueError("q has no tokens on this rank: the sequence length must be >= the world size")
+    if position_ids is not None and cu_seqlens is not None:
+        raise ValueError("pass either position_ids or cu_seqlens to describe documents, not both")
+    if position_ids is not None:
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype.is_floating_point or \
+                position_ids.dtype == torch.bool:
+            raise TypeError("position_ids must be an integer tensor of shape (B, L_local)")
+        if tuple(position_ids.shape) != (B, L):
+            raise ValueError(f"position_ids must have shape (B, L_local) = {(B, L)}, got "
+                             f"{tuple(position_ids.shape)}")
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError("cu_seqlens must be an int32 (or int64) tensor of shape (N+1,)")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must have shape (N+1,) with N >= 1, got {tuple(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens describes one packed row, but B = {B}; use position_ids "
+                             f"(B, L_local) for batches with several rows")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+            raise TypeError("sinks must be a float tensor of shape (heads,)")
+        if tuple(sinks.shape) != (q.shape[2],):
+            raise ValueError(f"sinks must have shape (heads,) = ({q.shape[2]},), got {tuple(sinks.shape)}")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# one attention call
+
+
+def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None, sinks=None, group=None,
+           layout=None, backend: str | None = None, batch: BatchRecord | None = None,
+           local_error: Exception | None = None, layer: int | None = None, model_crc: int = -1) -> torch.Tensor:
+    """The engine entry behind :func:`~cp_attention.attention` (same arguments and result).
+
+    ``mask``: a MaskSpec or a dict of its keywords (checked on every rank together). ``batch``: the
+    record of a :meth:`~cp_attention.ContextParallel.shard_batch` call, whose documents and context
+    the call uses instead of ``position_ids`` and the active context. ``local_error``: a caller's
+    check that failed on this rank, raised on every rank of the group together (before any K/V
+    moves). ``layer``: the model layer index, for :func:`~cp_attention.forward_plan_stats` (a
+    model's layers only). ``model_crc``: a checksum of the calling model's configuration, agreed with
+    ``batch``'s first call.
+
+    Agreement (see :mod:`cp_attention.agreement`): a call without ``batch`` all-gathers its header
+    every time; with ``batch``, only the batch's first call with each signature does."""
+    error: Exception | None = None
+    try:
+        res = resolve_call(group, layout if layout is not None else (batch.layout if batch is not None else None),
+                           None if batch is None else batch.cp)
+    except ValueError as exc:  # a bad layout name: parsed at the boundary, raised with the other checks
+        res, error = resolve_call(group, None, None if batch is None else batch.cp), exc
+    comm = res.comm
+    if backend is None:
+        backend = res.cp.backend if res.cp is not None else "auto"
+    spec = impl = None
+    try:  # every check that can fail on one rank only runs before the first collective
+        if error is not None:
+            raise error
+        if local_error is not None:
+            raise local_error
+        spec = mask if isinstance(mask, MaskSpec) else MaskSpec(**mask)
+        check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend)
+        impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    if comm.world_size == 1:
+        if error is not None:
+            raise error
+        layout_mod.infer_seq_len([q.shape[1]], 1, res.layout)  # a Layout object must be for these tokens
+        plan = compiled.local_plan(q.shape[0], q.shape[1], k.shape[1], spec.for_planning(),
+                                   position_ids=position_ids, cu_seqlens=cu_seqlens,
+                                   label=f"{res.layout} layout")
+    else:
+        plan = _plan_agreed(res, q, k, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc)
+    stats.note_stats(plan.stats, layer, in_model=layer is not None or batch is not None)
+    return ring_attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]),
+                          softcap=spec.softcap)
+
+
+def _global_meta(comm: Comm, layout, seq_len: int, B: int, position_ids, cu_seqlens,
+                 batch: BatchRecord | None) -> SequenceMeta:
+    """The global document metadata: from ``batch``, from ``cu_seqlens``, or by all-gathering every
+    rank's ``position_ids`` (a collective)."""
+    if batch is not None:
+        if seq_len != batch.seq_len:
+            raise ValueError(f"the attention inputs hold {seq_len} tokens across ranks but the batch given to "
+                             f"cp.shard_batch had {batch.seq_len}; pass the tensors shard_batch returned")
+        return batch.meta
+    if position_ids is None:  # cu_seqlens are global: every rank holds them whole
+        return SequenceMeta.from_inputs(B, seq_len, cu_seqlens=cu_seqlens)
+    sizes = layout_mod.local_lengths(seq_len, comm.world_size, layout)
+    padded = torch.zeros(B, max(sizes), dtype=torch.int64, device=comm.device)
+    padded[:, :position_ids.shape[1]] = position_ids.detach().to(comm.device, torch.int64)
+    parts = [p[:, :n].cpu() for p, n in zip(comm.all_gather(padded, "the position_ids all-gather"), sizes)]
+    return SequenceMeta.from_inputs(B, seq_len, position_ids=layout_mod.unshard(parts, 1, layout))
+
+
+def _cache_keys(cp, layout, q, k, spec: MaskSpec, position_ids, cu_seqlens, batch):
+    """(metadata key, plan key) in the context's cache. Keys hold this rank's view only (local length,
+    the documents' content); the global length is checked against the entry."""
+    B, L_local = q.shape[:2]
+    if batch is not None:
+        meta_key = ("batch", batch.crc, batch.seq_len, layout, B, L_local)
+    else:
+        meta_key = ("documents", layout, B, L_local, cp.plans.digest(position_ids), cp.plans.digest(cu_seqlens))
+    return meta_key, ("plan", meta_key, spec.for_planning(), k.shape[2], k.shape[3], k.element_size())
+
+
+def _build(comm: Comm, layout, meta: SequenceMeta, spec: MaskSpec, k) -> RankPlan:
+    start = time.perf_counter()
+    plan = build_plan(meta, spec.for_planning(), world_size=comm.world_size, layout=layout, rank=comm.rank,
+                      head_kv=k.shape[2], head_dim=k.shape[3], itemsize=k.element_size())
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("plan built in %.1f ms: rank %d of %d, %s layout, %d x %d tokens, %s",
+                  1e3 * (time.perf_counter() - start), comm.rank, comm.world_size, layout, meta.batch, meta.seq_len,
+                  spec.for_planning())
+    return plan
+
+
+def _reused(plan: RankPlan) -> RankPlan:
+    log.debug("plan reused from the context's cache (rank %d of %d)", plan.rank, plan.world_size)
+    return plan
+
+
+def _plan_agreed(res: Resolved, q, k, spec, position_ids, cu_seqlens, sinks, batch, error,
+                 model_crc: int = -1) -> RankPlan:
+    """Several ranks: one header all-gather before any K/V moves, then this rank's plan; with a
+    ``batch`` whose group already agreed on this call's signature, that plan and no collective.
+
+    The header carries every argument the plan depends on, and whether this rank holds the plan
+    (or the document metadata) cached, for which global length and with which metadata checksum.
+    A cached entry is used only when every rank has one for the same length and checksum;
+    otherwise every rank rebuilds together (so a rank whose cache differs can neither hang the
+    others in a collective they skip nor compute with stale documents)."""
+    comm, layout, cp = res.comm, res.layout, res.cp
+    header = None
+    if error is None:
+        meta_key, plan_key = _cache_keys(cp, layout, q, k, spec, position_ids, cu_seqlens, batch)
+        plan_entry = cp.plans.get(plan_key)
+        meta_entry = cp.plans.get(meta_key)
+        if batch is not None:
+            meta_entry = (batch.meta, batch.crc, batch.seq_len)
+        known = plan_entry or meta_entry
+        cached = (int(plan_entry is not None), int(meta_entry is not None),
+                  -1 if known is None else known[2], -1 if known is None else known[1])
+        header = make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached, model_crc)
+        if batch is not None:
+            agreed = batch.agreed.get(signature(header))
+            if agreed is not None:
+                return _reused(agreed)
+    elif batch is not None and batch.agreed:
+        # the others may run an agreed signature with no exchange to meet this rank in: raise here,
+        # recorded for the group, so ranks waiting on this one raise RankFailedError naming it at once
+        comm.report_failure("context-parallel attention", error)
+        raise error
+    headers = exchange_headers(comm, header, error)
+    try:
+        seq_len = layout_mod.infer_seq_len([h.local_len for h in headers], comm.world_size, layout)
+    except ValueError as exc:
+        raise collective_error(exc) from None
+
+    def usable(flag: str) -> bool:
+        """Every rank holds the entry, for this length and the same metadata."""
+        return all(getattr(h, flag) == 1 and h.cached_seq_len == seq_len
+                   and h.cached_meta_crc == headers[0].cached_meta_crc for h in headers)
+
+    if usable("plan_cached"):
+        return _remember(batch, header, _reused(plan_entry[0]))
+    if usable("meta_cached"):
+        meta, crc = meta_entry[0], meta_entry[1]
+    else:
+        try:
+            meta = _global_meta(comm, layout, seq_len, q.shape[0], position_ids, cu_seqlens, batch)
+        except ValueError as exc:  # the header made every rank's inputs equal: all raise it
+            raise collective_error(exc) from None
+        crc = meta_crc(meta)
+        if batch is None:
+            cp.plans.put(meta_key, (meta, crc, seq_len))
+    plan = cp.plans.put(plan_key, (_build(comm, layout, meta, spec, k), crc, seq_len))[0]
+    return _remember(batch, header, plan)
+
+
+def _remember(batch: BatchRecord | None, header, plan: RankPlan) -> RankPlan:
+    """Record that the group agreed on ``header``'s signature for ``batch`` (see BatchRecord.agreed)."""
+    if batch is not None:
+        batch.agreed[signature(header)] = plan
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# the entry of model integrations
+
+
+@dataclass(frozen=True)
+class LayerDocs:
+    """What a model layer knows about its tokens beyond ``position_ids`` (shapes: ``B`` rows, ``Lq``
+    queries, ``T`` absolute positions covered).
+
+    ``mask``: the model built the integration's mask for this forward (then ``batch`` is what
+    :func:`layer_mask_batch` gave it and ``memo`` the mask's per-forward memo). ``q_offset`` /
+    ``kv_offset``: absolute position of the first query / key (a KV cache); ``kv_length``: keys the
+    mask was built for. ``valid`` (B, T) bool padding mask, ``opens`` (B, Lq) bool document starts
+    the model detected, ``cu_seqlens`` (N+1,) one packed row's boundaries given to the layer (one
+    device only); ``collator_documents``: the layer got a packing collator's document keys."""
+
+    mask: bool = False
+    batch: object = None
+    memo: dict | None = None
+    q_offset: int = 0
+    kv_offset: int = 0
+    kv_length: int | None = None
+    valid: torch.Tensor | None = None
+    opens: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
+    collator_documents: bool = False
+
+
+@assume_constant_result
+def _traced_outside_cp() -> bool:
+    """Whether torch.compile traces outside any context of several ranks: asked once per trace and
+    not guarded (dynamo cannot guard on a contextvar), so the single-device op re-checks when it runs."""
+    return not compiled.multi_rank_context_active()
+
+
+def compiling_outside_cp() -> bool:
+    """torch.compile is tracing a forward outside context parallelism: integrations skip what dynamo
+    cannot trace (the context, the forward's bookkeeping, data-dependent branches)."""
+    return torch.compiler.is_compiling() and _traced_outside_cp()
+
+
+def layer_mask_batch(attention_mask, batch_size: int, q_length: int):
+    """The batch a model's masks are built for (step 2 of :mod:`cp_attention.batch`'s rule): None,
+    a :class:`~cp_attention.batch.BatchRecord` or :data:`~cp_attention.batch.AMBIGUOUS`. Called
+    once per forward, when the model builds its masks, which also starts the forward's
+    :func:`~cp_attention.forward_plan_stats`."""
+    if compiling_outside_cp():
+        return batch_of(attention_mask)
+    return _layer_mask_batch_eager(attention_mask, batch_size, q_length)
+
+
+@torch.compiler.disable
+def _layer_mask_batch_eager(attention_mask, batch_size: int, q_length: int):
+    stats.begin_forward()  # the model builds its masks before its layers run
+    return resolve_for_mask(attention_mask, context.active_context(), batch_size, q_length)
+
+
+def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs = LayerDocs(), sinks=None,
+                 layer: int | None = None, model_crc=None, adjust_q=None) -> torch.Tensor:
+    """One model attention layer: q (B, Lq, H, D), k/v (B, Lk, K, D) (GQA not repeated) -> (B, Lq, H, D).
+
+    Owns what an integration must not decide: which batch the layer runs on (:func:`cp_attention.batch.resolve`),
+    the checks that every rank raises together, and the strategy: the ring over the batch's group,
+    or the single-device op (:func:`cp_attention.compiled.local_attention`). ``adjust_q(q, positions)``:
+    a family's correction of queries computed from local positions, given the tokens' global
+    positions (L,) under context parallelism. ``model_crc``: a function returning the model
+    configuration's checksum, agreed with the batch's first call (called only under context
+    parallelism)."""
+    if compiling_outside_cp():  # traced outside context parallelism: straight to the op
+        batch = batch_of(position_ids) or (docs.batch if docs.mask else None)
+        if batch is None:
+            return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, None, layer)
+    return _attend_layer_eager(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q)
+
+
+@torch.compiler.disable
+def _attend_layer_eager(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, model_crc, adjust_q):
+    """Eager: torch.compile breaks the graph here (the context is a contextvar; the agreement
+    collectives, the planner and the ring's point-to-point calls cannot be traced)."""
+    Lq, Lk = q.shape[1], k.shape[1]
+    model_crc = -1 if model_crc is None else model_crc()
+    active = context.active_context()
+    batch, local_error = resolve(position_ids, active, mask_batch=docs.batch if docs.mask else NO_MASK,
+                                 memo=docs.memo)
+    multi_rank_context = active is not None and active.world_size > 1
+    if batch is None and multi_rank_context:
+        local_error = local_error or ValueError(
+            "cp_flash under context parallelism needs the batch's global positions: shard the inputs with "
+            "cp.shard_batch(input_ids=..., position_ids=..., labels=...) and pass its outputs to the model")
+    if local_error is not None:  # raised on every rank of the group together, before any K/V moves
+        if batch is None and multi_rank_context:
+            attend(q, k, v, spec, sinks=sinks, local_error=local_error)
+        elif batch is not None and batch.cp.world_size > 1:
+            attend(q, k, v, spec, sinks=sinks, batch=batch, local_error=local_error, model_crc=model_crc)
+        raise local_error
+    if batch is None or batch.cp.world_size == 1:
+        return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, batch, layer)
+    if Lq != Lk or docs.q_offset or docs.kv_offset:
+        raise ValueError("cp_flash: a non-empty KV cache is not supported under context parallelism "
+                         f"(queries {Lq}, keys {Lk}); call the model with use_cache=False")
+    if docs.valid is not None and not batch.padded:
+        local_error = ValueError("cp_flash: the model got a padding attention_mask that cp.shard_batch did "
+                                 "not see; pass attention_mask to cp.shard_batch with the other inputs")
+    if docs.collator_documents:
+        raise ValueError("cp_flash: cu_seq_lens_* are not used under context parallelism; pass the collator's "
+                         "whole batch (cu_seq_lens_* included) to cp.shard_batch, which takes the documents "
+                         "from them")
+    if adjust_q is not None:
+        cp = batch.cp
+        q = adjust_q(q, global_index(batch.seq_len, cp.world_size, batch.layout, cp.rank))
+    return attend(q, k, v, spec, sinks=sinks, batch=batch, local_error=local_error, layer=layer,
+                  model_crc=model_crc)
+
+
+def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, position_ids, batch, layer):
+    """One device: the custom op with this layer's documents as tensors (those of ``batch``, a
+    shard_batch record of a one-rank context, when it describes these tokens)."""
+    B, Lq = q.shape[:2]
+    Lk = k.shape[1]
+    if docs.mask and docs.kv_length != Lk:
+        raise ValueError(f"cp_flash: the mask was built for {docs.kv_length} keys but the layer has {Lk}")
+    if not docs.mask and Lq != Lk:
+        raise ValueError("cp_flash: queries and keys differ in length (a KV cache?) but no cp_flash mask "
+                         "describes their positions; do not pass a prebuilt 4D mask or a dict of masks")
+    cached = docs.q_offset != 0 or docs.kv_offset != 0 or Lq != Lk
+    if batch is not None and not cached and batch.seq_len == Lq and batch.meta.batch == B:
+        starts = batch.meta.doc_start
+        found = dict(position_ids=batch.meta.position, valid=None, cu_seqlens=None,
+                     opens=None if starts is None else starts == torch.arange(Lq))
+    else:
+        found = dict(position_ids=position_ids, cu_seqlens=docs.cu_seqlens, valid=docs.valid, opens=docs.opens)
+    return compiled.local_attention(q, k, v, spec, sinks=sinks, q_offset=docs.q_offset, kv_offset=docs.kv_offset,
+                                    backend=batch.cp.backend if batch is not None else None, bound=batch is not None,
+                                    layer=layer, **found)

@@ -1,0 +1,83 @@
+"""What a transformers model's configuration says about its attention layers: the one reading of a
+config into per-layer masks (used by the ``cp_flash`` adapter, the balanced layout of
+``cp.shard_batch(model=...)`` and the probe), the model's token weight, and a checksum of the
+configuration that the ranks agree on.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+from .. import state
+from ..masks import MaskSpec
+
+__all__ = ["text_config", "layer_mask", "layer_masks", "model_masks", "config_crc"]
+
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")
+
+
+def text_config(model_or_config):
+    """The configuration of a model's text decoder (``text_config`` of a multimodal config)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "text_config", None) or config
+
+
+def layer_mask(config, layer_idx: int | None) -> MaskSpec:
+    """The mask of layer ``layer_idx`` as the configuration declares it: ``layer_types``
+    (``"sliding_attention"`` with ``sliding_window``, ``"chunked_attention"`` with
+    ``attention_chunk_size``, anything else full) and ``is_causal`` (ModernBERT is bidirectional).
+    ``layer_idx`` None, or a config without ``layer_types``: a full layer."""
+    causal = bool(getattr(config, "is_causal", True)) and getattr(config, "model_type", "") != "modernbert"
+    types = getattr(config, "layer_types", None)
+    kind = types[layer_idx] if types is not None and layer_idx is not None and layer_idx < len(types) else None
+    window = getattr(config, "sliding_window", None)
+    if kind == "sliding_attention" and window:
+        return MaskSpec(causal=causal, window=int(window))
+    if kind == "chunked_attention":
+        return MaskSpec(causal=causal, chunk_size=int(config.attention_chunk_size))
+    return MaskSpec(causal=causal)
+
+
+def layer_masks(config) -> list[MaskSpec]:
+    """:func:`layer_mask` of every decoder layer (``num_hidden_layers`` of them)."""
+    config = text_config(config)
+    return [layer_mask(config, i) for i in range(int(config.num_hidden_layers))]
+
+
+def model_masks(model) -> tuple[list[dict], float]:
+    """A transformers model's attention layers as ``balanced_layout`` masks (one dict per layer:
+    sliding windows, Llama 4 chunks, bidirectional layers) and its token weight: the dense compute
+    per token (2 x the parameters outside the embeddings) in units of one visible pair of one layer
+    (4 x heads x head_dim flops: the scores and the weighted values)."""
+    config = text_config(model)
+    masks = [{name: value for name, value in (("causal", m.causal), ("window", m.window),
+                                               ("chunk_size", m.chunk_size)) if value is not None}
+             for m in layer_masks(config)]
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    token_weight = 0.0
+    if hasattr(model, "named_parameters"):
+        dense = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name)
+        token_weight = 2.0 * dense / (4.0 * heads * head_dim)
+    return masks, token_weight
+
+
+def config_crc(module) -> int:
+    """A 31-bit checksum of the configuration of ``module``'s model (every field but its path and
+    transformers version), agreed by the ranks on a batch's first call: two ranks whose models
+    differ (a window, the layer types) then raise together instead of one of them waiting for an
+    agreement the others skip. -1 when the module has no config. Computed once per config object
+    (:data:`cp_attention.state.CONFIG_CHECKSUMS`)."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return -1
+    with state.CONFIG_LOCK:
+        crc = state.CONFIG_CHECKSUMS.get(config)
+    if crc is not None:
+        return crc
+    fields = {key: value for key, value in config.to_dict().items() if key not in _VOLATILE_CONFIG_KEYS}
+    crc = zlib.crc32(json.dumps(fields, sort_keys=True, default=str).encode()) & 0x7FFFFFFF
+    with state.CONFIG_LOCK:
+        state.CONFIG_CHECKSUMS[config] = crc
+    return crc

@@ -1,0 +1,67 @@
+"""Process state: every module-level mutable object of the library, in one place.
+
+What a forward computes with (its batch's documents, plan, group and layout) is *not* here: it is
+bound to the tensors ``cp.shard_batch`` returned (:mod:`cp_attention.batch`) or saved on the autograd
+context, never looked up again at backward or recompute time. What remains global, and why:
+
+======================  ==========================================  ===========  ==========================
+object                  what and why                                guarded by   lifetime
+======================  ==========================================  ===========  ==========================
+``ACTIVE_CONTEXT``      the innermost ``context_parallel`` block    (contextvar) the ``with`` block
+                        of this thread / task: a ``with`` block's
+                        scope is dynamic, so a contextvar
+``STATS``               the most recent plan statistics             ``STATS_LOCK``  until the next call
+                        (``last_plan_stats``: "in this process")
+``FORWARD``             per thread: the plans of the current model  thread-local  until the next forward
+                        forward (``forward_plan_stats``)
+``LIVE_BATCHES``        weak references to every live sharded       ``LIVE_LOCK``   pruned when the batch's
+                        batch: the fallback of a forward recomputed                tensors die
+                        by checkpointing after its block exited, in
+                        a model whose layers get no position_ids
+``LOCAL_PLANS``         single-device plans by content              its own lock  LRU, 32 entries
+``ANNOUNCED``           (world size, layout, backend) logged at     ``ANNOUNCED_LOCK``  the process
+                        INFO once
+``CONFIG_CHECKSUMS``    a model config's checksum (agreed across    ``CONFIG_LOCK``  weak: dies with the config
+                        ranks), computed once per config object
+``BATCH_CONVENTIONS``   how ``cp.shard_batch`` reads a collator's   (set once at import)  the process
+                        batch: registered by the integrations, so
+                        the engine never imports them
+``INTEGRATIONS``        which integrations registered, and the      ``INTEGRATIONS_LOCK``  the process
+                        transformers modules adapted for the name
+======================  ==========================================  ===========  ==========================
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+
+from .plan_cache import PlanCache
+from .torch_compat import WeakIdKeyDictionary
+
+__all__ = ["ACTIVE_CONTEXT", "STATS", "STATS_LOCK", "FORWARD", "LIVE_BATCHES", "LIVE_LOCK", "LOCAL_PLANS",
+           "ANNOUNCED", "ANNOUNCED_LOCK", "CONFIG_CHECKSUMS", "CONFIG_LOCK", "BATCH_CONVENTIONS", "INTEGRATIONS",
+           "INTEGRATIONS_LOCK"]
+
+ACTIVE_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("cp_attention_ctx", default=None)
+
+STATS: dict = {"last": None}
+STATS_LOCK = threading.Lock()
+
+FORWARD = threading.local()
+
+LIVE_BATCHES: list = []  # (weak references to a batch's tensors, its BatchRecord)
+LIVE_LOCK = threading.Lock()
+
+LOCAL_PLANS = PlanCache(32)
+
+ANNOUNCED: set = set()
+ANNOUNCED_LOCK = threading.Lock()
+
+CONFIG_CHECKSUMS = WeakIdKeyDictionary()  # config -> checksum
+CONFIG_LOCK = threading.Lock()
+
+BATCH_CONVENTIONS: dict = {}  # name -> shard_batch(cp, **inputs) implementation
+
+INTEGRATIONS: dict = {"registered": set(), "adapted_sites": []}
+INTEGRATIONS_LOCK = threading.Lock()

@@ -1,0 +1,85 @@
+"""Plan statistics: what the most recent attention calls did (traffic, kernel calls, work), and the
+statistics of a layout without a process group (:func:`plan_stats`)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import state
+from .masks import MaskSpec, SequenceMeta
+from .plan import PlanStats, build_plan
+from .torch_compat import in_backward
+
+__all__ = ["last_plan_stats", "forward_plan_stats", "begin_forward", "note_stats", "plan_stats"]
+
+log = logging.getLogger("cp_attention.api")
+
+
+def last_plan_stats() -> PlanStats | None:
+    """Statistics of the plan used by the most recent attention call in this process (the bare
+    :func:`~cp_attention.attention` or a ``cp_flash`` layer, at any world size)."""
+    with state.STATS_LOCK:
+        return state.STATS["last"]
+
+
+def forward_plan_stats() -> list[tuple[int | None, PlanStats]]:
+    """``(layer index, PlanStats)`` of every attention layer call of the most recent ``cp_flash``
+    model forward in this thread, in call order, at any world size (recomputations by gradient
+    checkpointing during backward are not counted again)."""
+    return list(getattr(state.FORWARD, "calls", []))
+
+
+def begin_forward() -> None:
+    """Mark the start of a model forward for :func:`forward_plan_stats` (the integration's mask
+    function and the single-device op's first layer call it); a no-op until a layer of the previous
+    forward has run."""
+    if getattr(state.FORWARD, "layer_ran", True):
+        state.FORWARD.calls, state.FORWARD.layer_ran = [], False
+
+
+def note_stats(stats: PlanStats, layer: int | None = None, in_model: bool = False) -> None:
+    """Report a call's plan to :func:`last_plan_stats` and, for a model layer (``in_model``) outside
+    a backward recomputation, to :func:`forward_plan_stats`."""
+    with state.STATS_LOCK:
+        state.STATS["last"] = stats
+    if in_model and not in_backward():
+        if not hasattr(state.FORWARD, "calls"):
+            state.FORWARD.calls = []
+        state.FORWARD.calls.append((layer, stats))
+        state.FORWARD.layer_ran = True
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("attention call%s: %d kernel calls, K/V sent %d B / received %d B in %d rounds, dK/dV %d B",
+                  "" if layer is None else f" (layer {layer})", stats.kernel_calls, stats.kv_bytes_sent,
+                  stats.kv_bytes_recv, stats.rounds, stats.grad_bytes_sent)
+
+
+def plan_stats(layout, rank: int, *, world_size: int | None = None, position_ids=None, cu_seqlens=None,
+               seq_len: int | None = None, causal: bool = True, window: int | None = None,
+               chunk_size: int | None = None, head_kv: int, head_dim: int, dtype=torch.bfloat16) -> PlanStats:
+    """The :class:`~cp_attention.plan.PlanStats` of ``rank`` for a batch and one attention mask under
+    ``layout`` (a name, with ``world_size``, or a :class:`~cp_attention.layout.Layout`), without a
+    process group: traffic, rounds, kernel calls and visible pairs, from the pure planner.
+
+    ``position_ids`` (B, L) or (L,), or ``cu_seqlens`` (N+1,), or ``seq_len`` describe the batch."""
+    from .layout import as_layout
+
+    layout = as_layout(layout)
+    if position_ids is not None:
+        pos = torch.as_tensor(position_ids)
+        pos = pos[None] if pos.dim() == 1 else pos
+        meta = SequenceMeta.from_inputs(pos.shape[0], pos.shape[1], position_ids=pos)
+    elif cu_seqlens is not None:
+        meta = SequenceMeta.from_inputs(1, int(torch.as_tensor(cu_seqlens)[-1]), cu_seqlens=cu_seqlens)
+    elif seq_len is not None:
+        meta = SequenceMeta.from_inputs(1, seq_len)
+    else:
+        raise ValueError("plan_stats needs position_ids, cu_seqlens or seq_len")
+    world_size = getattr(layout, "world_size", world_size)
+    if world_size is None:
+        raise ValueError("plan_stats: a layout name needs world_size")
+    spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return build_plan(meta, spec, world_size=world_size, layout=layout, rank=rank, head_kv=head_kv,
+                      head_dim=head_dim, itemsize=itemsize).stats

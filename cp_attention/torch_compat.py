@@ -1,0 +1,54 @@
+"""The private or version-dependent torch APIs the library uses, behind one module.
+
+Each is wrapped in a function that says what it is for, so a torch upgrade that moves one of them is
+fixed here alone. Tested on torch 2.11-2.13.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch._dynamo
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["WeakIdKeyDictionary", "assume_constant_result", "in_backward", "tensor_version",
+           "torch_context_parallel_active"]
+
+assume_constant_result = torch._dynamo.assume_constant_result
+"""Decorator: dynamo calls the function once per trace and bakes its result into the graph (no guard)."""
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass in this thread (e.g. a forward recomputed by
+    activation checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """The tensor's in-place modification counter, or None for inference tensors (no counter)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def torch_context_parallel_active() -> bool:
+    """Whether torch's own ``context_parallel`` (``torch.distributed.tensor.experimental``, what
+    accelerate's CP runs) is active: it replaces ``F.scaled_dot_product_attention`` by a wrapper
+    registered in its ``_replaced_functions`` (torch 2.7-2.13; older versions could instead push a
+    ``DistributeFunction`` torch-function mode)."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    if sdpa is not torch._C._nn.scaled_dot_product_attention:
+        for name in ("torch.distributed.tensor.experimental._context_parallel._attention",
+                     "torch.distributed.tensor.experimental._attention"):
+            try:
+                replaced = getattr(importlib.import_module(name), "_replaced_functions", {})
+            except ImportError:
+                continue
+            if sdpa in replaced:
+                return True
+    modes = torch.overrides._get_current_function_mode_stack()
+    return any(type(m).__name__ == "DistributeFunction" for m in modes)
