@@ -94,7 +94,7 @@ def _make_layout(name: str, position_ids: torch.Tensor, P: int, mix: str, token_
 
 
 def _local_lengths(layout, L: int, P: int) -> list[int]:
-    return layout.local_lengths() if isinstance(layout, layout_mod.Layout) else layout_mod.local_lengths(L, P, layout)
+    return layout_mod.local_lengths(L, P, layout)
 
 
 def _rank_stats(layout, P: int, position_ids: torch.Tensor, mix: str) -> tuple[list[list], list[float]]:

@@ -34,7 +34,7 @@ import torch
 import cp_attention
 from cp_attention.balance import token_costs
 from cp_attention.layout import Layout
-from cp_attention.masks import SequenceMeta, doc_starts
+from cp_attention.masks import SequenceMeta
 
 MIXES = {"causal": [{}], "window-4096": [{"window": 4096}], "5x window-1024 + full": [{"window": 1024}] * 5 + [{}]}
 HEAD_KV, HEAD_DIM = 8, 128
@@ -53,7 +53,7 @@ def draw_positions(L: int, seed: int) -> torch.Tensor:
 
 def measure(L: int, P: int, mix: str, token_weight: float, seed: int, traffic: bool) -> dict:
     pos = draw_positions(L, seed)
-    meta = SequenceMeta(batch=1, seq_len=L, doc_start=doc_starts(1, L, position_ids=pos), position=pos)
+    meta = SequenceMeta.from_inputs(1, L, position_ids=pos)
     cost = token_costs(meta, MIXES[mix], token_weight)
     heavy = {} if {} in MIXES[mix] else MIXES[mix][0]
     rows = {}
@@ -86,7 +86,7 @@ def full_ring_floor(pos: torch.Tensor, masks: list, token_weight: float, P: int)
     if {} not in masks:
         return 0.0
     L = pos.shape[1]
-    meta = SequenceMeta(batch=1, seq_len=L, doc_start=doc_starts(1, L, position_ids=pos), position=pos)
+    meta = SequenceMeta.from_inputs(1, L, position_ids=pos)
     csum = torch.cat([torch.zeros(1, dtype=torch.float64), token_costs(meta, masks, token_weight).cumsum(0)])
     budget, cap = GOALS["a"][1] * float(csum[-1]) / P, GOALS["b"][1] * L / P
     starts = torch.nonzero(pos[0] == 0).flatten().tolist() + [L]

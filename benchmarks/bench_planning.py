@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from cp_attention.balance import balanced_layout_of  # noqa: E402
-from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts  # noqa: E402
+from cp_attention.masks import MaskSpec, SequenceMeta  # noqa: E402
 from cp_attention.plan import build_plan  # noqa: E402
 
 MASKS = {"causal": MaskSpec(), "window-4096": MaskSpec(window=4096), "chunked-8192": MaskSpec(chunk_size=8192)}
@@ -48,7 +48,7 @@ def packed_positions(L: int, docs: int, seed: int) -> torch.Tensor:
 def time_once(pos: torch.Tensor, P: int, layout_name: str, spec: MaskSpec, rank: int) -> dict:
     L = pos.shape[1]
     t0 = time.perf_counter()
-    meta = SequenceMeta(batch=1, seq_len=L, doc_start=doc_starts(1, L, position_ids=pos), position=pos)
+    meta = SequenceMeta.from_inputs(1, L, position_ids=pos)
     t1 = time.perf_counter()
     layout = balanced_layout_of(meta, P, masks=[dict(causal=spec.causal, window=spec.window,
                                                      chunk_size=spec.chunk_size)]) \

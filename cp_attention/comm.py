@@ -36,6 +36,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from . import state
+
 __all__ = ["Comm", "Pending", "RankFailedError", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
@@ -283,18 +285,15 @@ class Comm:
         return Pending(self, works, [t for _, t, _, _ in ops], f"{what} with rank(s) {peers}")
 
 
-_SCOPES: dict[str, int] = {}
-_SCOPES_LOCK = threading.Lock()
-
-
 def _scope(members: str, fresh: bool) -> int:
     """The failure scope of a group (by its global ranks): a per-process counter of the contexts
     opened on it, the same on every rank because every rank opens them in the same order. Guarded
     by a lock (contexts may be opened from several threads)."""
-    with _SCOPES_LOCK:
+    with state.FAILURE_SCOPES_LOCK:
+        scopes = state.FAILURE_SCOPES
         if fresh:
-            _SCOPES[members] = _SCOPES.get(members, 0) + 1
-        return _SCOPES.get(members, 0)
+            scopes[members] = scopes.get(members, 0) + 1
+        return scopes.get(members, 0)
 
 
 class _Waiter:

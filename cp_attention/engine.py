@@ -30,7 +30,7 @@ from .layout import global_index
 from .masks import MaskSpec, SequenceMeta
 from .plan import RankPlan, build_plan
 from .ring import ring_attention
-from .torch_compat import assume_constant_result
+from .torch_compat import assume_constant_result, torch_context_parallel_active
 
 __all__ = ["attend", "attend_layer", "LayerDocs", "layer_mask_batch", "compiling_outside_cp", "check_inputs",
            "resolve_call", "Resolved"]
@@ -355,15 +355,22 @@ def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs 
     positions (L,) under context parallelism. ``model_crc``: a function returning the model
     configuration's checksum, agreed with the batch's first call (called only under context
     parallelism)."""
+    if torch_context_parallel_active():
+        raise RuntimeError(
+            "cp_flash: torch's context_parallel (accelerate's ParallelismConfig(cp_size > 1)) is active: it shards "
+            "the sequence itself and cp_flash would attend within one shard. cp_flash does its own context "
+            "parallelism: use cp_attention.context_parallel() + cp.shard_batch(), or CPTrainer from "
+            "cp_attention.integrations.trainer, without torch's context_parallel (or use "
+            "attn_implementation='sdpa' with torch's context_parallel, for plain causal masks only)")
     if compiling_outside_cp():  # traced outside context parallelism: straight to the op
         batch = batch_of(position_ids) or (docs.batch if docs.mask else None)
         if batch is None:
             return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, None, layer)
-    return _attend_layer_eager(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q)
+    return _bound_attention(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q)
 
 
 @torch.compiler.disable
-def _attend_layer_eager(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, model_crc, adjust_q):
+def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, model_crc, adjust_q):
     """Eager: torch.compile breaks the graph here (the context is a contextvar; the agreement
     collectives, the planner and the ring's point-to-point calls cannot be traced)."""
     Lq, Lk = q.shape[1], k.shape[1]

@@ -28,7 +28,14 @@ object                  what and why                                guarded by  
                         the engine never imports them
 ``INTEGRATIONS``        which integrations registered, and the      ``INTEGRATIONS_LOCK``  the process
                         transformers modules adapted for the name
+``FAILURE_SCOPES``      per group (its global ranks): how many      ``FAILURE_SCOPES_LOCK``  the process
+                        contexts were opened on it, so a failure
+                        reported in one context does not reach a
+                        later one (the same count on every rank)
 ======================  ==========================================  ===========  ==========================
+
+Not listed: constants, and the backend objects of ``cp_attention.backends.BACKENDS`` (one per
+backend, created at import), each of which remembers whether its kernels import.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from .torch_compat import WeakIdKeyDictionary
 
 __all__ = ["ACTIVE_CONTEXT", "STATS", "STATS_LOCK", "FORWARD", "LIVE_BATCHES", "LIVE_LOCK", "LOCAL_PLANS",
            "ANNOUNCED", "ANNOUNCED_LOCK", "CONFIG_CHECKSUMS", "CONFIG_LOCK", "BATCH_CONVENTIONS", "INTEGRATIONS",
-           "INTEGRATIONS_LOCK"]
+           "INTEGRATIONS_LOCK", "FAILURE_SCOPES", "FAILURE_SCOPES_LOCK"]
 
 ACTIVE_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("cp_attention_ctx", default=None)
 
@@ -65,3 +72,6 @@ BATCH_CONVENTIONS: dict = {}  # name -> shard_batch(cp, **inputs) implementation
 
 INTEGRATIONS: dict = {"registered": set(), "adapted_sites": []}
 INTEGRATIONS_LOCK = threading.Lock()
+
+FAILURE_SCOPES: dict = {}  # group members -> contexts opened on the group
+FAILURE_SCOPES_LOCK = threading.Lock()

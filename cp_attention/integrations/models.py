@@ -27,11 +27,15 @@ def layer_mask(config, layer_idx: int | None) -> MaskSpec:
     """The mask of layer ``layer_idx`` as the configuration declares it: ``layer_types``
     (``"sliding_attention"`` with ``sliding_window``, ``"chunked_attention"`` with
     ``attention_chunk_size``, anything else full) and ``is_causal`` (ModernBERT is bidirectional).
-    ``layer_idx`` None, or a config without ``layer_types``: a full layer."""
+    A config without ``layer_types`` but with a ``sliding_window`` (Mistral, Phi-3) slides on every
+    layer; without either, or for ``layer_idx`` None, a layer is full."""
     causal = bool(getattr(config, "is_causal", True)) and getattr(config, "model_type", "") != "modernbert"
     types = getattr(config, "layer_types", None)
-    kind = types[layer_idx] if types is not None and layer_idx is not None and layer_idx < len(types) else None
     window = getattr(config, "sliding_window", None)
+    if types is None:
+        kind = "sliding_attention" if layer_idx is not None else None
+    else:
+        kind = types[layer_idx] if layer_idx is not None and layer_idx < len(types) else None
     if kind == "sliding_attention" and window:
         return MaskSpec(causal=causal, window=int(window))
     if kind == "chunked_attention":

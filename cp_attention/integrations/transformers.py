@@ -44,7 +44,6 @@ import torch
 from .. import state
 from ..engine import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
-from ..torch_compat import torch_context_parallel_active
 from .models import config_crc, layer_mask, text_config
 
 __all__ = ["NAME", "CPMask", "cp_flash_attention", "cp_flash_mask", "register", "FLASH_NAME_SITES",
@@ -219,13 +218,6 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     if isinstance(attention_mask, torch.Tensor):
         raise ValueError("cp_flash received a dense attention_mask tensor: its masks come from the mask "
                          "function registered with it; pass a 2D padding mask (or none) and position_ids")
-    if torch_context_parallel_active():
-        raise RuntimeError(
-            "cp_flash: torch's context_parallel (accelerate's ParallelismConfig(cp_size > 1)) is active: it shards "
-            "the sequence itself and cp_flash would attend within one shard. cp_flash does its own context "
-            "parallelism: use cp_attention.context_parallel() + cp.shard_batch(), or CPTrainer from "
-            "cp_attention.integrations.trainer, without torch's context_parallel (or use "
-            "attn_implementation='sdpa' with torch's context_parallel, for plain causal masks only)")
     info = attention_mask if isinstance(attention_mask, CPMask) else None
     spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling,
                            is_causal=kwargs.get("is_causal"))

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids, segment_bounds
+from cp_attention.masks import MaskSpec, SequenceMeta, segment_bounds
 
 __all__ = [
     "DTYPES", "dtype_of", "pick_device", "synchronize",
@@ -205,8 +205,7 @@ class MaskCase:
     def meta(self, seq_len: int) -> SequenceMeta:
         """Global metadata of one row of ``seq_len`` tokens."""
         pos = self.position_ids(seq_len)
-        return SequenceMeta(batch=1, seq_len=seq_len,
-                            doc_start=None if pos is None else doc_starts_from_position_ids(pos))
+        return SequenceMeta.from_inputs(1, seq_len, position_ids=pos)
 
     def dense(self, seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """(L, L) bool mask on ``device``, True where query q sees key k (:func:`dense_mask`)."""

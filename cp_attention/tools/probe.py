@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 import cp_attention
+from cp_attention.integrations.models import layer_masks
 from cp_attention.tools.launch import run_ranks
 from cp_attention.tools.tiny_models import FAMILIES, is_causal_lm, tiny_config, tiny_model
 
@@ -149,12 +150,7 @@ def _describe(family: str, case: str, window: int, docs) -> str:
         kind = f"chunks of {window}" if family == "llama4" else f"window {window}"
         return f"every layer local ({kind})"
     cfg = tiny_config(family, window=window, chunk=window)
-    types = getattr(cfg, "layer_types", None)
-    if types is None:
-        mix = f"{cfg.num_hidden_layers} x " + ("sliding" if getattr(cfg, "sliding_window", None) else "full")
-    else:
-        short = {"sliding_attention": "S", "full_attention": "F", "chunked_attention": "C"}
-        mix = "".join(short.get(t, "?") for t in types)
+    mix = "".join("S" if m.window else "C" if m.chunk_size else "F" for m in layer_masks(cfg))
     text = f"own mix {mix}"
     if case == "packed":
         text += f", documents {'+'.join(map(str, docs))}"
