@@ -81,16 +81,32 @@ class Contiguous(NamedLayout):
 @dataclass(frozen=True)
 class Balanced:
     """A policy, not a layout: each batch gets its own :class:`Layout` from its documents and the
-    model's attention layers (:func:`cp_attention.balanced_layout_of`), made by ``cp.shard_batch``."""
+    model's attention layers (:func:`cp_attention.balanced_layout_of`), made by ``cp.shard_batch``.
+
+    ``max_token_ratio``: a rank holds at most this x L / P tokens. ``masks`` / ``token_weight``: the
+    layer masks and per-token weight of the cost model; None: the model's, read by ``shard_batch``
+    from ``model=`` (one causal layer and no token weight without it)."""
+
+    max_token_ratio: float = 1.25
+    masks: tuple | None = None
+    token_weight: float | None = None
 
     name = "balanced"
     per_batch = True
 
+    def __post_init__(self) -> None:
+        if not self.max_token_ratio >= 1.0:
+            raise ValueError(f"Balanced: max_token_ratio must be >= 1 (a rank holds at least L / P tokens), "
+                             f"got {self.max_token_ratio!r}")
+
     def for_batch(self, meta, world_size: int, *, masks=None, token_weight: float = 0.0) -> Layout:
-        """The balanced :class:`Layout` of the batch ``meta`` (a :class:`~cp_attention.SequenceMeta`)."""
+        """The balanced :class:`Layout` of the batch ``meta`` (a :class:`~cp_attention.SequenceMeta`);
+        ``masks`` and ``token_weight`` are the model's (the policy's own, when set, win)."""
         from .balance import balanced_layout_of  # the balancer builds on this module
 
-        return balanced_layout_of(meta, world_size, masks=masks, token_weight=token_weight)
+        return balanced_layout_of(meta, world_size, masks=list(self.masks) if self.masks is not None else masks,
+                                  token_weight=self.token_weight if self.token_weight is not None else token_weight,
+                                  max_token_ratio=self.max_token_ratio)
 
     def __str__(self) -> str:
         return self.name
