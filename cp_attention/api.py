@@ -10,9 +10,14 @@ from __future__ import annotations
 import torch
 
 from . import engine
+from .batch import BatchRecord, batch_of
+from .context import ContextParallel, context_parallel
 from .masks import MaskSpec
+from .stats import forward_plan_stats, last_plan_stats
 
-__all__ = ["attention"]
+# the names this module exported before the engine was split by responsibility, for old imports
+__all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats", "forward_plan_stats", "BatchRecord",
+           "batch_of"]
 
 
 def attention(

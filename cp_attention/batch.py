@@ -59,6 +59,7 @@ class BatchRecord:
     layout: object = None  # the layout object the batch was sharded with
     padded: bool = False
     crc: int = 0  # checksum of ``meta``, compared across ranks by the batch's first attention call
+    digest: bytes = b""  # 128-bit digest of ``meta``: the key of the batch's plans in its context's cache
     agreed: dict = field(default_factory=dict, repr=False, compare=False)
     """The plans the group agreed on for this batch, per call signature (every header field that
     must agree): a later call with an agreed signature exchanges nothing."""
@@ -109,7 +110,7 @@ def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_
     # alive, whose lifetime tells whether the batch is still in use
     record = BatchRecord(cp=cp, seq_len=meta.seq_len, meta=meta, num_items=num_items,
                          local_position_ids=local["position_ids"].clone(), padded=padded, crc=meta_crc(meta),
-                         layout=layout)
+                         digest=meta.digest(), layout=layout)
     for t in local.values():
         setattr(t, _BATCH_ATTR, record)
     refs = [weakref.ref(t) for t in local.values()]

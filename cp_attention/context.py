@@ -24,8 +24,8 @@ __all__ = ["ContextParallel", "context_parallel", "active_context", "as_group", 
 
 log = logging.getLogger("cp_attention.api")
 
-PLAN_CACHE_SIZE = 16
-"""Plans and document metadata a context keeps (least recently used first out)."""
+PLAN_CACHE_SIZE = 32
+"""Plans and document metadata a context keeps, together (least recently used first out)."""
 
 
 def active_context() -> ContextParallel | None:
@@ -66,12 +66,13 @@ class ContextParallel:
         group = as_group(group)
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+        # a layout object, or the Balanced policy (shard_batch lays out each batch); parsed before the
+        # comm opens its failure scope, so a bad layout opens none (the ranks' scope counts stay equal)
+        self.layout = layout_mod.as_layout(layout, policy=True)
         self.comm = Comm(group, timeout=timeout, fresh_scope=True)
         self.group = group
-        # a layout object, or the Balanced policy (shard_batch lays out each batch)
-        self.layout = layout_mod.as_layout(layout, policy=True)
         self.backend = backend
-        key = (self.comm.world_size, self.layout, backend)
+        key = (self.comm.world_size, self.layout.name, backend)
         with state.ANNOUNCED_LOCK:
             announce = key not in state.ANNOUNCED
             state.ANNOUNCED.add(key)
@@ -91,7 +92,7 @@ class ContextParallel:
         return self.comm.world_size
 
     def __repr__(self) -> str:
-        return f"ContextParallel(rank={self.rank}, world_size={self.world_size}, layout={str(self.layout)!r})"
+        return f"ContextParallel(rank={self.rank}, world_size={self.world_size}, layout={self.layout.label})"
 
     def current_layout(self):
         """The layout tensors are sharded with: the context's, or under ``layout="balanced"`` the one

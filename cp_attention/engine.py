@@ -144,11 +144,12 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
     Agreement (see :mod:`cp_attention.agreement`): a call without ``batch`` all-gathers its header
     every time; with ``batch``, only the batch's first call with each signature does."""
     error: Exception | None = None
-    try:
-        res = resolve_call(group, layout if layout is not None else (batch.layout if batch is not None else None),
-                           None if batch is None else batch.cp)
-    except ValueError as exc:  # a bad layout name: parsed at the boundary, raised with the other checks
-        res, error = resolve_call(group, None, None if batch is None else batch.cp), exc
+    try:  # parsed at the boundary; a bad layout is raised with the other checks, on every rank together
+        layout = layout_mod.as_layout(layout) if layout is not None else None
+    except ValueError as exc:
+        layout, error = None, exc
+    res = resolve_call(group, layout if layout is not None else (batch.layout if batch is not None else None),
+                       None if batch is None else batch.cp)
     comm = res.comm
     if backend is None:
         backend = res.cp.backend if res.cp is not None else "auto"
@@ -200,7 +201,7 @@ def _cache_keys(cp, layout, q, k, spec: MaskSpec, position_ids, cu_seqlens, batc
     the documents' content); the global length is checked against the entry."""
     B, L_local = q.shape[:2]
     if batch is not None:
-        meta_key = ("batch", batch.crc, batch.seq_len, layout, B, L_local)
+        meta_key = ("batch", batch.digest, layout, B, L_local)
     else:
         meta_key = ("documents", layout, B, L_local, cp.plans.digest(position_ids), cp.plans.digest(cu_seqlens))
     return meta_key, ("plan", meta_key, spec.for_planning(), k.shape[2], k.shape[3], k.element_size())
@@ -374,7 +375,6 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
     """Eager: torch.compile breaks the graph here (the context is a contextvar; the agreement
     collectives, the planner and the ring's point-to-point calls cannot be traced)."""
     Lq, Lk = q.shape[1], k.shape[1]
-    model_crc = -1 if model_crc is None else model_crc()
     active = context.active_context()
     batch, local_error = resolve(position_ids, active, mask_batch=docs.batch if docs.mask else NO_MASK,
                                  memo=docs.memo)
@@ -387,10 +387,12 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
         if batch is None and multi_rank_context:
             attend(q, k, v, spec, sinks=sinks, local_error=local_error)
         elif batch is not None and batch.cp.world_size > 1:
-            attend(q, k, v, spec, sinks=sinks, batch=batch, local_error=local_error, model_crc=model_crc)
+            attend(q, k, v, spec, sinks=sinks, batch=batch, local_error=local_error,
+                   model_crc=-1 if model_crc is None else model_crc())
         raise local_error
     if batch is None or batch.cp.world_size == 1:
         return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, batch, layer)
+    model_crc = -1 if model_crc is None else model_crc()
     if Lq != Lk or docs.q_offset or docs.kv_offset:
         raise ValueError("cp_flash: a non-empty KV cache is not supported under context parallelism "
                          f"(queries {Lq}, keys {Lk}); call the model with use_cache=False")

@@ -36,11 +36,25 @@ LAYOUTS = ("zigzag", "contiguous")
 
 
 class NamedLayout:
-    """A layout defined for every length and world size by a rule (equal instances are the same
-    layout): :meth:`rank_ranges` says which tokens a rank holds."""
+    """A layout defined for every length and world size by a rule: :meth:`rank_ranges` says which
+    tokens a rank holds. Instances are equal to each other and to their name (``Zigzag() ==
+    "zigzag"``), so code that compared a context's layout to a name keeps working."""
 
     name = ""
     per_batch = False
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, str):
+            return other == self.name
+        return isinstance(other, NamedLayout) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    @property
+    def label(self) -> str:
+        """How messages name the layout."""
+        return repr(self.name)
 
     def rank_ranges(self, seq_len: int, world_size: int, rank: int) -> list[tuple[int, int]]:
         """Global ``[start, end)`` ranges held by ``rank``, in local order (empty ranges dropped)."""
@@ -55,7 +69,7 @@ class NamedLayout:
         return self.name
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Zigzag(NamedLayout):
     """``2P`` slices; rank ``r`` holds slices ``r`` and ``2P-1-r`` (balances one causal sequence)."""
 
@@ -67,7 +81,7 @@ class Zigzag(NamedLayout):
         return [(a, b) for a, b in ranges if b > a]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Contiguous(NamedLayout):
     """``P`` slices; rank ``r`` holds slice ``r``."""
 
@@ -78,7 +92,7 @@ class Contiguous(NamedLayout):
         return [(a, b)] if b > a else []
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Balanced:
     """A policy, not a layout: each batch gets its own :class:`Layout` from its documents and the
     model's attention layers (:func:`cp_attention.balanced_layout_of`), made by ``cp.shard_batch``.
@@ -98,6 +112,24 @@ class Balanced:
         if not self.max_token_ratio >= 1.0:
             raise ValueError(f"Balanced: max_token_ratio must be >= 1 (a rank holds at least L / P tokens), "
                              f"got {self.max_token_ratio!r}")
+        if self.masks is not None:  # hashable and checked now: MaskSpecs of the planning part
+            from .masks import MaskSpec
+
+            specs = tuple((m if isinstance(m, MaskSpec) else MaskSpec(**m)).for_planning() for m in self.masks)
+            object.__setattr__(self, "masks", specs)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, str):
+            return other == self.name
+        return isinstance(other, Balanced) and (self.max_token_ratio, self.masks, self.token_weight) == (
+            other.max_token_ratio, other.masks, other.token_weight)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.max_token_ratio, self.masks, self.token_weight))
+
+    @property
+    def label(self) -> str:
+        return repr(self.name)
 
     def for_batch(self, meta, world_size: int, *, masks=None, token_weight: float = 0.0) -> Layout:
         """The balanced :class:`Layout` of the batch ``meta`` (a :class:`~cp_attention.SequenceMeta`);
@@ -184,6 +216,11 @@ class Layout:
     def __str__(self) -> str:
         return repr(self)
 
+    @property
+    def label(self) -> str:
+        """How messages name the layout."""
+        return repr(self)
+
     @functools.cached_property
     def code(self) -> int:
         """A positive 31-bit checksum of the assignment (ranks compare layouts by it)."""
@@ -261,7 +298,7 @@ def infer_seq_len(lengths: list[int], world_size: int, layout) -> int:
     expected = local_lengths(seq_len, world_size, layout)
     if list(lengths) != expected:
         raise ValueError(
-            f"local sequence lengths {list(lengths)} across ranks do not match the {str(layout)!r} layout of "
+            f"local sequence lengths {list(lengths)} across ranks do not match the {layout.label} layout of "
             f"{seq_len} tokens over {world_size} ranks, which gives {expected}; shard inputs with "
             f"cp.shard(x, dim=1) (or cp_attention.layout.shard) using the same layout")
     if seq_len < world_size:

@@ -17,6 +17,7 @@ Legend for tensor names: ``B`` batch rows, ``L`` global sequence length, ``N`` n
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -151,6 +152,16 @@ class SequenceMeta:
         return cls(batch=batch, seq_len=seq_len,
                    doc_start=doc_starts(batch, seq_len, position_ids=position, valid=valid, opens=opens),
                    position=None if position is None else position.contiguous())
+
+    def digest(self) -> bytes:
+        """A 128-bit digest of the metadata (rows, length, documents, positions): equal for equal
+        metadata; what caches key batches by (the agreement's 31-bit checksum is for comparing ranks)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr((self.batch, self.seq_len, self.doc_start is None, self.position is None)).encode())
+        for t in (self.doc_start, self.position):
+            if t is not None:
+                h.update(t.expand(self.batch, self.seq_len).contiguous().numpy().tobytes())
+        return h.digest()
 
     def doc_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(start, end) of each token's document, both (B, L) int64, ``end`` exclusive."""

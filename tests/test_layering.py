@@ -20,7 +20,8 @@ import pytest
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cp_attention")
 MAX_LINES = 700
 NOT_ENGINE = ("integrations", "tools")
-COMPOSERS = {"__init__.py", "__main__.py", "probe.py", "demo.py", "bench.py"}  # the root and the tool shims
+COMPOSERS = {"__init__.py", "__main__.py", "probe.py", "demo.py", "bench.py", "cli.py", "launch.py",
+             "tiny_models.py"}  # the root and the shims of the tools
 
 
 def _modules() -> dict[str, str]:

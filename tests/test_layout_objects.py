@@ -87,3 +87,14 @@ def test_balanced_policy_in_a_context_lays_out_each_batch():
         record = cp_attention.batch.batch_of(local["input_ids"])
         assert isinstance(record.layout, cp_attention.Layout) and record.layout.name == "balanced"
         assert cp.current_layout() is record.layout
+
+
+def test_balanced_policy_with_its_own_masks_in_a_context():
+    """A policy with masks of its own is hashable and usable as a context's layout, and equal to its name."""
+    pos = _packed()
+    policy = cp_attention.Balanced(masks=({"window": 16}, {}), max_token_ratio=1.1)
+    assert policy == "balanced" and cp_attention.Zigzag() == "zigzag" and cp_attention.Contiguous() != "zigzag"
+    with cp_attention.context_parallel(layout=policy) as cp:
+        local = cp.shard_batch(input_ids=pos % 7, position_ids=pos)
+        assert cp_attention.batch.batch_of(local["position_ids"]).layout.name == "balanced"
+        assert repr(cp).endswith("layout='balanced')")
