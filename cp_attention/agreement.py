@@ -70,6 +70,7 @@ class Header:
     cu_seqlens_crc: int = -1
     batch_length: int = -1         # the shard_batch record's global length
     batch_documents_crc: int = -1  # ... and its metadata checksum
+    batch_tokens_crc: int = -1     # ... and the checksum of its tokens (input ids, labels, ...)
     plan_cached: int = -1          # this rank holds the plan cached
     meta_cached: int = -1          # ... or the document metadata
     cached_seq_len: int = -1       # the global length of the cached entry
@@ -105,7 +106,8 @@ def make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cach
         scale=float_bits(spec.scale), sinks=int(sinks is not None),
         documents=0 if position_ids is None and cu_seqlens is None else (1 if position_ids is not None else 2),
         cu_seqlens_crc=crc, batch_length=-1 if batch is None else batch.seq_len,
-        batch_documents_crc=-1 if batch is None else batch.crc, plan_cached=plan_cached, meta_cached=meta_cached,
+        batch_documents_crc=-1 if batch is None else batch.crc,
+        batch_tokens_crc=-1 if batch is None else batch.tokens_crc, plan_cached=plan_cached, meta_cached=meta_cached,
         cached_seq_len=cached_seq_len, cached_meta_crc=cached_meta_crc, model_crc=model_crc)
 
 
@@ -137,6 +139,14 @@ def exchange_headers(comm: Comm, header: Header | None, error: Exception | None)
         kind, message = messages[failed[0]]
         exc_type = TypeError if kind == "TypeError" else ValueError
         raise collective_error(exc_type(f"rank {failed[0]} rejected its inputs: {message}"))
+    tokens = [h.batch_tokens_crc for h in headers]
+    if any(v != tokens[0] for v in tokens):
+        raise collective_error(ValueError(
+            f"ranks were given different batches: the checksums of the tensors passed to cp.shard_batch differ "
+            f"{tokens} (rank order). Every rank of a context-parallel group must shard the SAME full batch; a "
+            f"per-rank sampler (a DistributedSampler over every rank, accelerator.prepare(dataloader)) hands each "
+            f"rank its own. Sample per data-parallel rank and give every rank of the context-parallel group the "
+            f"same batch (CPTrainer does this)"))
     for name in Header.names():
         values = [getattr(h, name) for h in headers]
         if name not in Header.PER_RANK and any(v != values[0] for v in values):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,8 @@ from .agreement import meta_crc
 from .masks import SequenceMeta
 from .torch_compat import in_backward, tensor_version
 
-__all__ = ["BatchRecord", "LiveRecords", "batch_of", "bind", "resolve", "resolve_for_mask", "AMBIGUOUS", "NO_MASK"]
+__all__ = ["BatchRecord", "LiveRecords", "batch_of", "bind", "resolve", "resolve_for_mask", "AMBIGUOUS", "NO_MASK",
+           "tokens_checksum"]
 
 AMBIGUOUS = object()
 """Returned where several live sharded batches could be meant (a forward must then name its batch
@@ -60,6 +62,7 @@ class BatchRecord:
     padded: bool = False
     crc: int = 0  # checksum of ``meta``, compared across ranks by the batch's first attention call
     digest: bytes = b""  # 128-bit digest of ``meta``: the key of the batch's plans in its context's cache
+    tokens_crc: int = -1  # checksum of the full batch's tokens (ids, labels, ...), compared across ranks; -1: none
     agreed: dict = field(default_factory=dict, repr=False, compare=False)
     """The plans the group agreed on for this batch, per call signature (every header field that
     must agree): a later call with an agreed signature exchanges nothing."""
@@ -101,8 +104,21 @@ class LiveRecords:
             return self._records[0][1] if len(self._records) == 1 else AMBIGUOUS
 
 
+def tokens_checksum(tensors: dict[str, torch.Tensor]) -> int:
+    """A 31-bit checksum of a full batch's tensors (their names, shapes, dtypes and bytes): what the
+    ranks of a group compare to make sure they were all given the same batch. -1 for none."""
+    if not tensors:
+        return -1
+    crc = 0
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        crc = zlib.crc32(repr((name, tuple(t.shape), str(t.dtype))).encode(), crc)
+        crc = zlib.crc32(t.to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return crc & 0x7FFFFFFF
+
+
 def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_items: torch.Tensor | None = None,
-         padded: bool = False) -> BatchRecord:
+         padded: bool = False, tokens_crc: int = -1) -> BatchRecord:
     """Record a sharded batch of the context ``cp``: ``local`` (this rank's tensors, ``position_ids``
     among them) and the global ``meta`` of its documents. The record is bound to every tensor of
     ``local`` (see :func:`batch_of`) and is live while any of them is."""
@@ -110,7 +126,7 @@ def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_
     # alive, whose lifetime tells whether the batch is still in use
     record = BatchRecord(cp=cp, seq_len=meta.seq_len, meta=meta, num_items=num_items,
                          local_position_ids=local["position_ids"].clone(), padded=padded, crc=meta_crc(meta),
-                         digest=meta.digest(), layout=layout)
+                         digest=meta.digest(), tokens_crc=tokens_crc, layout=layout)
     for t in local.values():
         setattr(t, _BATCH_ATTR, record)
     refs = [weakref.ref(t) for t in local.values()]

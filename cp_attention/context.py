@@ -15,7 +15,7 @@ import torch
 from . import layout as layout_mod
 from . import state
 from .backends import BACKENDS
-from .batch import BatchRecord, LiveRecords, bind
+from .batch import BatchRecord, LiveRecords, bind, tokens_checksum
 from .comm import Comm
 from .masks import SequenceMeta
 from .plan_cache import PlanCache
@@ -171,7 +171,11 @@ class ContextParallel:
         padding mask. ``model_masks``: under a per-batch layout policy, returns the model's per-layer
         masks and token weight (called only then). ``num_items``: the batch's global label count,
         kept on the record. ``bind_also``: local tensors returned and bound as they are. Returns the
-        local tensors (``position_ids`` included), all bound to one :class:`BatchRecord`."""
+        local tensors (``position_ids`` included), all bound to one :class:`BatchRecord`.
+
+        The record keeps a checksum of the full ``tensors``: the batch's first attention call compares
+        it across the group (in the agreement it runs anyway), so ranks handed different batches of
+        the same length (a per-rank sampler) raise together instead of training on a splice."""
         B, L = next(iter(tensors.values())).shape[:2] if tensors else position_ids.shape
         position_ids = position_ids.expand(B, L)
         meta = SequenceMeta.from_inputs(B, L, position_ids=position_ids, valid=valid, opens=opens)
@@ -183,7 +187,8 @@ class ContextParallel:
         out = {name: self.shard(t, layout=layout).contiguous() for name, t in tensors.items()}
         out.update(bind_also or {})
         out["position_ids"] = self.shard(position_ids, layout=layout).contiguous()
-        self._batch = bind(self, out, meta=meta, layout=layout, num_items=num_items, padded=valid is not None)
+        self._batch = bind(self, out, meta=meta, layout=layout, num_items=num_items, padded=valid is not None,
+                           tokens_crc=tokens_checksum(tensors) if self.world_size > 1 else -1)
         return out
 
     def bind_batch(self, local: dict[str, torch.Tensor], *, meta: SequenceMeta,
