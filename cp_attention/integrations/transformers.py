@@ -89,8 +89,11 @@ class CPMask:
     ``q_offset``/``kv_offset``: absolute position of the first query / key (non-zero after a KV
     cache; a sliding-window cache keeps only the last keys). ``valid`` (B, T) bool: the 2D padding
     mask over absolute positions, or None. ``opens`` (B, Lq) bool: document starts transformers
-    itself detected in packed ``position_ids`` (no KV cache only), or None. ``plans`` caches the
-    single-device plan of each mask for the layers of one forward.
+    itself detected in packed ``position_ids`` (no KV cache only), or None. ``local_size``: the
+    window (or chunk) transformers' sliding-window (chunked) mask builder applies, None for a full
+    mask: a layer whose module passes no ``sliding_window`` (Qwen2-MoE, PhiMoE: the window lives
+    only in the mask) takes its window from here. ``plans`` caches the single-device plan of each
+    mask for the layers of one forward.
     """
 
     batch_size: int
@@ -101,6 +104,7 @@ class CPMask:
     valid: torch.Tensor | None
     opens: torch.Tensor | None
     batch: object = field(default=None, repr=False)
+    local_size: int | None = None
     plans: dict = field(default_factory=dict, repr=False)
 
     # generate() with a static cache prepares the masks in advance; models that build one mask (no
@@ -131,14 +135,17 @@ def _hf_document_starts(mask_function, batch_size: int, length: int, *, prune: b
 
 
 def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs) -> CPMask:
+                  mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
+                  **kwargs) -> CPMask:
     """The mask function registered for "cp_flash": returns a :class:`CPMask`, never (L x L) data."""
     if isinstance(attention_mask, CPMask):  # prepared by generate for this forward: keep its padding
         attention_mask = attention_mask.valid
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"cp_flash expects a 2D (B, L) padding mask; got a {attention_mask.dim()}D attention_mask")
     if not compiling_outside_cp():
-        return _bound_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+        info = _bound_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
+        info.local_size = None if local_size is None else int(local_size)
+        return info
     # traced by torch.compile outside context parallelism: no data-dependent branch, no bookkeeping (the
     # single-device op notes the forward's plans itself)
     opens = None
@@ -146,7 +153,8 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
         opens = _hf_document_starts(mask_function, batch_size, q_length, prune=False)
     return CPMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
                   kv_offset=int(kv_offset), valid=None if attention_mask is None else attention_mask.detach().bool(),
-                  opens=opens, batch=layer_mask_batch(attention_mask, batch_size, q_length))
+                  opens=opens, batch=layer_mask_batch(attention_mask, batch_size, q_length),
+                  local_size=None if local_size is None else int(local_size))
 
 
 @torch.compiler.disable
@@ -170,13 +178,20 @@ def _bound_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_funct
 # the attention function
 
 
-def layer_mask_spec(module, *, sliding_window=None, softcap=None, scaling=None, is_causal=None) -> MaskSpec:
+def layer_mask_spec(module, *, sliding_window=None, softcap=None, scaling=None, is_causal=None,
+                    mask_window: int | None = None) -> MaskSpec:
     """The MaskSpec of one transformers attention layer: causal from the call or ``module.is_causal``,
-    the window the layer passes, chunks from the configuration (:func:`~.models.layer_mask`)."""
+    chunks from the configuration (:func:`~.models.layer_mask`), the window the layer passes, else
+    the one its causal mask applies (``mask_window``: :attr:`CPMask.local_size`; not on chunked
+    layers, whose builder reports the chunk there)."""
     config = getattr(module, "config", None)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     chunk = None if config is None else layer_mask(text_config(config), getattr(module, "layer_idx", None)).chunk_size
     window = int(sliding_window) if sliding_window is not None else None
+    if window is None and mask_window is not None and chunk is None and causal:
+        # transformers' causal sliding mask keeps 0 <= q - k < local_size: the MaskSpec window's meaning
+        # (its bidirectional builder counts local_size differently; those layers pass their window)
+        window = int(mask_window)
     return MaskSpec(causal=bool(causal), window=window, chunk_size=chunk,
                     softcap=float(softcap) if softcap is not None else None,
                     scale=float(scaling) if scaling is not None else None)
@@ -220,7 +235,7 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                          "function registered with it; pass a 2D padding mask (or none) and position_ids")
     info = attention_mask if isinstance(attention_mask, CPMask) else None
     spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling,
-                           is_causal=kwargs.get("is_causal"))
+                           is_causal=kwargs.get("is_causal"), mask_window=info.local_size if info is not None else None)
     collator = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
     if info is None:
         docs = LayerDocs(cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator)

@@ -15,7 +15,7 @@ import torch
 __all__ = ["FAMILIES", "tiny_config", "tiny_model", "is_causal_lm"]
 
 FAMILIES = ("qwen3", "mistral", "ministral", "gemma2", "gemma3", "gpt_oss", "llama4", "cohere2", "olmo3",
-            "phi3", "modernbert")
+            "phi3", "modernbert", "qwen2_moe", "phimoe")
 
 
 def is_causal_lm(family: str) -> bool:
@@ -80,6 +80,15 @@ def tiny_config(family: str, *, window: int = 16, chunk: int = 16, vocab: int = 
                                    max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                    cls_token_id=1, sep_token_id=2, attention_dropout=0.0,
                                    embedding_dropout=0.0, mlp_dropout=0.0)
+    if family == "qwen2_moe":  # the window lives only in the mask (the attention passes none)
+        n = layers or 2
+        return tf.Qwen2MoeConfig(**common, num_hidden_layers=n, use_sliding_window=True, sliding_window=window,
+                                 max_window_layers=0, layer_types=_alternating(n), num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if family == "phimoe":  # a window on every layer, only in the mask
+        cfg = {k: v for k, v in common.items() if k != "head_dim"}
+        return tf.PhimoeConfig(**cfg, num_hidden_layers=layers or 2, sliding_window=window, num_local_experts=4,
+                               num_experts_per_tok=2)
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
 
 
