@@ -125,8 +125,12 @@ def _register_plain_causal() -> None:
         kwargs.pop("position_ids", None)  # the true positions (for RoPE only): documents stay dropped
         return cp_flash_attention(_NoChunk(module), query, key, value, attention_mask, **kwargs)
 
+    def plain_causal_mask(**kwargs):
+        kwargs.pop("local_size", None)  # the window a sliding mask would hand its layers: dropped too
+        return cp_flash_mask(**kwargs)
+
     AttentionInterface.register(PLAIN_CAUSAL, plain_causal_attention)
-    AttentionMaskInterface.register(PLAIN_CAUSAL, cp_flash_mask)
+    AttentionMaskInterface.register(PLAIN_CAUSAL, plain_causal_mask)
 
 
 def _case_setup(family: str, case: str, seq_len: int, window: int):
