@@ -63,6 +63,9 @@ class BatchRecord:
     crc: int = 0  # checksum of ``meta``, compared across ranks by the batch's first attention call
     digest: bytes = b""  # 128-bit digest of ``meta``: the key of the batch's plans in its context's cache
     tokens_crc: int = -1  # checksum of the full batch's tokens (ids, labels, ...), compared across ranks; -1: none
+    doc_opens: torch.Tensor | None = field(default=None, repr=False)
+    """(B, L) bool document openings, for a one-rank context's single-device layers: one tensor object
+    per batch, so the plan cache digests it once per batch instead of once per layer."""
     agreed: dict = field(default_factory=dict, repr=False, compare=False)
     """The plans the group agreed on for this batch, per call signature (every header field that
     must agree): a later call with an agreed signature exchanges nothing."""
@@ -126,7 +129,9 @@ def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_
     # alive, whose lifetime tells whether the batch is still in use
     record = BatchRecord(cp=cp, seq_len=meta.seq_len, meta=meta, num_items=num_items,
                          local_position_ids=local["position_ids"].clone(), padded=padded, crc=meta_crc(meta),
-                         digest=meta.digest(), tokens_crc=tokens_crc, layout=layout)
+                         digest=meta.digest(), tokens_crc=tokens_crc, layout=layout,
+                         doc_opens=None if cp.world_size > 1 or meta.doc_start is None
+                         else meta.doc_start == torch.arange(meta.seq_len))
     for t in local.values():
         setattr(t, _BATCH_ATTR, record)
     refs = [weakref.ref(t) for t in local.values()]

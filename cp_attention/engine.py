@@ -422,9 +422,7 @@ def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, positi
                          "describes their positions; do not pass a prebuilt 4D mask or a dict of masks")
     cached = docs.q_offset != 0 or docs.kv_offset != 0 or Lq != Lk
     if batch is not None and not cached and batch.seq_len == Lq and batch.meta.batch == B:
-        starts = batch.meta.doc_start
-        found = dict(position_ids=batch.meta.position, valid=None, cu_seqlens=None,
-                     opens=None if starts is None else starts == torch.arange(Lq))
+        found = dict(position_ids=batch.meta.position, valid=None, cu_seqlens=None, opens=batch.doc_opens)
     else:
         found = dict(position_ids=position_ids, cu_seqlens=docs.cu_seqlens, valid=docs.valid, opens=docs.opens)
     return compiled.local_attention(q, k, v, spec, sinks=sinks, q_offset=docs.q_offset, kv_offset=docs.kv_offset,
