@@ -261,18 +261,8 @@ def balanced_layout(world_size: int, *, position_ids=None, cu_seqlens=None, seq_
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not token_weight >= 0:
         raise ValueError(f"token_weight must be >= 0, got {token_weight!r}")
-    if position_ids is not None:  # position_ids first; cu_seqlens and seq_len are then not read
-        pos = torch.as_tensor(position_ids)
-        pos = pos[None] if pos.dim() == 1 else pos
-        opens = None if document_starts is None else torch.as_tensor(document_starts)
-        meta = SequenceMeta.from_inputs(pos.shape[0], pos.shape[1], position_ids=pos, opens=opens)
-    elif cu_seqlens is not None:
-        cu = torch.as_tensor(cu_seqlens)
-        meta = SequenceMeta.from_inputs(1, int(cu[-1]), cu_seqlens=cu)
-    elif seq_len is not None:
-        meta = SequenceMeta.from_inputs(1, seq_len)
-    else:
-        raise ValueError("balanced_layout needs position_ids, cu_seqlens or seq_len")
+    meta = SequenceMeta.of_batch(position_ids=position_ids, cu_seqlens=cu_seqlens, seq_len=seq_len,
+                                 document_starts=document_starts, caller="balanced_layout")
     return balanced_layout_of(meta, world_size, masks=masks, token_weight=token_weight,
                               max_token_ratio=max_token_ratio)
 

@@ -153,6 +153,25 @@ class SequenceMeta:
                    doc_start=doc_starts(batch, seq_len, position_ids=position, valid=valid, opens=opens),
                    position=None if position is None else position.contiguous())
 
+    @classmethod
+    def of_batch(cls, *, position_ids=None, cu_seqlens=None, seq_len: int | None = None, document_starts=None,
+                 caller: str = "this function") -> SequenceMeta:
+        """:meth:`from_inputs` with the shape read from the inputs, for the pure entries that describe a
+        batch by one of: ``position_ids`` (B, L) or (L,) (with optional ``document_starts`` (B, L)
+        bool), else ``cu_seqlens`` (N+1,) of one row, else ``seq_len`` (one document). ``caller``
+        names the entry in the error raised when none is given."""
+        if position_ids is not None:  # position_ids first; cu_seqlens and seq_len are then not read
+            pos = torch.as_tensor(position_ids)
+            pos = pos[None] if pos.dim() == 1 else pos
+            opens = None if document_starts is None else torch.as_tensor(document_starts)
+            return cls.from_inputs(pos.shape[0], pos.shape[1], position_ids=pos, opens=opens)
+        if cu_seqlens is not None:
+            cu = torch.as_tensor(cu_seqlens)
+            return cls.from_inputs(1, int(cu[-1]), cu_seqlens=cu)
+        if seq_len is not None:
+            return cls.from_inputs(1, seq_len)
+        raise ValueError(f"{caller} needs position_ids, cu_seqlens or seq_len")
+
     def digest(self) -> bytes:
         """A 128-bit digest of the metadata (rows, length, documents, positions): equal for equal
         metadata; what caches key batches by (the agreement's 31-bit checksum is for comparing ranks)."""

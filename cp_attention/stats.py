@@ -66,16 +66,8 @@ def plan_stats(layout, rank: int, *, world_size: int | None = None, position_ids
     from .layout import as_layout
 
     layout = as_layout(layout)
-    if position_ids is not None:
-        pos = torch.as_tensor(position_ids)
-        pos = pos[None] if pos.dim() == 1 else pos
-        meta = SequenceMeta.from_inputs(pos.shape[0], pos.shape[1], position_ids=pos)
-    elif cu_seqlens is not None:
-        meta = SequenceMeta.from_inputs(1, int(torch.as_tensor(cu_seqlens)[-1]), cu_seqlens=cu_seqlens)
-    elif seq_len is not None:
-        meta = SequenceMeta.from_inputs(1, seq_len)
-    else:
-        raise ValueError("plan_stats needs position_ids, cu_seqlens or seq_len")
+    meta = SequenceMeta.of_batch(position_ids=position_ids, cu_seqlens=cu_seqlens, seq_len=seq_len,
+                                 caller="plan_stats")
     world_size = getattr(layout, "world_size", world_size)
     if world_size is None:
         raise ValueError("plan_stats: a layout name needs world_size")
