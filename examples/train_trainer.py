@@ -65,6 +65,9 @@ def main(argv=None) -> None:
             json.dump(losses, f)
         torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()},
                    os.path.join(args.out, "params.pt"))
+    if torch.distributed.is_initialized():  # torchrun hygiene: the ranks leave together, the group torn down
+        torch.distributed.barrier()         # (gloo left to the interpreter's exit can abort the process)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
