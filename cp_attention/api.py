@@ -2,7 +2,8 @@
 the engine behind both in :mod:`cp_attention.engine`).
 
 Legend: ``B`` batch, ``L`` local (this rank's) length, ``H`` query heads, ``K`` K/V heads,
-``D`` head dim, ``N`` documents.
+``D`` head dim of q and k, ``Dv`` head dim of v and the output (may differ from ``D``: multi-head
+latent attention), ``N`` documents.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ def attention(
 
     Args:
         q: (B, L_local, H, D) this rank's queries, in layout order (see ``ContextParallel.shard``).
-        k, v: (B, L_local, K, D) this rank's keys and values; ``H`` must be a multiple of ``K``
-            (GQA/MQA); only the ``K`` un-repeated heads travel between ranks.
+        k, v: (B, L_local, K, D) this rank's keys and (B, L_local, K, Dv) values; ``H`` must be a
+            multiple of ``K`` (GQA/MQA); only the ``K`` un-repeated heads travel between ranks.
+            v's head dim ``Dv`` may differ from q's and k's ``D`` (multi-head latent attention:
+            DeepSeek-V2/V3, MiniCPM3, ...); k and v agree on everything else.
         position_ids: (B, L_local) this rank's shard of the global position ids. A document starts
             wherever the position does not increase by exactly 1 from the previous token (in
             global order); tokens attend only within their document.
@@ -55,7 +58,7 @@ def attention(
         sinks: (H,) one extra value-less logit per head (gpt-oss). Its gradient, like every
             replicated parameter's, comes from this rank's loss: reduce it over the group with the
             rest (the mean, when each rank's loss is P times its share as ``shard_batch`` makes it).
-        scale: score multiplier; None means ``D ** -0.5``.
+        scale: score multiplier; None means ``D ** -0.5`` (q's and k's head dim, never ``Dv``).
         group: the process group; None means the active :func:`context_parallel` group, or a
             single device when none is active.
         layout: "zigzag", "contiguous" or a :class:`~cp_attention.layout.Layout`; None means the active
@@ -66,7 +69,7 @@ def attention(
             ``chunk_size``, ``softcap`` and ``scale`` (which must then keep their defaults).
 
     Returns:
-        (B, L_local, H, D) in q's dtype (accumulation in float32), differentiable w.r.t. q, k, v
+        (B, L_local, H, Dv) in q's dtype (accumulation in float32), differentiable w.r.t. q, k, v
         and sinks. A query that sees no key returns zeros.
 
     Raises:

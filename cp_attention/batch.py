@@ -63,6 +63,9 @@ class BatchRecord:
     crc: int = 0  # checksum of ``meta``, compared across ranks by the batch's first attention call
     digest: bytes = b""  # 128-bit digest of ``meta``: the key of the batch's plans in its context's cache
     tokens_crc: int = -1  # checksum of the full batch's tokens (ids, labels, ...), compared across ranks; -1: none
+    positions_given: bool = True
+    """False when ``shard_batch`` numbered the positions itself (``arange`` of the full length): a model
+    that numbers its own default positions differently (RoBERTa's ``padding_idx + 1``) refuses it."""
     doc_opens: torch.Tensor | None = field(default=None, repr=False)
     """(B, L) bool document openings, for a one-rank context's single-device layers: one tensor object
     per batch, so the plan cache digests it once per batch instead of once per layer."""
@@ -121,7 +124,7 @@ def tokens_checksum(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_items: torch.Tensor | None = None,
-         padded: bool = False, tokens_crc: int = -1) -> BatchRecord:
+         padded: bool = False, tokens_crc: int = -1, positions_given: bool = True) -> BatchRecord:
     """Record a sharded batch of the context ``cp``: ``local`` (this rank's tensors, ``position_ids``
     among them) and the global ``meta`` of its documents. The record is bound to every tensor of
     ``local`` (see :func:`batch_of`) and is live while any of them is."""
@@ -129,7 +132,7 @@ def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_
     # alive, whose lifetime tells whether the batch is still in use
     record = BatchRecord(cp=cp, seq_len=meta.seq_len, meta=meta, num_items=num_items,
                          local_position_ids=local["position_ids"].clone(), padded=padded, crc=meta_crc(meta),
-                         digest=meta.digest(), tokens_crc=tokens_crc, layout=layout,
+                         digest=meta.digest(), tokens_crc=tokens_crc, layout=layout, positions_given=positions_given,
                          doc_opens=None if cp.world_size > 1 or meta.doc_start is None
                          else meta.doc_start == torch.arange(meta.seq_len))
     for t in local.values():

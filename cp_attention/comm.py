@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from . import state
 
-__all__ = ["Comm", "Pending", "RankFailedError", "DEFAULT_TIMEOUT"]
+__all__ = ["Comm", "Pending", "RankFailedError", "DEFAULT_TIMEOUT", "process_count"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a rank waits for its peers before it gives up (well under the process groups' own
@@ -57,6 +57,11 @@ class RankFailedError(RuntimeError):
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
         self.rank = rank
+
+
+def process_count() -> int:
+    """The processes of torch.distributed's default group; 1 when it is not initialized."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def resolve_timeout(timeout: float | None) -> float:

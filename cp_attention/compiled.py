@@ -22,7 +22,8 @@ when it runs; the op checks at run time and raises if a context of several ranks
 of a one-rank context is read when the graph is traced; the backward always uses the forward's.
 
 Legend: ``B`` batch, ``Lq``/``Lk`` query/key tokens, ``T`` positions covered (``max(q_offset + Lq,
-kv_offset + Lk)``), ``H`` query heads, ``K`` K/V heads, ``D`` head dim.
+kv_offset + Lk)``), ``H`` query heads, ``K`` K/V heads, ``D`` head dim of q/k, ``Dv`` head dim of v and
+the output (may differ from ``D``: multi-head latent attention).
 """
 
 from __future__ import annotations
@@ -69,8 +70,13 @@ def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 
             raise ValueError("cp_flash: cu_seq_lens_q describes one packed row, but the batch has "
                              f"{B} rows; pass position_ids instead")
     else:
-        if cu_seqlens is not None:
+        if cu_seqlens is not None and (q_offset != 0 or kv_offset != 0):
             raise ValueError("cp_flash: cu_seq_lens_* with a non-empty KV cache is not supported")
+        if cu_seqlens is not None:  # no cache, yet more (or fewer) keys than the packed row's tokens
+            raise NotImplementedError(
+                f"cp_flash: cu_seq_lens_* describe one packed row of {Lq} tokens, but the layer has {Lk} keys "
+                "and no KV cache: keys that are not the row's own tokens (e.g. compressed K/V the model appends "
+                "to the keys) are not supported with cu_seq_lens_*")
         if position_ids is not None and Lq > 1:
             restarts = (position_ids[..., 1:] != position_ids[..., :-1] + 1).cpu()
             if valid is not None:  # padding restarts positions, not documents
@@ -146,10 +152,11 @@ def _check_context() -> None:
             "contextvar: call it inside the block on cp.shard_batch outputs, which recompiles)")
 
 
-def _resolve(q, backend: str, window, chunk_size, softcap, causal):
+def _resolve(q, v, backend: str, window, chunk_size, softcap, causal):
     """The backend object and the plan's MaskSpec."""
     spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap)
-    impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
+    impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec,
+                          head_dim_v=v.shape[3])
     return impl, spec.for_planning()
 
 
@@ -171,11 +178,11 @@ def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: t
                      cu_seqlens: torch.Tensor | None, q_offset: int, kv_offset: int, causal: bool,
                      window: int | None, chunk_size: int | None, softcap: float | None, scale: float, backend: str,
                      layer: int, check_context: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Lq, H, D), k/v (B, Lk, K, D) -> out (B, Lq, H, D), lse (H, B * Lq) float32 (float64 for
-    float64 inputs)."""
+    """q (B, Lq, H, D), k (B, Lk, K, D), v (B, Lk, K, Dv) -> out (B, Lq, H, Dv), lse (H, B * Lq)
+    float32 (float64 for float64 inputs)."""
     if check_context:
         _check_context()
-    impl, plan_spec = _resolve(q, backend, window, chunk_size, softcap, causal)
+    impl, plan_spec = _resolve(q, v, backend, window, chunk_size, softcap, causal)
     B, Lq = q.shape[:2]
     plan = local_plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset,
                       position_ids=position_ids, valid=valid, opens=opens, cu_seqlens=cu_seqlens, label="the op")
@@ -188,7 +195,7 @@ def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: t
 def _(q, k, v, sinks, position_ids, valid, opens, cu_seqlens, q_offset, kv_offset, causal, window, chunk_size,
       softcap, scale, backend, layer, check_context):
     B, Lq, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((H, B * Lq), dtype=accumulation_dtype(q.dtype))
+    return q.new_empty((B, Lq, H, v.shape[3])), q.new_empty((H, B * Lq), dtype=accumulation_dtype(q.dtype))
 
 
 @torch.library.custom_op("cp_attention::local_attention_backward", mutates_args=())
@@ -198,8 +205,8 @@ def _local_attention_backward(
         valid: torch.Tensor | None, opens: torch.Tensor | None, cu_seqlens: torch.Tensor | None, q_offset: int,
         kv_offset: int, causal: bool, window: int | None, chunk_size: int | None, softcap: float | None,
         scale: float, backend: str, need_dsinks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dq (B, Lq, H, D), dk/dv (B, Lk, K, D), dsinks (H,) (empty when not needed)."""
-    impl, plan_spec = _resolve(q, backend, window, chunk_size, softcap, causal)
+    """-> dq (B, Lq, H, D), dk (B, Lk, K, D), dv (B, Lk, K, Dv), dsinks (H,) (empty when not needed)."""
+    impl, plan_spec = _resolve(q, v, backend, window, chunk_size, softcap, causal)
     B, Lq = q.shape[:2]
     plan = local_plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset,
                       position_ids=position_ids, valid=valid, opens=opens, cu_seqlens=cu_seqlens, label="the op")
@@ -246,7 +253,8 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Mas
     """Single-device attention over the documents the tensors describe (see :func:`local_meta`), as
     one custom op that ``torch.compile`` keeps opaque.
 
-    q (B, Lq, H, D), k/v (B, Lk, K, D) (GQA not repeated), sinks (H,) or None -> (B, Lq, H, D),
+    q (B, Lq, H, D), k (B, Lk, K, D), v (B, Lk, K, Dv) (GQA not repeated; Dv may differ from D), sinks
+    (H,) or None -> (B, Lq, H, Dv),
     differentiable w.r.t. q, k, v and sinks. Queries sit at absolute positions ``q_offset + i``, keys at
     ``kv_offset + j``; causal and window act on those positions (transformers' meaning). ``backend``
     None: the active context's, else "auto" (under torch.compile: the context active when traced); the
@@ -256,10 +264,15 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Mas
     """
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] \
-            or k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"local_attention expects q (B, Lq, H, D) and k, v (B, Lk, K, D) with H a multiple of K, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    shapes = f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"local_attention expects q (B, Lq, H, D), k (B, Lk, K, D) and v (B, Lk, K, Dv); {shapes}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"local_attention: k and v must agree on (B, Lk, K) (only v's head dim may differ); {shapes}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"local_attention: q and k must agree on the batch and the head dim D; {shapes}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"local_attention: query heads H must be a multiple of K/V heads K (GQA/MQA); {shapes}")
     if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
         raise ValueError(f"sinks must have shape (heads,) = ({q.shape[2]},), got {tuple(sinks.shape)}")
     out, _ = torch.ops.cp_attention.local_attention(

@@ -163,14 +163,17 @@ class ContextParallel:
                         opens: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                         model_masks: Callable[[], tuple[list | None, float]] | None = None,
                         num_items: torch.Tensor | None = None,
-                        bind_also: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                        bind_also: dict[str, torch.Tensor] | None = None,
+                        positions_given: bool = True) -> dict[str, torch.Tensor]:
         """The engine's half of :meth:`shard_batch`: documents -> metadata, layout, shards, record.
 
         ``tensors``: full (B, L, ...) tensors to shard along dim 1; ``position_ids`` (B or 1, L)
         global positions; ``opens`` (B, L) bool further document openings; ``valid`` (B, L) bool
         padding mask. ``model_masks``: under a per-batch layout policy, returns the model's per-layer
         masks and token weight (called only then). ``num_items``: the batch's global label count,
-        kept on the record. ``bind_also``: local tensors returned and bound as they are. Returns the
+        kept on the record. ``bind_also``: local tensors returned and bound as they are.
+        ``positions_given``: False when ``position_ids`` were numbered by the caller's default rather
+        than given by the user (kept on the record). Returns the
         local tensors (``position_ids`` included), all bound to one :class:`BatchRecord`.
 
         The record keeps a checksum of the full ``tensors``: the batch's first attention call compares
@@ -188,7 +191,8 @@ class ContextParallel:
         out.update(bind_also or {})
         out["position_ids"] = self.shard(position_ids, layout=layout).contiguous()
         self._batch = bind(self, out, meta=meta, layout=layout, num_items=num_items, padded=valid is not None,
-                           tokens_crc=tokens_checksum(tensors) if self.world_size > 1 else -1)
+                           tokens_crc=tokens_checksum(tensors) if self.world_size > 1 else -1,
+                           positions_given=positions_given)
         return out
 
     def bind_batch(self, local: dict[str, torch.Tensor], *, meta: SequenceMeta,
@@ -245,6 +249,8 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
     waiting on this one raise at once, naming it, instead of waiting for the timeout.
     """
     cp = ContextParallel(as_group(group, mesh_dim), layout, timeout, backend)
+    # the integrations' guards of a multi-rank block (the model check of cp_flash models)
+    leave = [guard(cp) for guard in list(state.CONTEXT_GUARDS)] if cp.world_size > 1 else []
     token = state.ACTIVE_CONTEXT.set(cp)
     try:
         yield cp
@@ -253,3 +259,5 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
         raise
     finally:
         state.ACTIVE_CONTEXT.reset(token)
+        for done in reversed(leave):
+            done()

@@ -9,13 +9,15 @@ rank runs first, then the ranks agree (:mod:`cp_attention.agreement`) and each b
 which the ring (:mod:`cp_attention.ring`) executes.
 
 Legend: ``B`` batch, ``L`` local (this rank's) length, ``H`` query heads, ``K`` K/V heads,
-``D`` head dim, ``N`` documents.
+``D`` head dim of q/k, ``Dv`` head dim of v and the output (may differ from ``D``: multi-head latent
+attention), ``N`` documents.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +27,7 @@ from . import layout as layout_mod
 from .agreement import DTYPES, collective_error, exchange_headers, make_header, meta_crc, signature
 from .backends import BACKENDS, select_backend
 from .batch import NO_MASK, BatchRecord, batch_of, resolve, resolve_for_mask
-from .comm import Comm
+from .comm import Comm, process_count
 from .layout import global_index
 from .masks import MaskSpec, SequenceMeta
 from .plan import RankPlan, build_plan
@@ -85,8 +87,10 @@ def check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend, same_length:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same shape but for the head_dim (v's may differ, as in multi-head "
+                         f"latent attention): they must agree on (B, L_local, K/V heads), got k {tuple(k.shape)} "
+                         f"and v {tuple(v.shape)}")
     if q.shape[:2] != k.shape[:2] and (same_length or q.shape[0] != k.shape[0]):
         raise ValueError(f"q and k must agree on (B, L_local), got {tuple(q.shape[:2])} and "
                          f"{tuple(k.shape[:2])}")
@@ -161,8 +165,9 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
             raise local_error
         spec = mask if isinstance(mask, MaskSpec) else MaskSpec(**mask)
         check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend)
-        impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec)
-    except (TypeError, ValueError) as exc:
+        impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec,
+                              head_dim_v=v.shape[3])
+    except (TypeError, ValueError, NotImplementedError) as exc:  # NotImplementedError: a caller's local_error
         error = exc
     if comm.world_size == 1:
         if error is not None:
@@ -172,7 +177,7 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
                                    position_ids=position_ids, cu_seqlens=cu_seqlens,
                                    label=f"{res.layout} layout")
     else:
-        plan = _plan_agreed(res, q, k, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc)
+        plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc)
     stats.note_stats(plan.stats, layer, in_model=layer is not None or batch is not None)
     return ring_attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]),
                           softcap=spec.softcap)
@@ -196,7 +201,7 @@ def _global_meta(comm: Comm, layout, seq_len: int, B: int, position_ids, cu_seql
     return SequenceMeta.from_inputs(B, seq_len, position_ids=layout_mod.unshard(parts, 1, layout))
 
 
-def _cache_keys(cp, layout, q, k, spec: MaskSpec, position_ids, cu_seqlens, batch):
+def _cache_keys(cp, layout, q, k, v, spec: MaskSpec, position_ids, cu_seqlens, batch):
     """(metadata key, plan key) in the context's cache. Keys hold this rank's view only (local length,
     the documents' content); the global length is checked against the entry."""
     B, L_local = q.shape[:2]
@@ -204,13 +209,13 @@ def _cache_keys(cp, layout, q, k, spec: MaskSpec, position_ids, cu_seqlens, batc
         meta_key = ("batch", batch.digest, layout, B, L_local)
     else:
         meta_key = ("documents", layout, B, L_local, cp.plans.digest(position_ids), cp.plans.digest(cu_seqlens))
-    return meta_key, ("plan", meta_key, spec.for_planning(), k.shape[2], k.shape[3], k.element_size())
+    return meta_key, ("plan", meta_key, spec.for_planning(), k.shape[2], k.shape[3], v.shape[3], k.element_size())
 
 
-def _build(comm: Comm, layout, meta: SequenceMeta, spec: MaskSpec, k) -> RankPlan:
+def _build(comm: Comm, layout, meta: SequenceMeta, spec: MaskSpec, k, v) -> RankPlan:
     start = time.perf_counter()
     plan = build_plan(meta, spec.for_planning(), world_size=comm.world_size, layout=layout, rank=comm.rank,
-                      head_kv=k.shape[2], head_dim=k.shape[3], itemsize=k.element_size())
+                      head_kv=k.shape[2], head_dim=k.shape[3], head_dim_v=v.shape[3], itemsize=k.element_size())
     if log.isEnabledFor(logging.DEBUG):
         log.debug("plan built in %.1f ms: rank %d of %d, %s layout, %d x %d tokens, %s",
                   1e3 * (time.perf_counter() - start), comm.rank, comm.world_size, layout, meta.batch, meta.seq_len,
@@ -223,7 +228,7 @@ def _reused(plan: RankPlan) -> RankPlan:
     return plan
 
 
-def _plan_agreed(res: Resolved, q, k, spec, position_ids, cu_seqlens, sinks, batch, error,
+def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error,
                  model_crc: int = -1) -> RankPlan:
     """Several ranks: one header all-gather before any K/V moves, then this rank's plan; with a
     ``batch`` whose group already agreed on this call's signature, that plan and no collective.
@@ -236,7 +241,7 @@ def _plan_agreed(res: Resolved, q, k, spec, position_ids, cu_seqlens, sinks, bat
     comm, layout, cp = res.comm, res.layout, res.cp
     header = None
     if error is None:
-        meta_key, plan_key = _cache_keys(cp, layout, q, k, spec, position_ids, cu_seqlens, batch)
+        meta_key, plan_key = _cache_keys(cp, layout, q, k, v, spec, position_ids, cu_seqlens, batch)
         plan_entry = cp.plans.get(plan_key)
         meta_entry = cp.plans.get(meta_key)
         if batch is not None:
@@ -277,7 +282,7 @@ def _plan_agreed(res: Resolved, q, k, spec, position_ids, cu_seqlens, sinks, bat
         crc = meta_crc(meta)
         if batch is None:
             cp.plans.put(meta_key, (meta, crc, seq_len))
-    plan = cp.plans.put(plan_key, (_build(comm, layout, meta, spec, k), crc, seq_len))[0]
+    plan = cp.plans.put(plan_key, (_build(comm, layout, meta, spec, k, v), crc, seq_len))[0]
     return _remember(batch, header, plan)
 
 
@@ -347,7 +352,8 @@ def _layer_mask_batch_eager(attention_mask, batch_size: int, q_length: int):
 
 def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs = LayerDocs(), sinks=None,
                  layer: int | None = None, model_crc=None, adjust_q=None) -> torch.Tensor:
-    """One model attention layer: q (B, Lq, H, D), k/v (B, Lk, K, D) (GQA not repeated) -> (B, Lq, H, D).
+    """One model attention layer: q (B, Lq, H, D), k (B, Lk, K, D), v (B, Lk, K, Dv) (GQA not repeated;
+    Dv may differ from D: multi-head latent attention) -> (B, Lq, H, Dv).
 
     Owns what an integration must not decide: which batch the layer runs on (:func:`cp_attention.batch.resolve`),
     the checks that every rank raises together, and the strategy: the ring over the batch's group,
@@ -370,6 +376,27 @@ def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs 
     return _bound_attention(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q)
 
 
+def _appended_keys_error(Lq: int, Lk: int, docs: LayerDocs) -> NotImplementedError | None:
+    """The error for keys a model appended to the sequence's own inside its attention layer (None:
+    there are none).
+
+    How the engine tells a KV cache from appended keys: a layer's keys are the sequence's tokens,
+    after a KV cache's when there is one (``docs.q_offset`` / ``docs.kv_offset`` > 0), and the
+    cp_flash mask transformers built for the layer covers all of them: ``docs.kv_length`` keys.
+    Keys beyond ``kv_length`` belong to no position of the sequence: the model concatenated them
+    after the mask was built (DeepSeek-V4 appends compressed K/V entries to the keys, also with
+    use_cache=False). Without a cp_flash mask nothing says which keys are the sequence's, and nothing
+    is detected here."""
+    if not docs.mask or docs.kv_length is None or Lk <= docs.kv_length:
+        return None
+    return NotImplementedError(
+        f"cp_flash: the layer attends to {Lk} keys but its mask covers {docs.kv_length} ({Lq} queries): the model "
+        f"appended {Lk - docs.kv_length} keys that are not tokens of the sequence (e.g. DeepSeek-V4's compressed "
+        "K/V, concatenated to the keys inside its attention layer). Keys beyond the sequence's own (and its KV "
+        "cache's) are not supported by cp_flash, with or without use_cache; use attn_implementation='eager' or "
+        "'sdpa' for this model")
+
+
 @torch.compiler.disable
 def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, model_crc, adjust_q):
     """Eager: torch.compile breaks the graph here (the context is a contextvar; the agreement
@@ -378,7 +405,18 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
     active = context.active_context()
     batch, local_error = resolve(position_ids, active, mask_batch=docs.batch if docs.mask else NO_MASK,
                                  memo=docs.memo)
+    # raised with the group's other local errors: a rank whose model appended no key still meets the others
+    local_error = local_error or _appended_keys_error(Lq, Lk, docs)
     multi_rank_context = active is not None and active.world_size > 1
+    if batch is None and active is None and (q.requires_grad or k.requires_grad or v.requires_grad) \
+            and process_count() > 1:
+        # exact (each process attends over its own whole sequences), but likely not what was meant
+        warnings.warn(
+            f"cp_flash: a training forward on {process_count()} processes without context parallelism: no "
+            "cp_attention.context_parallel block is active, so this is data parallelism and no sequence is split. "
+            "For context parallelism train with CPTrainer (cp_attention.integrations.trainer) or CPSFTTrainer "
+            "(cp_attention.integrations.trl) instead of Trainer / SFTTrainer, or run the step inside "
+            "cp_attention.context_parallel() on inputs from cp.shard_batch(...)", UserWarning, stacklevel=3)
     if batch is None and multi_rank_context:
         local_error = local_error or ValueError(
             "cp_flash under context parallelism needs the batch's global positions: shard the inputs with "
@@ -393,9 +431,10 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
     if batch is None or batch.cp.world_size == 1:
         return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, batch, layer)
     model_crc = -1 if model_crc is None else model_crc()
-    if Lq != Lk or docs.q_offset or docs.kv_offset:
+    if Lq != Lk or docs.q_offset or docs.kv_offset:  # keys the model appended were refused above
         raise ValueError("cp_flash: a non-empty KV cache is not supported under context parallelism "
-                         f"(queries {Lq}, keys {Lk}); call the model with use_cache=False")
+                         f"(queries {Lq} from position {docs.q_offset}, keys {Lk}); call the model with "
+                         "use_cache=False")
     if docs.valid is not None and not batch.padded:
         local_error = ValueError("cp_flash: the model got a padding attention_mask that cp.shard_batch did "
                                  "not see; pass attention_mask to cp.shard_batch with the other inputs")
@@ -415,6 +454,9 @@ def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, positi
     shard_batch record of a one-rank context, when it describes these tokens)."""
     B, Lq = q.shape[:2]
     Lk = k.shape[1]
+    appended = _appended_keys_error(Lq, Lk, docs)
+    if appended is not None:
+        raise appended
     if docs.mask and docs.kv_length != Lk:
         raise ValueError(f"cp_flash: the mask was built for {docs.kv_length} keys but the layer has {Lk}")
     if not docs.mask and Lq != Lk:

@@ -1,6 +1,7 @@
 """Pure float math shared by the ring: merging partial attention results and applying sinks.
 
-Legend: ``T`` packed query tokens, ``H`` query heads, ``D`` head dim.
+Legend: ``T`` packed query tokens, ``H`` query heads, ``D`` head dim of the outputs (v's head dim,
+which in multi-head latent attention differs from q's and k's: nothing here depends on it).
 """
 
 from __future__ import annotations

@@ -498,8 +498,8 @@ def _step(seqs: list[_Seq], source: int, Ls: int, whole: bool) -> Step | None:
 
 
 def build_plan(
-    meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str | layout_mod.Layout, rank: int,
-    head_kv: int, head_dim: int, itemsize: int, grad_itemsize: int = 4, verify: bool | None = None,
+    meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str | layout_mod.Layout, rank: int, head_kv: int,
+    head_dim: int, itemsize: int, grad_itemsize: int = 4, verify: bool | None = None, head_dim_v: int | None = None,
 ) -> RankPlan:
     """The plan of ``rank``: a pure function of global metadata, identical wherever it is computed.
 
@@ -512,7 +512,7 @@ def build_plan(
         spec: the mask.
         world_size, layout: how the sequence is sharded (``layout.rank_ranges``).
         rank: whose plan to build (any rank can build any rank's plan, e.g. for statistics).
-        head_kv, head_dim, itemsize: K/V heads, head dim and element size, for the byte counts.
+        head_kv, head_dim, head_dim_v, itemsize: K/V heads, k's and v's head dims (v's None: k's), element size.
         grad_itemsize: element size of the dK/dV partial sums returned in the backward pass.
         verify: check every kernel call against the mask token by token (:func:`verify_plan`;
             O(L), for tests and debugging). None: when ``$CP_ATTENTION_VERIFY_PLANS`` is 1.
@@ -533,8 +533,8 @@ def build_plan(
     def seqs(r: int, s: int) -> list[_Seq]:
         return _pair_sequences(pieces_of(r), pieces_of(s), segs, band, sizes[r], sizes[s])
 
-    token_bytes = 2 * head_kv * head_dim * itemsize * B  # K and V, every batch row
-    grad_token_bytes = 2 * head_kv * head_dim * grad_itemsize * B
+    width = head_dim + (head_dim if head_dim_v is None else head_dim_v)  # K and V, each with its own head dim
+    token_bytes, grad_token_bytes = head_kv * width * itemsize * B, head_kv * width * grad_itemsize * B
     local = _step(seqs(rank, rank), rank, sizes[rank], whole=True)
     rounds = []
     for t in range(1, P):

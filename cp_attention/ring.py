@@ -16,11 +16,18 @@ dK/dV partial sums of each received span go back to its owner, who adds them to 
 returns the LSE), for callers with their own autograd: the single-device custom op of
 :mod:`cp_attention.compiled`.
 
+K and V travel with their own head dims (``D`` for k, ``Dv`` for v, which differ in multi-head
+latent attention): one message per exchange holds every K row of the spans, then every V row
+(:func:`_kv_buffer`), and the dK/dV partial sums travel back in the same layout.
+
 Legend: ``B`` batch, ``L`` local length, ``T = B * L`` packed local tokens, ``S`` packed rows of a
-K/V buffer, ``H`` query heads, ``K`` K/V heads, ``D`` head dim, ``W`` span width.
+K/V buffer, ``H`` query heads, ``K`` K/V heads, ``D`` head dim of q/k, ``Dv`` head dim of v/out,
+``W`` span width.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -32,29 +39,54 @@ from .plan import RankPlan, Round, Step
 __all__ = ["ring_attention", "ring_forward", "ring_backward"]
 
 
-def _gather_spans(x_BLKD: torch.Tensor, spans) -> torch.Tensor:
-    parts = [x_BLKD[:, a:b] for a, b in spans]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+class _KVBuffer(NamedTuple):
+    """One message of K and V rows (or of their dK/dV partial sums): ``message`` is what travels, a
+    contiguous block holding every K row, then every V row; ``k`` (B, W, K, D) and ``v`` (B, W, K, Dv)
+    are views of it. ``message`` is shaped (2, B, W, K, D) when D == Dv, else flat."""
+
+    message: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
 
 
-def _post_kv(comm: Comm, rnd: Round, k_BLKD, v_BLKD, tag: int) -> tuple[Pending, torch.Tensor | None]:
+def _kv_buffer(B: int, W: int, K: int, D: int, Dv: int, dtype: torch.dtype, device: torch.device,
+               zero: bool = False) -> _KVBuffer:
+    n_k = B * W * K * D
+    flat = (torch.zeros if zero else torch.empty)(n_k + B * W * K * Dv, dtype=dtype, device=device)
+    message = flat.view(2, B, W, K, D) if D == Dv else flat
+    return _KVBuffer(message, flat[:n_k].view(B, W, K, D), flat[n_k:].view(B, W, K, Dv))
+
+
+def _copy_spans(dst_BWKD: torch.Tensor, x_BLKD: torch.Tensor, spans) -> None:
+    """``x``'s spans ``[a, b)`` of rows, one after another, into ``dst``."""
+    at = 0
+    for a, b in spans:
+        dst_BWKD[:, at:at + b - a].copy_(x_BLKD[:, a:b])
+        at += b - a
+
+
+def _post_kv(comm: Comm, rnd: Round, k_BLKD, v_BLKDv, tag: int) -> tuple[Pending, _KVBuffer | None]:
     """Post one round's K/V exchange: my spans to ``send_to``, the step's spans from its source."""
+    B, _, K, D = k_BLKD.shape
+    Dv = v_BLKDv.shape[3]
     if rnd.send_to is not None:
-        payload = torch.stack([_gather_spans(k_BLKD, rnd.send_spans), _gather_spans(v_BLKD, rnd.send_spans)])
-        comm.send(payload.contiguous(), rnd.send_to, tag)
+        width = sum(b - a for a, b in rnd.send_spans)
+        payload = _kv_buffer(B, width, K, D, Dv, k_BLKD.dtype, k_BLKD.device)
+        _copy_spans(payload.k, k_BLKD, rnd.send_spans)
+        _copy_spans(payload.v, v_BLKDv, rnd.send_spans)
+        comm.send(payload.message, rnd.send_to, tag)
     buf = None
     if rnd.recv is not None:
-        B, _, K, D = k_BLKD.shape
-        buf = torch.empty(2, B, rnd.recv.width, K, D, dtype=k_BLKD.dtype, device=k_BLKD.device)
-        comm.recv(buf, rnd.recv.source, tag)
+        buf = _kv_buffer(B, rnd.recv.width, K, D, Dv, k_BLKD.dtype, k_BLKD.device)
+        comm.recv(buf.message, rnd.recv.source, tag)
     return comm.commit("a K/V exchange"), buf
 
 
 class _Outputs:
-    """The merged out (T, H, D) and lse (H, T) of a rank's queries, in the accumulation dtype."""
+    """The merged out (T, H, Dv) and lse (H, T) of a rank's queries, in the accumulation dtype."""
 
-    def __init__(self, T: int, H: int, D: int, dtype: torch.dtype, device: torch.device):
-        self.shape, self.dtype, self.device = (T, H, D), dtype, device
+    def __init__(self, T: int, H: int, Dv: int, dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = (T, H, Dv), dtype, device
         self.out_THD: torch.Tensor | None = None
         self.lse_HT: torch.Tensor | None = None
 
@@ -123,6 +155,7 @@ def _backward_step(step: Step, backend, dout_THD, q_THD, k_SKD, v_SKD, out_THD, 
 
 
 def _packed(x_BLKD: torch.Tensor) -> torch.Tensor:
+    """(B, L, K, D) -> (B * L, K, D), any last dim (a view when the strides allow)."""
     B, L, K, D = x_BLKD.shape
     return x_BLKD.reshape(B * L, K, D)
 
@@ -162,13 +195,14 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_forward(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,
                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ring's forward without autograd: q (B, L, H, D), k/v (B, Lk, K, D) -> out (B, L, H, D) in
-    q's dtype and lse (H, B * L) in the accumulation dtype (float32; float64 for float64 inputs),
-    after the sinks. :func:`ring_backward` takes both back."""
-    B, L, H, D = q.shape
+    """The ring's forward without autograd: q (B, L, H, D), k (B, Lk, K, D), v (B, Lk, K, Dv) -> out
+    (B, L, H, Dv) in q's dtype and lse (H, B * L) in the accumulation dtype (float32; float64 for
+    float64 inputs), after the sinks. :func:`ring_backward` takes both back."""
+    B, L, H, _ = q.shape
+    Dv = v.shape[3]
     acc = accumulation_dtype(q.dtype)
     q_THD = _packed(q)
-    outputs = _Outputs(B * L, H, D, acc, q.device)
+    outputs = _Outputs(B * L, H, Dv, acc, q.device)
     rounds = plan.schedule()
     pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
     if plan.local is not None:
@@ -179,12 +213,11 @@ def ring_forward(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: 
         if i + 1 < len(rounds):
             pending = _post_kv(comm, rounds[i + 1], k, v, rounds[i + 1].offset)
         if buf is not None:
-            _forward_step(rnd.recv, backend, q_THD, buf[0].reshape(-1, *buf.shape[3:]),
-                          buf[1].reshape(-1, *buf.shape[3:]), outputs, scale, softcap)
-    out_THD, lse_HT = outputs.result()
+            _forward_step(rnd.recv, backend, q_THD, _packed(buf.k), _packed(buf.v), outputs, scale, softcap)
+    out_THDv, lse_HT = outputs.result()
     if sinks is not None:
-        out_THD, lse_HT = apply_sinks(out_THD, lse_HT, sinks)
-    return out_THD.to(q.dtype).reshape(B, L, H, D), lse_HT
+        out_THDv, lse_HT = apply_sinks(out_THDv, lse_HT, sinks)
+    return out_THDv.to(q.dtype).reshape(B, L, H, Dv), lse_HT
 
 
 def ring_backward(dout, q, k, v, out, lse_HT, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,
@@ -193,29 +226,30 @@ def ring_backward(dout, q, k, v, out, lse_HT, sinks, plan: RankPlan, comm: Comm,
     (dq, dk, dv, dsinks) in the inputs' dtypes; dsinks (H,) or None unless ``need_dsinks``."""
     B, L, H, D = q.shape
     _, Lk, K, _ = k.shape  # Lk == L under context parallelism; longer after a KV cache
+    Dv = v.shape[3]
     acc = accumulation_dtype(q.dtype)
     P = plan.world_size
-    q_THD, out_THD = _packed(q), _packed(out)
-    dout_THD = _packed(dout.contiguous())
+    q_THD, out_THDv = _packed(q), _packed(out)
+    dout_THDv = _packed(dout.contiguous())
     dq = _Sum((B * L, H, D), acc, q.device)
-    dk, dv = _Sum((B * Lk, K, D), acc, q.device), _Sum((B * Lk, K, D), acc, q.device)
+    dk, dv = _Sum((B * Lk, K, D), acc, q.device), _Sum((B * Lk, K, Dv), acc, q.device)
     rounds = plan.schedule()
-    grads_in_flight: list[tuple[Pending, torch.Tensor | None, Round]] = []
+    grads_in_flight: list[tuple[Pending, _KVBuffer | None, Round]] = []
 
     def settle(entry):
         wait, gbuf, rnd = entry
         wait.wait()
         if gbuf is not None:  # dK/dV partial sums of my span, computed by rnd.send_to
-            dk_BLKD, dv_BLKD = dk.result().view(B, Lk, K, D), dv.result().view(B, Lk, K, D)
+            dk_BLKD, dv_BLKDv = dk.result().view(B, Lk, K, D), dv.result().view(B, Lk, K, Dv)
             at = 0
             for a, b in rnd.send_spans:
-                dk_BLKD[:, a:b] += gbuf[0][:, at:at + b - a]
-                dv_BLKD[:, a:b] += gbuf[1][:, at:at + b - a]
+                dk_BLKD[:, a:b] += gbuf.k[:, at:at + b - a]
+                dv_BLKDv[:, a:b] += gbuf.v[:, at:at + b - a]
                 at += b - a
 
     pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
     if plan.local is not None:
-        _backward_step(plan.local, backend, dout_THD, q_THD, _packed(k), _packed(v), out_THD, lse_HT,
+        _backward_step(plan.local, backend, dout_THDv, q_THD, _packed(k), _packed(v), out_THDv, lse_HT,
                        dq, dk, dv, scale, softcap)
     for i, rnd in enumerate(rounds):
         wait, buf = pending
@@ -224,34 +258,32 @@ def ring_backward(dout, q, k, v, out, lse_HT, sinks, plan: RankPlan, comm: Comm,
             pending = _post_kv(comm, rounds[i + 1], k, v, rounds[i + 1].offset)
         if grads_in_flight:
             settle(grads_in_flight.pop(0))
-        gbuf_out = None
         if buf is not None:
-            gbuf_out = torch.zeros(buf.shape, dtype=acc, device=q.device)
-            _backward_step(rnd.recv, backend, dout_THD, q_THD, buf[0].reshape(-1, K, D),
-                           buf[1].reshape(-1, K, D), out_THD, lse_HT, dq,
-                           _Sum.over(gbuf_out[0].reshape(-1, K, D)), _Sum.over(gbuf_out[1].reshape(-1, K, D)),
-                           scale, softcap)
-            comm.send(gbuf_out, rnd.recv.source, P + rnd.offset)
+            gbuf_out = _kv_buffer(B, rnd.recv.width, K, D, Dv, acc, q.device, zero=True)
+            _backward_step(rnd.recv, backend, dout_THDv, q_THD, _packed(buf.k), _packed(buf.v), out_THDv, lse_HT,
+                           dq, _Sum.over(_packed(gbuf_out.k)), _Sum.over(_packed(gbuf_out.v)), scale, softcap)
+            comm.send(gbuf_out.message, rnd.recv.source, P + rnd.offset)
         gbuf_in = None
         if rnd.send_to is not None:
             width = sum(b - a for a, b in rnd.send_spans)
-            gbuf_in = torch.empty(2, B, width, K, D, dtype=acc, device=q.device)
-            comm.recv(gbuf_in, rnd.send_to, P + rnd.offset)
+            gbuf_in = _kv_buffer(B, width, K, D, Dv, acc, q.device)
+            comm.recv(gbuf_in.message, rnd.send_to, P + rnd.offset)
         grads_in_flight.append((comm.commit("a dK/dV exchange"), gbuf_in, rnd))
     for entry in grads_in_flight:
         settle(entry)
     dsinks = None
     if sinks is not None and need_dsinks:
         # d loss / d sink_h = -sum_t exp(sink_h - lse_ht) * sum_d(dout * out)_ht
-        delta_HT = (dout_THD.to(acc) * out_THD.to(acc)).sum(-1).t()
+        delta_HT = (dout_THDv.to(acc) * out_THDv.to(acc)).sum(-1).t()
         dsinks = -(torch.exp(sinks.to(acc)[:, None] - lse_HT) * delta_HT).sum(1).to(sinks.dtype)
     return (dq.result().to(q.dtype).reshape(B, L, H, D), dk.result().to(k.dtype).reshape(B, Lk, K, D),
-            dv.result().to(v.dtype).reshape(B, Lk, K, D), dsinks)
+            dv.result().to(v.dtype).reshape(B, Lk, K, Dv), dsinks)
 
 
 def ring_attention(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,
                    softcap: float | None) -> torch.Tensor:
-    """Run ``plan`` on this rank's shard: q (B, L, H, D), k/v (B, Lk, K, D) (Lk == L except for
-    single-device plans over a KV cache), sinks (H,) or None -> out (B, L, H, D).
+    """Run ``plan`` on this rank's shard: q (B, L, H, D), k (B, Lk, K, D), v (B, Lk, K, Dv) (Lk == L
+    except for single-device plans over a KV cache; Dv may differ from D), sinks (H,) or None -> out
+    (B, L, H, Dv).
     Differentiable w.r.t. q, k, v and sinks."""
     return _RingAttention.apply(q, k, v, sinks, plan, comm, backend, scale, softcap)

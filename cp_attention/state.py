@@ -28,6 +28,17 @@ object                  what and why                                guarded by  
                         the engine never imports them
 ``INTEGRATIONS``        which integrations registered, and the      ``INTEGRATIONS_LOCK``  the process
                         transformers modules adapted for the name
+``CONTEXT_GUARDS``      what a multi-rank ``context_parallel``      (set once at import)  the process
+                        block enters and leaves (the model check of
+                        cp_flash models): registered by the
+                        integrations, each returns its exit
+``MODEL_CHECKS``        a model's check result (its findings),     ``MODEL_LOCK``   weak: dies with the model
+                        computed once per model object
+``MODEL_GUARD``         per thread: the outermost cp_flash model   thread-local  one model forward
+                        forward running under a guard, and how
+                        many attention layers ran / reached cp_flash;
+                        with ``MODEL_GUARD_DEPTH``/``_HOOKS``: the
+                        module hooks of the open multi-rank blocks
 ``FAILURE_SCOPES``      per group (its global ranks): how many      ``FAILURE_SCOPES_LOCK``  the process
                         contexts were opened on it, so a failure
                         reported in one context does not reach a
@@ -48,7 +59,8 @@ from .torch_compat import WeakIdKeyDictionary
 
 __all__ = ["ACTIVE_CONTEXT", "STATS", "STATS_LOCK", "FORWARD", "LIVE_BATCHES", "LIVE_LOCK", "LOCAL_PLANS",
            "ANNOUNCED", "ANNOUNCED_LOCK", "CONFIG_CHECKSUMS", "CONFIG_LOCK", "BATCH_CONVENTIONS", "INTEGRATIONS",
-           "INTEGRATIONS_LOCK", "FAILURE_SCOPES", "FAILURE_SCOPES_LOCK"]
+           "INTEGRATIONS_LOCK", "FAILURE_SCOPES", "FAILURE_SCOPES_LOCK", "CONTEXT_GUARDS", "MODEL_CHECKS",
+           "MODEL_LOCK", "MODEL_GUARD", "MODEL_GUARD_DEPTH", "MODEL_GUARD_HOOKS"]
 
 ACTIVE_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("cp_attention_ctx", default=None)
 
@@ -72,6 +84,15 @@ BATCH_CONVENTIONS: dict = {}  # name -> shard_batch(cp, **inputs) implementation
 
 INTEGRATIONS: dict = {"registered": set(), "adapted_sites": []}
 INTEGRATIONS_LOCK = threading.Lock()
+
+CONTEXT_GUARDS: list = []  # callables cp -> (callable run when the block exits)
+
+MODEL_CHECKS = WeakIdKeyDictionary()  # model -> its findings (a tuple)
+MODEL_LOCK = threading.Lock()
+
+MODEL_GUARD = threading.local()
+MODEL_GUARD_DEPTH = [0]  # open multi-rank blocks (guarded by MODEL_LOCK): the hooks live while > 0
+MODEL_GUARD_HOOKS: list = []  # their handles
 
 FAILURE_SCOPES: dict = {}  # group members -> contexts opened on the group
 FAILURE_SCOPES_LOCK = threading.Lock()

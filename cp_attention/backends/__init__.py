@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 
 
 def select_backend(name: str, *, device: torch.device, dtype: torch.dtype, head_dim: int,
-                   spec: MaskSpec) -> VarlenBackend:
-    """The backend called ``name`` (or the first suitable one for ``"auto"``).
+                   spec: MaskSpec, head_dim_v: int | None = None) -> VarlenBackend:
+    """The backend called ``name`` (or the first suitable one for ``"auto"``) for q/k of ``head_dim``
+    and v of ``head_dim_v`` (None: ``head_dim``).
 
     Raises ValueError naming every rejected backend and its reasons when none fits.
     """
@@ -36,15 +37,16 @@ def select_backend(name: str, *, device: torch.device, dtype: torch.dtype, head_
     rejected = []
     for candidate in candidates:
         backend = BACKENDS[candidate]
-        reasons = backend.not_supported_reasons(device=device, dtype=dtype, head_dim=head_dim, spec=spec)
+        reasons = backend.not_supported_reasons(device=device, dtype=dtype, head_dim=head_dim, spec=spec,
+                                                head_dim_v=head_dim_v)
         if name == "auto" and candidate in AUTO_DEVICES and torch.device(device).type not in AUTO_DEVICES[candidate]:
             reasons = reasons + [f"'auto' uses {candidate} only on {', '.join(AUTO_DEVICES[candidate])}"]
         if not reasons:
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("backend %r for %s (asked %r: %s, %s, head_dim %d)%s", candidate,
-                          getattr(backend, "describe", lambda **kw: candidate)(device=device, dtype=dtype,
-                                                                             head_dim=head_dim, spec=spec),
-                          name, torch.device(device).type, dtype, head_dim,
+                log.debug("backend %r for %s (asked %r: %s, %s, head_dim %d, v head_dim %d)%s", candidate,
+                          getattr(backend, "describe", lambda **kw: candidate)(
+                              device=device, dtype=dtype, head_dim=head_dim, spec=spec, head_dim_v=head_dim_v),
+                          name, torch.device(device).type, dtype, head_dim, head_dim_v or head_dim,
                           f"; rejected {' | '.join(rejected)}" if rejected else "")
             return backend
         rejected.append(f"{candidate}: {'; '.join(reasons)}")

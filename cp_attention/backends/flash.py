@@ -36,7 +36,18 @@ as the contract says (the ring's accumulation dtype). A kernel parameter without
 adapter neither supplies nor knows as optional (``none_params``) raises a TypeError naming the
 interface, the parameter and the installed version: an upstream signature change is never guessed.
 
-Legend: ``T`` packed query rows, ``S`` packed key rows, ``H``/``K`` query/key heads, ``D`` head dim.
+A v head dim ``Dv`` different from q's and k's ``D`` (multi-head latent attention: DeepSeek-V2/V3,
+MiniCPM3, ...) runs on every interface by zero padding to the common width ``P = max(D, Dv)``
+(:func:`_common_width`), which is exact: zero columns of q and k add nothing to ``q . k``
+(the scale is passed explicitly, never derived from the padded width), zero columns of v give zero
+columns of out, which are sliced off, and in the backward zero columns of dout and out leave
+``rowsum(dout * out)`` unchanged while the padded columns of dq/dk/dv are sliced off. The interfaces'
+head-dim limits apply to ``P``. flash-attn 2 and PyTorch's kernels require ``Dv == D``; flash-attn 3
+supports some ``(D, Dv)`` pairs natively (192/128), which would save the padding, but a single padded
+path is what is tested here.
+
+Legend: ``T`` packed query rows, ``S`` packed key rows, ``H``/``K`` query/key heads, ``D`` head dim
+of q/k, ``Dv`` head dim of v/out, ``P = max(D, Dv)``.
 """
 
 from __future__ import annotations
@@ -493,7 +504,7 @@ def flash_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 @flash_varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, is_causal, window_size_left,
       window_size_right, softcap, interface):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return q.new_empty((*q.shape[:2], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("cp_attention::flash_varlen_bwd", mutates_args=())
@@ -537,6 +548,21 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(device))
 
 
+def _common_width(head_dim: int, head_dim_v: int | None) -> int:
+    """The head dim the kernels run at: q/k's and v's, padded to the larger (module docstring)."""
+    return max(head_dim, head_dim_v or head_dim)
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` (..., d) zero padded to (..., width) (``x`` itself when d == width)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def _width(x: torch.Tensor, d: int) -> torch.Tensor:
+    """A kernel result (..., P) cut back to its true head dim ``d`` (a new contiguous tensor)."""
+    return x if x.shape[-1] == d else x[..., :d].contiguous()
+
+
 class FlashBackend:
     """Flash kernels on CUDA for float16/bfloat16; see the module docstring for the interfaces.
 
@@ -564,16 +590,17 @@ class FlashBackend:
                       softcap, INTERFACES[name].label if name else "none", f"; rejected {rejected}" if rejected else "")
         return self._picks[key]
 
-    def describe(self, *, device, dtype, head_dim: int, spec: MaskSpec) -> str:
+    def describe(self, *, device, dtype, head_dim: int, spec: MaskSpec, head_dim_v: int | None = None) -> str:
         """The backend and the flash interface it runs for such inputs (for logs)."""
-        name = self._pick(device, head_dim, spec.softcap is not None)[0]
+        name = self._pick(device, _common_width(head_dim, head_dim_v), spec.softcap is not None)[0]
         return f"flash via {INTERFACES[name].label}" if name is not None else "flash (no interface fits)"
 
-    def interface_for(self, *, device, head_dim: int, softcap: bool = False) -> str | None:
+    def interface_for(self, *, device, head_dim: int, softcap: bool = False,
+                      head_dim_v: int | None = None) -> str | None:
         """The interface this backend runs for such inputs on ``device`` (None: none fits)."""
-        return self._pick(device, head_dim, softcap)[0]
+        return self._pick(device, _common_width(head_dim, head_dim_v), softcap)[0]
 
-    def not_supported_reasons(self, *, device, dtype, head_dim, spec: MaskSpec) -> list[str]:
+    def not_supported_reasons(self, *, device, dtype, head_dim, spec: MaskSpec, head_dim_v=None) -> list[str]:
         reasons = []
         if torch.device(device).type != "cuda":
             reasons.append(f"flash kernels need CUDA tensors, got {torch.device(device).type}")
@@ -581,37 +608,41 @@ class FlashBackend:
             reasons.append(f"flash kernels take float16/bfloat16, got {dtype}")
         if reasons and self.interface is None:
             return reasons
-        name, rejected = self._pick(device, head_dim, spec.softcap is not None)
+        name, rejected = self._pick(device, _common_width(head_dim, head_dim_v), spec.softcap is not None)
         return reasons if name is not None else reasons + rejected
 
-    def _interface(self, q: torch.Tensor, softcap) -> str:
-        name, rejected = self._pick(q.device, q.shape[-1], softcap is not None)
+    def _interface(self, q: torch.Tensor, width: int, softcap) -> str:
+        name, rejected = self._pick(q.device, width, softcap is not None)
         if name is None:
             raise ValueError("no flash interface supports these inputs: " + " | ".join(rejected))
         return name
 
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                 scale, causal, window=(-1, -1), softcap=None):
-        """q (T, H, D), k/v (S, K, D) -> out (T, H, D), lse (H, T) float32 (``-inf``: no key)."""
-        iface = self._interface(q, softcap)
+        """q (T, H, D), k (S, K, D), v (S, K, Dv) -> out (T, H, Dv), lse (H, T) float32 (``-inf``: no
+        key); run at width ``P = max(D, Dv)`` (module docstring)."""
+        P = _common_width(q.shape[-1], v.shape[-1])
+        iface = self._interface(q, P, softcap)
         kw = kernel_arguments(scale=scale, causal=causal, window=window, softcap=softcap)
-        out_THD, lse_HT = flash_varlen_fwd(
-            q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q.int().contiguous(),
-            cu_seqlens_k.int().contiguous(), int(max_seqlen_q), int(max_seqlen_k), kw["scale"], kw["is_causal"],
-            kw["window_size_left"], kw["window_size_right"], kw["softcap"], iface)
-        return out_THD, _contract_lse(lse_HT)
+        out_THP, lse_HT = flash_varlen_fwd(
+            _pad_to(q, P).contiguous(), _pad_to(k, P).contiguous(), _pad_to(v, P).contiguous(),
+            cu_seqlens_q.int().contiguous(), cu_seqlens_k.int().contiguous(), int(max_seqlen_q), int(max_seqlen_k),
+            kw["scale"], kw["is_causal"], kw["window_size_left"], kw["window_size_right"], kw["softcap"], iface)
+        return _width(out_THP, v.shape[-1]), _contract_lse(lse_HT)
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  scale, causal, window=(-1, -1), softcap=None):
-        """dout/out (T, H, D), lse (H, T) final -> dq (T, H, D), dk/dv (S, K, D) in float32 (float64
-        for float64 inputs) as the contract says: the ring's accumulation dtype, so it adopts them
-        without a copy. The kernels write the input dtype; the upcast is exact."""
-        iface = self._interface(q, softcap)
+        """dout/out (T, H, Dv), lse (H, T) final -> dq (T, H, D), dk (S, K, D), dv (S, K, Dv) in float32
+        (float64 for float64 inputs) as the contract says: the ring's accumulation dtype, so it adopts
+        them without a copy. The kernels write the input dtype; the upcast is exact. Run at width
+        ``P = max(D, Dv)`` (module docstring)."""
+        P = _common_width(q.shape[-1], v.shape[-1])
+        iface = self._interface(q, P, softcap)
         kw = kernel_arguments(scale=scale, causal=causal, window=window, softcap=softcap)
         acc = accumulation_dtype(q.dtype)
         grads = flash_varlen_bwd(
-            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-            _kernel_lse(lse, INTERFACES[iface].empty_lse), cu_seqlens_q.int().contiguous(),
-            cu_seqlens_k.int().contiguous(), int(max_seqlen_q), int(max_seqlen_k), kw["scale"], kw["is_causal"],
-            kw["window_size_left"], kw["window_size_right"], kw["softcap"], iface)
-        return tuple(g.to(acc) for g in grads)
+            _pad_to(dout, P).contiguous(), _pad_to(q, P).contiguous(), _pad_to(k, P).contiguous(),
+            _pad_to(v, P).contiguous(), _pad_to(out, P).contiguous(), _kernel_lse(lse, INTERFACES[iface].empty_lse),
+            cu_seqlens_q.int().contiguous(), cu_seqlens_k.int().contiguous(), int(max_seqlen_q), int(max_seqlen_k),
+            kw["scale"], kw["is_causal"], kw["window_size_left"], kw["window_size_right"], kw["softcap"], iface)
+        return tuple(_width(g, x.shape[-1]).to(acc) for g, x in zip(grads, (q, k, v)))

@@ -15,7 +15,8 @@ and dK/dV accumulate straight into the returned tensors.
 
 Legend: ``T`` query rows of one tile, ``S`` key rows of its span, ``K`` K/V heads, ``G`` query
 heads per K/V head, ``M = T * G`` rows of a tile's matrices (ordered token-major: row ``t * G + g``),
-``D`` head dim, ``Tq``/``Tk`` packed query/key rows of the call, ``H = K * G`` query heads.
+``D`` head dim of q and k, ``Dv`` head dim of v and out (may differ from ``D``: MLA), ``Tq``/``Tk``
+packed query/key rows of the call, ``H = K * G`` query heads.
 """
 
 from __future__ import annotations
@@ -144,23 +145,23 @@ class ReferenceBackend:
 
     name = "reference"
 
-    def not_supported_reasons(self, *, device, dtype, head_dim, spec: MaskSpec) -> list[str]:
+    def not_supported_reasons(self, *, device, dtype, head_dim, spec: MaskSpec, head_dim_v=None) -> list[str]:
         if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             return [f"dtype {dtype} is not a supported float type"]
         return []
 
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                 scale, causal, window=(-1, -1), softcap=None):
-        Tq, H, D = q.shape
-        K = k.shape[1]
+        Tq, H, _ = q.shape
+        K, Dv = k.shape[1], v.shape[2]
         G = H // K
         acc = accumulation_dtype(q.dtype)
-        out_THD = torch.zeros(Tq, H, D, dtype=q.dtype, device=q.device)
+        out_THDv = torch.zeros(Tq, H, Dv, dtype=q.dtype, device=q.device)
         lse_HT = torch.full((H, Tq), float("-inf"), dtype=acc, device=q.device)
         tiles = _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, q.device)
         scratch = _Scratch(tiles, K, G, acc, q.device, buffers=1) if tiles else None
-        k_KSD, v_KSD = k.transpose(0, 1), v.transpose(0, 1)  # strided views
-        out_KTGD = out_THD.view(Tq, K, G, D).transpose(0, 1)
+        k_KSD, v_KSDv = k.transpose(0, 1), v.transpose(0, 1)  # strided views
+        out_KTGDv = out_THDv.view(Tq, K, G, Dv).transpose(0, 1)
         lse_KGT = lse_HT.view(K, G, Tq)
         for tile in tiles:
             q0, q1, k0, k1 = tile.q0, tile.q1, tile.k0, tile.k1
@@ -178,11 +179,11 @@ class ReferenceBackend:
                 m_KM1.masked_fill_(torch.isneginf(m_KM1), 0.0)  # rows that see nothing
                 p_KMS = s_KMS.sub_(m_KM1).exp_()
                 l_KM1 = p_KMS.sum(dim=-1, keepdim=True)
-                o_KMD = torch.bmm(p_KMS, v_KSD[heads, k0:k1].to(acc))
-                o_KMD.div_(torch.where(l_KM1 > 0, l_KM1, torch.ones_like(l_KM1)))
-                out_KTGD[heads, q0:q1].copy_(o_KMD.view(h1 - h0, T, G, D))
+                o_KMDv = torch.bmm(p_KMS, v_KSDv[heads, k0:k1].to(acc))
+                o_KMDv.div_(torch.where(l_KM1 > 0, l_KM1, torch.ones_like(l_KM1)))
+                out_KTGDv[heads, q0:q1].copy_(o_KMDv.view(h1 - h0, T, G, Dv))
                 lse_KGT[heads, :, q0:q1] = (m_KM1 + torch.log(l_KM1)).view(h1 - h0, T, G).transpose(1, 2)
-        return out_THD, lse_HT
+        return out_THDv, lse_HT
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  scale, causal, window=(-1, -1), softcap=None):
@@ -192,11 +193,11 @@ class ReferenceBackend:
         acc = accumulation_dtype(q.dtype)
         dq_THD = torch.zeros(Tq, H, D, dtype=acc, device=q.device)
         dk_SKD = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv_SKD = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dv_SKDv = torch.zeros(v.shape, dtype=acc, device=v.device)
         tiles = _tiles(cu_seqlens_q, cu_seqlens_k, causal, window, q.device)
         scratch = _Scratch(tiles, K, G, acc, q.device, buffers=2) if tiles else None
-        k_KSD, v_KSD = k.transpose(0, 1), v.transpose(0, 1)  # strided views
-        dk_KSD, dv_KSD = dk_SKD.transpose(0, 1), dv_SKD.transpose(0, 1)
+        k_KSD, v_KSDv = k.transpose(0, 1), v.transpose(0, 1)  # strided views
+        dk_KSD, dv_KSDv = dk_SKD.transpose(0, 1), dv_SKDv.transpose(0, 1)
         dq_KTGD = dq_THD.view(Tq, K, G, D).transpose(0, 1)
         for tile in tiles:
             q0, q1, k0, k1 = tile.q0, tile.q1, tile.k0, tile.k1
@@ -204,7 +205,7 @@ class ReferenceBackend:
             keys = slice(k0, k1)
             masks = _tile_masks(tile, acc, q.device)
             q_KMD = _rows_KMD(q[q0:q1], K, acc, scale)  # scaled: dK = dS^T (scale * Q)
-            do_KMD = _rows_KMD(dout[q0:q1], K, acc)
+            do_KMDv = _rows_KMD(dout[q0:q1], K, acc)
             # delta = rowsum(dO * O); rows that see nothing get lse = +inf, so exp(s - lse) = 0
             delta_KM1 = _per_head_KM1((dout[q0:q1].to(acc) * out[q0:q1].to(acc)).sum(-1).t(), K)
             lse_KM1 = _per_head_KM1(lse[:, q0:q1].to(acc), K)
@@ -212,8 +213,8 @@ class ReferenceBackend:
             for h0, h1 in _head_blocks(K, T * G * (k1 - k0)):
                 heads = slice(h0, h1)
                 shape = (h1 - h0, T * G, k1 - k0)
-                k_tile, v_tile = k_KSD[heads, keys].to(acc), v_KSD[heads, keys].to(acc)
-                q_tile, do_tile = q_KMD[heads], do_KMD[heads]
+                k_tile, v_tile = k_KSD[heads, keys].to(acc), v_KSDv[heads, keys].to(acc)
+                q_tile, do_tile = q_KMD[heads], do_KMDv[heads]
                 s_KMS = torch.bmm(q_tile, k_tile.transpose(1, 2), out=scratch.view(0, *shape))
                 tanh_KMS = None
                 if softcap is not None:
@@ -221,7 +222,7 @@ class ReferenceBackend:
                     s_KMS = tanh_KMS * softcap
                 _mask_(s_KMS, masks, G)
                 p_KMS = s_KMS.sub_(lse_KM1[heads]).exp_()
-                dv_KSD[heads, keys].baddbmm_(p_KMS.transpose(1, 2), do_tile)
+                dv_KSDv[heads, keys].baddbmm_(p_KMS.transpose(1, 2), do_tile)
                 ds_KMS = torch.bmm(do_tile, v_tile.transpose(1, 2), out=scratch.view(1, *shape))  # dP
                 ds_KMS.sub_(delta_KM1[heads]).mul_(p_KMS)
                 if tanh_KMS is not None:
@@ -231,4 +232,4 @@ class ReferenceBackend:
                 dk_KSD[heads, keys].baddbmm_(ds_KMS.transpose(1, 2), q_tile)
         if tiles:
             dq_THD.mul_(scale)
-        return dq_THD, dk_SKD, dv_SKD
+        return dq_THD, dk_SKD, dv_SKDv

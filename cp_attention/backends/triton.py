@@ -6,7 +6,8 @@ implementations, so the ring can be traced by ``torch.compile``, and exposes :cl
 Triton is imported lazily: this module imports without it, and the backend then reports
 "triton is not installed".
 
-Legend: ``T`` packed query rows, ``S`` packed key rows, ``H`` query heads, ``K`` K/V heads, ``D`` head dim.
+Legend: ``T`` packed query rows, ``S`` packed key rows, ``H`` query heads, ``K`` K/V heads, ``D`` head dim of
+q/k, ``Dv`` head dim of v/out (may differ: MLA; the kernels carry both).
 """
 
 from __future__ import annotations
@@ -31,20 +32,21 @@ def _kernels():
 
 
 @torch.library.custom_op("cp_attention::triton_varlen_fwd", mutates_args=())
-def _triton_varlen_fwd(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKD: torch.Tensor, cu_seqlens_q: torch.Tensor,
+def _triton_varlen_fwd(q_THD: torch.Tensor, k_SKD: torch.Tensor, v_SKDv: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                        causal: bool, window_left: int, window_right: int,
                        softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (Tq, Hq, D), k/v (Tk, Hkv, D) -> out (Tq, Hq, D), lse (Hq, Tq) float32/float64."""
-    return _kernels().varlen_fwd(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    """q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) -> out (Tq, Hq, Dv), lse (Hq, Tq) float32/float64."""
+    return _kernels().varlen_fwd(q_THD, k_SKD, v_SKDv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  scale=scale, causal=causal, window=(window_left, window_right), softcap=softcap)
 
 
 @_triton_varlen_fwd.register_fake
-def _(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window_left,
+def _(q_THD, k_SKD, v_SKDv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal, window_left,
       window_right, softcap):
     Tq, Hq, _ = q_THD.shape
-    return torch.empty_like(q_THD), q_THD.new_empty((Hq, Tq), dtype=accumulation_dtype(q_THD.dtype))
+    return (q_THD.new_empty((Tq, Hq, v_SKDv.shape[2])),
+            q_THD.new_empty((Hq, Tq), dtype=accumulation_dtype(q_THD.dtype)))
 
 
 @torch.library.custom_op("cp_attention::triton_varlen_bwd", mutates_args=())
@@ -53,7 +55,7 @@ def _triton_varlen_bwd(dout_THD: torch.Tensor, q_THD: torch.Tensor, k_SKD: torch
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                        causal: bool, window_left: int, window_right: int,
                        softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dq (Tq, Hq, D), dk/dv (Tk, Hkv, D), float32 (float64 for float64 inputs)."""
+    """-> dq (Tq, Hq, D), dk (Tk, Hkv, D), dv (Tk, Hkv, Dv), float32 (float64 for float64 inputs)."""
     return _kernels().varlen_bwd(dout_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k,
                                  max_seqlen_q, max_seqlen_k, scale=scale, causal=causal,
                                  window=(window_left, window_right), softcap=softcap)
@@ -69,12 +71,12 @@ def _(dout_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, cu_seqlens_q, cu_seqlens_k
 
 class TritonBackend:
     """FlashAttention-2 style Triton kernels: CUDA/ROCm tensors, or CPU tensors under TRITON_INTERPRET=1;
-    float16/bfloat16/float32/float64; head_dim <= 256 (padded to a power of two inside the kernel);
-    every window/causal/softcap/GQA feature of the contract."""
+    float16/bfloat16/float32/float64; head dims (q/k's and v's, which may differ) <= 256 (each padded to a
+    power of two inside the kernel); every window/causal/softcap/GQA feature of the contract."""
 
     name = "triton"
 
-    def not_supported_reasons(self, *, device, dtype, head_dim, spec: MaskSpec) -> list[str]:
+    def not_supported_reasons(self, *, device, dtype, head_dim, spec: MaskSpec, head_dim_v=None) -> list[str]:
         reasons = []
         if importlib.util.find_spec("triton") is None:
             reasons.append("triton is not installed")
@@ -90,11 +92,14 @@ class TritonBackend:
                            "garbage): use float16, float32 or float64 there, or a GPU")
         if not 0 < head_dim <= MAX_HEAD_DIM:
             reasons.append(f"head_dim {head_dim} is not in [1, {MAX_HEAD_DIM}]")
+        if head_dim_v is not None and not 0 < head_dim_v <= MAX_HEAD_DIM:
+            reasons.append(f"v's head_dim {head_dim_v} is not in [1, {MAX_HEAD_DIM}]")
         return reasons
 
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                 scale, causal, window=(-1, -1), softcap=None):
-        """q (Tq, Hq, D), k/v (Tk, Hkv, D) -> out (Tq, Hq, D) in q's dtype, lse (Hq, Tq) float32."""
+        """q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) -> out (Tq, Hq, Dv) in q's dtype, lse (Hq, Tq)
+        float32."""
         cu_q, cu_k = (c.to(device=q.device, dtype=torch.int32) for c in (cu_seqlens_q, cu_seqlens_k))
         return _triton_varlen_fwd(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), float(scale),
                                   bool(causal), int(window[0]), int(window[1]),
@@ -102,7 +107,7 @@ class TritonBackend:
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                  scale, causal, window=(-1, -1), softcap=None):
-        """Gradients (float32/float64) of q, k, v given the final out (Tq, Hq, D) and lse (Hq, Tq)."""
+        """Gradients (float32/float64) of q, k, v given dout and the final out (Tq, Hq, Dv) and lse (Hq, Tq)."""
         cu_q, cu_k = (c.to(device=q.device, dtype=torch.int32) for c in (cu_seqlens_q, cu_seqlens_k))
         return _triton_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k),
                                   float(scale), bool(causal), int(window[0]), int(window[1]),

@@ -41,6 +41,37 @@ class _LoaderThenRegister(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
+class _LoaderThenAdapt(_LoaderThenRegister):
+    """Runs the real loader of a transformers modeling module, then adapts it for "cp_flash"."""
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        from .transformers import NAME, adapt_modeling_module
+        from .. import state
+
+        if NAME in state.INTEGRATIONS["registered"]:
+            adapt_modeling_module(module)
+
+
+class _ModelingImports(importlib.abc.MetaPathFinder):
+    """Import hook that stays: each ``transformers.models.*.modeling_*`` module is adapted for
+    "cp_flash" as it loads (its by-name flash checks and class tables, see
+    :func:`.transformers.adapt_modeling_module`), before any model of it is built."""
+
+    def find_spec(self, fullname, path, target=None):
+        if not (fullname.startswith("transformers.models.") and ".modeling_" in fullname):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _LoaderThenAdapt(spec.loader)
+                return spec
+        return None
+
+
 class _AfterTransformersImport(importlib.abc.MetaPathFinder):
     """One-shot import hook: registers "cp_flash" right after transformers' modeling code loads."""
 
@@ -61,6 +92,8 @@ def install() -> None:
     from .hf_batch import shard_batch
 
     state.BATCH_CONVENTIONS.setdefault("transformers", shard_batch)
+    if not any(isinstance(f, _ModelingImports) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ModelingImports())
     if _TRIGGER in sys.modules:
         _register_transformers()
     elif importlib.util.find_spec("transformers") is not None and not any(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .model_check import default_position_start
 from .models import model_masks
 
 __all__ = ["DOCUMENT_KEYS", "shard_batch"]
@@ -87,8 +88,15 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
                              f"{document_starts.dtype} {tuple(document_starts.shape)}")
         opens = document_starts.cpu() if opens is None else (opens | document_starts.cpu())
     position_ids = tensors.pop("position_ids", None)
+    # without position_ids: numbered as the model numbers its default positions (RoBERTa-style models
+    # from padding_idx + 1) when it is given, else from 0 (and a model that counts otherwise refuses)
+    positions_given = position_ids is not None or model is not None
     if position_ids is None:
-        position_ids = torch.arange(L, device=device).expand(B, L)
+        start = default_position_start(model) if model is not None else 0
+        position_ids = (torch.arange(L, device=device) + start).expand(B, L)
+        if start and opens is not None:  # each packed document numbered from the start, as when alone
+            idx = torch.arange(L).expand(opens.shape[0], L)
+            position_ids = (idx - torch.where(opens, idx, 0).cummax(dim=1).values + start).to(device).expand(B, L)
     valid = tensors.get("attention_mask")
     if valid is not None and valid.dim() != 2:
         raise ValueError("shard_batch: attention_mask must be a 2D (B, L) padding mask")
@@ -109,7 +117,7 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
     return cp.shard_documents(to_shard, position_ids=position_ids, opens=opens,
                               valid=None if valid is None else valid.bool(),
                               model_masks=None if model is None else (lambda: model_masks(model)),
-                              num_items=num_items, bind_also=scaled)
+                              num_items=num_items, bind_also=scaled, positions_given=positions_given)
 
 
 def _translate_inputs(inputs: dict):

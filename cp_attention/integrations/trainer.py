@@ -24,6 +24,9 @@ What one training step does, on every rank:
    processes, and DDP / FSDP2 average the gradients over all processes: the result is the gradient
    of the single-device loss of the global batch. The logged loss is that single-device loss.
 
+The same steps for any Trainer subclass (TRL's ``SFTTrainer``: see :mod:`.trl`): mix in
+:class:`CPTrainerMixin`, before or after the Trainer class in the bases.
+
 Legend: ``B`` rows, ``L_r`` the sequence length of rank ``r``'s micro-batch.
 """
 
@@ -34,8 +37,9 @@ from transformers import Trainer
 
 from ..context import context_parallel
 from .hf_batch import DOCUMENT_KEYS
+from .model_check import check_model
 
-__all__ = ["CPTrainer", "join_micro_batches"]
+__all__ = ["CPTrainer", "CPTrainerMixin", "join_micro_batches"]
 
 
 def _segments(part: dict, B: int, L: int) -> torch.Tensor:
@@ -104,10 +108,35 @@ def join_micro_batches(parts: list[dict]) -> tuple[dict, torch.Tensor]:
     return joined, torch.cat(opens, dim=1)
 
 
-class CPTrainer(Trainer):
-    """A :class:`transformers.Trainer` whose training steps run under context parallelism.
+class _MixinBeforeTrainer(type):
+    """Metaclass of :class:`CPTrainerMixin`: in any subclass the mixin comes right before the first
+    Trainer class of the method resolution order, whatever the order of the bases.
 
-    Args (besides Trainer's own):
+    ``class X(SFTTrainer, CPTrainerMixin)`` would otherwise resolve ``__init__`` and
+    ``training_step`` to ``SFTTrainer``'s (which never call on to the mixin): the CP options would be
+    rejected and the steps would run without context parallelism. With this metaclass its MRO is
+    that of ``class X(CPTrainerMixin, SFTTrainer)``: ``X, CPTrainerMixin, SFTTrainer, ..., Trainer``.
+    """
+
+    def mro(cls):
+        order = super().mro()
+        at = next((i for i, c in enumerate(order) if c.__dict__.get("_cp_trainer_mixin")), 0)
+        if at == 0:  # the mixin itself, or no mixin
+            return order
+        mixin = order[at]
+        first = next((i for i, c in enumerate(order[1:at], 1)
+                      if issubclass(c, Trainer) and not issubclass(c, mixin)), None)
+        if first is not None:
+            order.insert(first, order.pop(at))
+        return order
+
+
+class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
+    """Context parallelism for any :class:`transformers.Trainer` subclass (TRL's ``SFTTrainer``, ...):
+    ``class MyTrainer(CPTrainerMixin, SomeTrainer)``; the other base order works the same (the
+    mixin is moved before the Trainer class in the MRO, see :class:`_MixinBeforeTrainer`).
+
+    Args (besides the Trainer's own):
         cp_group: the context-parallel group: None (every process: CP size = world size), a
             ProcessGroup, a 1-D DeviceMesh (``mesh["cp"]``) or a DeviceMesh with ``cp_mesh_dim``.
             Processes outside it (other data-parallel replicas) train on other data, as usual.
@@ -118,30 +147,42 @@ class CPTrainer(Trainer):
 
     The model must use ``attn_implementation="cp_flash"``. Gradient checkpointing
     (``gradient_checkpointing=True``, reentrant or not), gradient accumulation and DDP/FSDP2 as set
-    up by Trainer work unchanged. Label smoothing and ``compute_loss_func`` compute the loss outside
-    the model from local labels and are refused; so is ``average_tokens_across_devices=False``
-    (Trainer would then normalise each process's loss by its own tokens, not the global batch's).
-    Evaluation and prediction run without context parallelism, on each process's own batch.
+    up by Trainer work unchanged. Refused, because the loss would not be the single-device loss:
+    label smoothing and ``compute_loss_func`` (they compute the loss outside the model from local
+    labels); ``average_tokens_across_devices=False`` (Trainer would then normalise each process's
+    loss by its own tokens, not the global batch's); a MoE router auxiliary loss (a product of
+    per-batch means: each rank would take it over its shard alone). Evaluation and prediction run
+    without context parallelism, on each process's own batch.
     """
+
+    _cp_trainer_mixin = True
 
     def __init__(self, *args, cp_group=None, cp_mesh_dim: str | None = None, cp_layout: str = "zigzag",
                  cp_timeout: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        name = type(self).__name__
         if self.label_smoother is not None or self.compute_loss_func is not None:
-            raise ValueError("CPTrainer computes the loss inside the model on each rank's shard; label smoothing and "
-                             "compute_loss_func see only local logits and labels: set label_smoothing_factor=0 and "
-                             "drop compute_loss_func")
+            raise ValueError(f"{name} computes the loss inside the model on each rank's shard; label smoothing and "
+                             f"compute_loss_func see only local logits and labels: set label_smoothing_factor=0 and "
+                             f"drop compute_loss_func")
         if not self.args.average_tokens_across_devices:
-            raise ValueError("CPTrainer needs average_tokens_across_devices=True: each rank's loss must be normalised "
-                             "by the label tokens of the whole global batch")
-        implementation = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+            raise ValueError(f"{name} needs average_tokens_across_devices=True: each rank's loss must be normalised "
+                             f"by the label tokens of the whole global batch")
+        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
         if implementation != "cp_flash":
-            raise ValueError(f"CPTrainer trains models loaded with attn_implementation='cp_flash', this one uses "
+            raise ValueError(f"{name} trains models loaded with attn_implementation='cp_flash', this one uses "
                              f"{implementation!r}")
+        if self.args.world_size > 1:  # the model check, at construction rather than at the first step
+            check_model(self.accelerator.unwrap_model(self.model))
+        if _router_aux_loss(config):
+            raise ValueError(f"{name}: the MoE router auxiliary loss is a product of means over the batch's tokens; "
+                             f"under context parallelism each rank would take it over its shard alone: set the "
+                             f"config's output_router_logits=False (TRL: router_aux_loss_coef=0.0)")
         self.cp_group, self.cp_mesh_dim, self.cp_layout, self.cp_timeout = cp_group, cp_mesh_dim, cp_layout, cp_timeout
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Join the CP group's micro-batches, shard them, then Trainer's own step on this shard."""
+        """Join the CP group's micro-batches, shard them, then the Trainer's own step on this shard."""
         with context_parallel(self.cp_group, self.cp_layout, self.cp_timeout, mesh_dim=self.cp_mesh_dim) as cp:
             parts = [inputs] if cp.world_size == 1 else cp.comm.all_gather_object(_to_cpu(inputs))
             joined, starts = join_micro_batches([inputs if r == cp.rank else p for r, p in enumerate(parts)])
@@ -149,6 +190,20 @@ class CPTrainer(Trainer):
             if num_items_in_batch is not None:  # Trainer's count over every rank's micro-batch
                 local.pop("num_items_in_batch", None)
             return super().training_step(model, local, num_items_in_batch)
+
+
+class CPTrainer(CPTrainerMixin, Trainer):
+    """A :class:`transformers.Trainer` whose training steps run under context parallelism: the
+    arguments and rules of :class:`CPTrainerMixin` (``cp_group``, ``cp_mesh_dim``, ``cp_layout``,
+    ``cp_timeout``; a ``cp_flash`` model)."""
+
+
+def _router_aux_loss(config) -> bool:
+    """Whether the model's training loss includes a MoE router auxiliary loss: transformers' MoE
+    models add it when their config has ``output_router_logits`` and a non-zero
+    ``router_aux_loss_coef`` (TRL's trainers set both from their own ``router_aux_loss_coef``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "output_router_logits", False)) and bool(getattr(text, "router_aux_loss_coef", 0.0))
 
 
 def _to_cpu(inputs: dict) -> dict:

@@ -37,6 +37,7 @@ Legend: ``B`` batch, ``L``/``Lq`` query tokens, ``Lk`` key tokens, ``H`` heads, 
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,7 @@ import torch
 from .. import state
 from ..engine import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
+from .model_check import guard_position_start, install_guard, note_cp_flash_call
 from .models import config_crc, layer_mask, text_config
 
 __all__ = ["NAME", "CPMask", "cp_flash_attention", "cp_flash_mask", "register", "FLASH_NAME_SITES",
@@ -106,6 +108,7 @@ class CPMask:
     batch: object = field(default=None, repr=False)
     local_size: int | None = None
     plans: dict = field(default_factory=dict, repr=False)
+    family: str = ""
 
     # generate() with a static cache prepares the masks in advance; models that build one mask (no
     # ``layer_types``: Mistral, Phi-3) hand it back to ``create_*_mask``, whose argument check reads
@@ -115,6 +118,41 @@ class CPMask:
     def contiguous(self) -> CPMask:
         """transformers' generation calls ``.contiguous()`` on prepared masks: nothing to do."""
         return self
+
+    # Any other use is model code treating the mask as a dense tensor (adding it to scores as a bias,
+    # slicing it, reading its dtype): a CPMask must never stand in for one silently.
+    def _misused(self, how: str):
+        family = self.family or "this model"
+        raise NotImplementedError(
+            f"cp_flash: {family}'s modeling code uses the attention mask as a dense tensor ({how}); cp_flash "
+            "hands its layers O(L) mask metadata instead, which only its own attention function reads. This "
+            f"family is not supported by cp_flash: use attn_implementation=\"sdpa\" or \"eager\" (without "
+            "context parallelism)")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        flat = [a for a in (*args, *(kwargs or {}).values())]
+        flat += [b for a in flat if isinstance(a, (list, tuple)) for b in a]
+        mask = next((a for a in flat if isinstance(a, CPMask)), None)
+        (mask or CPMask(0, 0, 0, 0, 0, None, None))._misused(f"torch.{getattr(func, '__name__', func)}")
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in _CPMASK_FIELDS:
+            raise AttributeError(name)
+        self._misused(f".{name}")
+
+    def __getitem__(self, index):
+        self._misused("indexing")
+
+    def _arith(self, other):
+        self._misused("arithmetic")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = _arith
+    __lt__ = __le__ = __gt__ = __ge__ = __invert__ = __neg__ = _arith
+
+
+_CPMASK_FIELDS = frozenset(("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "valid", "opens",
+                            "batch", "local_size", "plans", "family"))
 
 
 def _hf_document_starts(mask_function, batch_size: int, length: int, *, prune: bool = True) -> torch.Tensor | None:
@@ -142,9 +180,11 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
         attention_mask = attention_mask.valid
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"cp_flash expects a 2D (B, L) padding mask; got a {attention_mask.dim()}D attention_mask")
+    family = str(getattr(kwargs.get("config"), "model_type", "") or "")
     if not compiling_outside_cp():
         info = _bound_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
         info.local_size = None if local_size is None else int(local_size)
+        info.family = family
         return info
     # traced by torch.compile outside context parallelism: no data-dependent branch, no bookkeeping (the
     # single-device op notes the forward's plans itself)
@@ -154,7 +194,7 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
     return CPMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
                   kv_offset=int(kv_offset), valid=None if attention_mask is None else attention_mask.detach().bool(),
                   opens=opens, batch=layer_mask_batch(attention_mask, batch_size, q_length),
-                  local_size=None if local_size is None else int(local_size))
+                  local_size=None if local_size is None else int(local_size), family=family)
 
 
 @torch.compiler.disable
@@ -220,6 +260,17 @@ def _llama4_adjust(module):
     return adjust
 
 
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, q, k and v in the autocast dtype (as sdpa computes them): a float32 model under
+    bf16 autocast hands over float32 queries and keys (RoPE upcasts) but bfloat16 values."""
+    dtypes = {t.dtype for t in tensors}
+    device = tensors[0].device.type
+    if len(dtypes) == 1 or not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                        dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
                        softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
@@ -234,6 +285,14 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         raise ValueError("cp_flash received a dense attention_mask tensor: its masks come from the mask "
                          "function registered with it; pass a 2D padding mask (or none) and position_ids")
     info = attention_mask if isinstance(attention_mask, CPMask) else None
+    note_cp_flash_call()
+    if info is not None and info.batch is not None and not info.batch.positions_given and guard_position_start():
+        raise NotImplementedError(
+            f"cp_flash: {info.family or 'this model'} numbers its default positions from "
+            f"padding_idx + 1 = {guard_position_start()}, but cp.shard_batch was given no position_ids and numbered "
+            "them from 0: pass position_ids (padding_idx + 1 + each token's offset in its document), or pass "
+            "model=... to cp.shard_batch so it numbers them as the model does")
+    query, key, value = _autocast(query, key, value)
     spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling,
                            is_causal=kwargs.get("is_causal"), mask_window=info.local_size if info is not None else None)
     collator = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
@@ -259,6 +318,10 @@ def _adapt_flash_name_check(module_name: str) -> bool:
         mod = importlib.import_module(module_name)
     except ImportError:
         return False
+    return _wrap_flash_name_check(mod)
+
+
+def _wrap_flash_name_check(mod) -> bool:
     original = getattr(mod, "is_flash_attention_requested", None)
     if original is None:
         return False
@@ -276,6 +339,40 @@ def _adapt_flash_name_check(module_name: str) -> bool:
     is_flash_attention_requested.__wrapped__ = original
     mod.is_flash_attention_requested = is_flash_attention_requested
     return True
+
+
+def _is_class_table(value) -> bool:
+    """A module-level {implementation name: attention class} table (Falcon, GPT-Neo, GIT, ...)."""
+    return (isinstance(value, dict) and "eager" in value and NAME not in value
+            and all(isinstance(name, str) and name in _IMPLEMENTATIONS for name in value)
+            and all(isinstance(cls, type) and issubclass(cls, torch.nn.Module) for cls in value.values()))
+
+
+_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "paged_attention")
+
+
+def adapt_modeling_module(mod) -> bool:
+    """Adapt one ``transformers.models.*.modeling_*`` module for "cp_flash", found generically: its
+    by-name ``is_flash_attention_requested`` answers False for "cp_flash" (so no FlashAttention-2
+    class is picked, with or without flash-attn installed), and every table of attention classes
+    keyed by implementation name gets a "cp_flash" entry: its eager class (the model check then
+    tells whether that class reaches cp_flash). Returns whether anything was adapted."""
+    adapted = _wrap_flash_name_check(mod) if hasattr(mod, "is_flash_attention_requested") else False
+    for value in list(vars(mod).values()):
+        if _is_class_table(value):
+            value[NAME] = value["eager"]
+            adapted = True
+    if adapted:
+        with state.INTEGRATIONS_LOCK:
+            sites = state.INTEGRATIONS["adapted_sites"]
+            if mod.__name__ not in sites:
+                sites.append(mod.__name__)
+    return adapted
+
+
+def is_modeling_module(name: str) -> bool:
+    """Whether ``name`` is a modeling module of a transformers model (adapted when imported)."""
+    return name.startswith("transformers.models.") and name.rsplit(".", 1)[-1].startswith("modeling_")
 
 
 def register() -> None:
@@ -298,3 +395,8 @@ def register() -> None:
         sites = state.INTEGRATIONS["adapted_sites"]
         sites.extend(site for site in adapted if site not in sites)
         state.INTEGRATIONS["registered"].add(NAME)
+    # the modeling modules loaded already; later ones are adapted as they load (integrations.install)
+    for name, mod in list(sys.modules.items()):
+        if mod is not None and is_modeling_module(name):
+            adapt_modeling_module(mod)
+    install_guard()

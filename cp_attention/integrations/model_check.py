@@ -1,0 +1,306 @@
+"""The model check: which sequence mixers a transformers model has, and whether "cp_flash" computes
+each of them exactly under context parallelism, decided before any rank computes.
+
+Under context parallelism each rank holds a shard of the sequence. A model is exact only if every
+operation that mixes tokens along the sequence is done by the engine, which sees the whole sequence:
+an attention layer that calls transformers' attention interface (and so "cp_flash") is; anything
+else that looks along the sequence sees its own shard only and is silently wrong. The check reads
+the module tree, the modules' forward signatures and the source of their classes; it lists no
+family. What it refuses, each with the module that has it (:func:`model_findings`):
+
+* a convolution along the sequence: an ``nn.Conv1d`` with a kernel over more than one token (the
+  short convolutions of Mamba, Mamba-2, gated DeltaNet, LFM2's ShortConv, RecurrentGemma);
+* a token shift: a padding module (RWKV's time shift);
+* a recurrent state: a forward that takes ``cache_params`` / ``state`` / a recurrent state, or a
+  state-space decay parameter (``A_log``, ``time_decay``): state-space, linear-attention and
+  recurrent mixers carry a state from every earlier token;
+* attention outside the attention interface: a class that computes scores itself (a product of
+  activations with a transposed one or a softmax over such a product, ``scaled_dot_product_attention``,
+  flash-attn calls) and never calls the interface (GPT-1, XLNet, lightning attention, ...);
+* a score bias that needs the mask as a dense tensor: an attention forward that takes ``alibi`` or
+  ``position_bias`` (BLOOM, MPT, CPM-Ant);
+* positions computed from the shard: the model's forward takes no ``position_ids``, so each rank
+  numbers its learned or sinusoidal positions from 0 (the BART-family decoders, XGLM, ...);
+* no attention layer at all that reaches cp_flash.
+
+Vision, audio and other sub-models with a configuration of their own are not read: they do not
+run over the text sequence.
+
+Checked once per model object (:data:`cp_attention.state.MODEL_CHECKS`) when a multi-rank
+:func:`~cp_attention.context_parallel` block runs its first forward, on every rank alike (the
+model is the same everywhere), so every rank raises the same ``NotImplementedError`` before a K/V
+block moves. A second guard counts, during each forward of a cp_flash model inside such a block,
+the attention modules that ran and the calls that reached cp_flash: if they differ (a layer that
+chose another implementation, or a class that picks its attention by name), the forward raises on
+every rank before its outputs can be used.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+
+import torch
+from torch import nn
+
+from .. import state
+
+__all__ = ["Finding", "model_findings", "check_model", "default_position_start", "install_guard",
+           "note_cp_flash_call"]
+
+NAME = "cp_flash"
+
+_INTERFACE = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
+_PRODUCT = re.compile(r"\b(?:matmul|einsum|bmm|baddbmm)\s*\(|[\w\)\]]\s@\s")
+_TRANSPOSED = re.compile(r"\.transpose\(\s*(?:-1\s*,\s*-2|-2\s*,\s*-1|2\s*,\s*3|3\s*,\s*2)\s*\)|\.mT\b")
+_FUSED = re.compile(r"scaled_dot_product_attention|flash_attn_(?:func|varlen_func|qkvpacked)")
+_STATE_ARGS = ("cache_params", "state", "recurrent_state", "ssm_state", "conv_state")
+_STATE_PARAMS = ("A_log", "time_decay", "time_first")
+_BIAS_ARGS = ("alibi", "position_bias")
+
+
+class Finding(tuple):
+    """One reason a model is refused: ``(module, what, why)``; ``module`` is the qualified name."""
+
+    __slots__ = ()
+
+    def __new__(cls, module: str, what: str, why: str):
+        return super().__new__(cls, (module, what, why))
+
+    module = property(lambda self: self[0])
+    what = property(lambda self: self[1])
+    why = property(lambda self: self[2])
+
+
+@functools.lru_cache(maxsize=None)
+def _class_source(cls: type) -> str:
+    """The source of ``cls`` and of its bases that are model code (not torch's, not transformers'
+    shared base classes such as ``PreTrainedModel``); "" where it cannot be read."""
+    parts = []
+    for klass in cls.__mro__:
+        where = klass.__module__
+        if klass is object or where.startswith("torch.") or (
+                where.startswith("transformers.") and not where.startswith("transformers.models.")):
+            continue
+        try:
+            parts.append(inspect.getsource(klass))
+        except (OSError, TypeError):
+            pass
+    return "\n".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_args(cls: type) -> frozenset:
+    try:
+        return frozenset(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+@functools.lru_cache(maxsize=None)
+def uses_attention_interface(cls: type) -> bool:
+    """Whether ``cls`` dispatches its attention through transformers' attention interface."""
+    source = _class_source(cls)
+    return any(word in source for word in _INTERFACE)
+
+
+@functools.lru_cache(maxsize=None)
+def _computes_scores(cls: type) -> bool:
+    """Whether ``cls`` (not using the interface) computes attention scores itself."""
+    if uses_attention_interface(cls):
+        return False
+    source = _class_source(cls)
+    if _FUSED.search(source):
+        return True
+    product = _PRODUCT.search(source) is not None
+    return product and (_TRANSPOSED.search(source) is not None or "softmax" in source)
+
+
+def _text_configs(model) -> tuple:
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) if config is not None else None
+    return tuple(c for c in (config, text) if c is not None)
+
+
+def _modules(model):
+    """``model``'s modules over the text sequence: sub-models with a configuration of their own
+    (vision or audio towers) are skipped."""
+    own = {id(c) for c in _text_configs(model)}
+
+    def walk(module, prefix):
+        yield prefix, module
+        for name, child in module.named_children():
+            config = getattr(child, "config", None)
+            if config is not None and hasattr(config, "to_dict") and id(config) not in own \
+                    and hasattr(child, "base_model_prefix") and id(getattr(config, "text_config", None)) not in own:
+                continue
+            yield from walk(child, f"{prefix}.{name}" if prefix else name)
+
+    yield from walk(model, "")
+
+
+def model_findings(model) -> tuple[Finding, ...]:
+    """Every reason ``model`` cannot run exactly under context parallelism (empty: it can)."""
+    findings: list[Finding] = []
+    attention = 0
+    for name, module in _modules(model):
+        where = name or type(module).__name__
+        cls = type(module)
+        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
+            findings.append(Finding(where, "a convolution along the sequence",
+                                    f"its kernel spans {module.kernel_size[0]} tokens, so the first tokens of a "
+                                    "shard need the previous shard's last ones"))
+        elif isinstance(module, (nn.ZeroPad1d, nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d)):
+            findings.append(Finding(where, "a token shift", "it pads the sequence by whole tokens, so a shard's "
+                                    "first token would read a zero instead of the previous shard's last token"))
+        if cls.__module__.startswith("torch."):
+            continue
+        args = _forward_args(cls)
+        own_params = {p for p, _ in module.named_parameters(recurse=False)}
+        if hasattr(module, "base_model_prefix"):  # a (sub-)model: its forward only calls its layers
+            continue
+        if uses_attention_interface(cls):
+            attention += 1
+            bias = sorted(args.intersection(_BIAS_ARGS))
+            if bias:
+                findings.append(Finding(where, "a score bias", f"its forward takes {', '.join(bias)}: a bias over "
+                                        "(query, key) positions that needs the mask as a dense tensor"))
+            continue
+        state_args = sorted(args.intersection(_STATE_ARGS)) or sorted(own_params.intersection(_STATE_PARAMS))
+        if state_args:
+            findings.append(Finding(where, "a recurrent state", f"it carries a state along the sequence "
+                                    f"({', '.join(state_args)}), from every earlier token, across the shards"))
+        elif _computes_scores(cls):
+            bias = sorted(args.intersection(_BIAS_ARGS))
+            findings.append(Finding(where, "attention outside the attention interface",
+                                    "it computes its scores itself instead of calling transformers' attention "
+                                    "interface, so it would attend within its own shard only"
+                                    + (f" (and takes {', '.join(bias)})" if bias else "")))
+    forward_args = _forward_args(type(model))
+    if "position_ids" not in forward_args:
+        findings.append(Finding(type(model).__name__, "positions computed from the shard",
+                                "its forward takes no position_ids, so every rank would number its positions "
+                                "from 0 instead of the tokens' places in the sequence"))
+    if attention == 0:
+        findings.append(Finding(type(model).__name__, "no attention layer through cp_flash",
+                                "none of its modules calls transformers' attention interface"))
+    return tuple(dict.fromkeys(findings))
+
+
+def _family(model) -> str:
+    configs = _text_configs(model)
+    return next((getattr(c, "model_type", "") for c in configs if getattr(c, "model_type", "")), type(model).__name__)
+
+
+def check_model(model) -> None:
+    """Raise ``NotImplementedError`` naming the family, the modules and why, if ``model`` cannot run
+    exactly under context parallelism (see the module docstring). Cached per model object."""
+    with state.MODEL_LOCK:
+        findings = state.MODEL_CHECKS.get(model)
+    if findings is None:
+        findings = model_findings(model)
+        with state.MODEL_LOCK:
+            state.MODEL_CHECKS[model] = findings
+    if not findings:
+        return
+    lines = []
+    for what in dict.fromkeys(f.what for f in findings):
+        group = [f for f in findings if f.what == what]
+        names = ", ".join(f.module for f in group[:3]) + (f" (and {len(group) - 3} more)" if len(group) > 3 else "")
+        lines.append(f"  - {what} in {names}: {group[0].why}")
+    raise NotImplementedError(
+        f"cp_flash cannot run {_family(model)} ({type(model).__name__}) under context parallelism: it would "
+        "compute something else than on one device, because it has\n" + "\n".join(lines) +
+        "\nRun this model without context_parallel (one device, or data parallelism only), or with an "
+        "attention implementation of its own (\"eager\", \"sdpa\") outside a context_parallel block.")
+
+
+def default_position_start(model) -> int:
+    """Where ``model`` numbers its default positions: 0, or ``padding_idx + 1`` for a position
+    embedding with a padding index (RoBERTa, XLM-R, CamemBERT, data2vec-text, X-MOD)."""
+    for name, module in _modules(model):
+        if isinstance(module, nn.Embedding) and "position" in name.rsplit(".", 1)[-1] and module.padding_idx is not None:
+            return int(module.padding_idx) + 1
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# the guard of a multi-rank context_parallel block
+
+
+def _cp_flash_model(module) -> bool:
+    if not hasattr(module, "base_model_prefix"):  # a transformers PreTrainedModel
+        return False
+    return any(getattr(c, "_attn_implementation", None) == NAME for c in _text_configs(module))
+
+
+def _before(module, args) -> None:
+    guard = state.MODEL_GUARD
+    top = getattr(guard, "model", None)
+    if top is None:
+        if torch.compiler.is_compiling() or not _cp_flash_model(module):
+            return
+        check_model(module)
+        guard.model, guard.ran, guard.reached = module, 0, 0
+        guard.position_start = default_position_start(module)
+        return
+    if getattr(getattr(module, "config", None), "_attn_implementation", None) == NAME and \
+            not hasattr(module, "base_model_prefix") and uses_attention_interface(type(module)):
+        guard.ran += 1
+
+
+def _after(module, args, output) -> None:
+    guard = state.MODEL_GUARD
+    if getattr(guard, "model", None) is not module:
+        return
+    guard.model = None
+    ran, reached = guard.ran, guard.reached
+    if output is not None and ran != reached:
+        raise NotImplementedError(
+            f"cp_flash: {ran} attention layer(s) of {_family(module)} ({type(module).__name__}) ran in this "
+            f"forward under context parallelism but {reached} reached cp_flash: the others computed their "
+            "attention another way on this rank's shard only, so the outputs are not the model's. Its modeling "
+            "code selects attention classes by implementation name or bypasses the attention interface for "
+            "some layers; run it without context_parallel.")
+
+
+def note_cp_flash_call() -> None:
+    """Called by the cp_flash attention function: one more attention call reached cp_flash."""
+    guard = state.MODEL_GUARD
+    if getattr(guard, "model", None) is not None:
+        guard.reached += 1
+
+
+def guard_position_start() -> int:
+    """The default position start of the model whose forward is running under the guard (0: none)."""
+    guard = state.MODEL_GUARD
+    return getattr(guard, "position_start", 0) if getattr(guard, "model", None) is not None else 0
+
+
+def _enter(cp):
+    """A multi-rank block: hook every module call until the block exits (see the module docstring)."""
+    from torch.nn.modules import module as module_mod
+
+    with state.MODEL_LOCK:
+        state.MODEL_GUARD_DEPTH[0] += 1
+        if state.MODEL_GUARD_DEPTH[0] == 1:
+            state.MODEL_GUARD_HOOKS[:] = [module_mod.register_module_forward_pre_hook(_before),
+                                          module_mod.register_module_forward_hook(_after, always_call=True)]
+
+    def leave() -> None:
+        state.MODEL_GUARD.model = None
+        with state.MODEL_LOCK:
+            state.MODEL_GUARD_DEPTH[0] -= 1
+            if state.MODEL_GUARD_DEPTH[0] == 0:
+                for handle in state.MODEL_GUARD_HOOKS:
+                    handle.remove()
+                state.MODEL_GUARD_HOOKS.clear()
+
+    return leave
+
+
+def install_guard() -> None:
+    """Register the guard with the engine's multi-rank contexts (idempotent)."""
+    if _enter not in state.CONTEXT_GUARDS:
+        state.CONTEXT_GUARDS.append(_enter)

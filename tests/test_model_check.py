@@ -1,0 +1,308 @@
+"""The model check (issue 19): a model that cp_flash cannot run exactly under context parallelism is
+refused on every rank, naming the family, the module and why, before a K/V block moves; a forward in
+which an attention layer did not reach cp_flash raises on every rank; a CPMask never stands in for a
+dense mask silently; name-selected attention classes never pick a FlashAttention-2 class for cp_flash;
+RoBERTa-style default positions; ranks of a sampler loop given different batches raise together.
+
+Oracles: the documented semantics of each mixer (a convolution, a recurrent state... sees the
+previous shard's tokens), and for the exact cases each document run alone under eager.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import cp_attention
+from cp_attention.integrations import model_check
+from cp_attention.integrations.transformers import CPMask, is_modeling_module
+from cp_attention.tools.launch import run_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+import family_sweep as fs  # noqa: E402
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model(family: str, implementation: str = "eager", seed: int = 0):
+    torch.manual_seed(seed)
+    return fs.build_model(fs.tiny_config(family), implementation)
+
+
+REFUSED = {  # family -> what the check must report (from each mixer's documented structure)
+    "mamba": {"a convolution along the sequence", "a recurrent state", "no attention layer through cp_flash"},
+    "qwen3_next": {"a convolution along the sequence", "a recurrent state"},
+    "lfm2_moe": {"a convolution along the sequence"},
+    "recurrent_gemma": {"a convolution along the sequence"},
+    "rwkv": {"a token shift", "a recurrent state"},
+    "xlstm": {"a recurrent state"},
+    "minimax": {"attention outside the attention interface"},
+    "openai-gpt": {"attention outside the attention interface", "no attention layer through cp_flash"},
+    "bloom": {"attention outside the attention interface"},
+    "bart": {"positions computed from the shard"},
+    "deepseek_v32": {"attention outside the attention interface"},
+}
+EXACT = ("llama", "mistral", "qwen2_moe", "gemma3_text", "gpt2", "deepseek_v3", "roberta", "gpt_oss", "llama4_text",
+         "phimoe", "gpt_neox")
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_refused_families_are_found(family):
+    model = _model(family)
+    found = {f.what for f in model_check.model_findings(model)}
+    assert REFUSED[family] <= found, found
+    with pytest.raises(NotImplementedError) as info:
+        model_check.check_model(model)
+    message = str(info.value)
+    assert family in message and type(model).__name__ in message and "context_parallel" in message
+    assert all(what in message for what in REFUSED[family])
+
+
+@pytest.mark.parametrize("family", EXACT)
+def test_exact_families_have_no_findings(family):
+    assert model_check.model_findings(_model(family)) == ()
+
+
+def test_each_rule_on_a_planted_mixer():
+    """Each rule on its own, planted into a family that is otherwise exact (llama)."""
+    cases = {
+        "a convolution along the sequence": nn.Conv1d(4, 4, kernel_size=3, groups=4),
+        "a token shift": nn.ZeroPad2d((0, 0, 1, -1)),
+    }
+    for what, plant in cases.items():
+        model = _model("llama")
+        model.model.layers[0].mixer = plant
+        assert what in {f.what for f in model_check.model_findings(model)}
+    # a pointwise convolution mixes no tokens
+    model = _model("llama")
+    model.model.layers[0].mixer = nn.Conv1d(4, 4, kernel_size=1)
+    assert model_check.model_findings(model) == ()
+
+
+class _StateMixer(nn.Module):
+    def forward(self, hidden_states, cache_params=None):
+        return hidden_states.cumsum(1)
+
+
+class _OwnAttention(nn.Module):
+    def forward(self, q, k, v):
+        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)), -1), v)
+
+
+class _AlibiAttention(nn.Module):
+    def forward(self, hidden_states, alibi=None):
+        attention_interface = None  # noqa: F841  (stands for transformers' dispatch)
+        return hidden_states
+
+
+def test_state_bypass_and_bias_rules():
+    for plant, what in ((_StateMixer(), "a recurrent state"), (_OwnAttention(), "attention outside the attention interface"),
+                        (_AlibiAttention(), "a score bias")):
+        model = _model("llama")
+        model.model.layers[0].mixer = plant
+        assert what in {f.what for f in model_check.model_findings(model)}, what
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-rank: refused together before K/V moves; the second guard
+
+
+def _count_layer_calls():
+    from cp_attention.integrations import transformers as adapter
+
+    calls = []
+    original = adapter.attend_layer
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    adapter.attend_layer = counting
+    return calls
+
+
+def _refused_worker(rank, world_size, family):
+    calls = _count_layer_calls()
+    model = _model(family, "cp_flash")
+    ids, pos = fs.make_inputs()
+    with cp_attention.context_parallel(timeout=60) as cp:
+        batch = cp.shard_batch(input_ids=ids, position_ids=pos)
+        if "position_ids" not in fs.forward_kwargs(model) or not fs.forward_kwargs(model)["position_ids"]:
+            batch.pop("position_ids")
+        try:
+            model(**batch)
+            return None, len(calls)
+        except NotImplementedError as exc:
+            return str(exc), len(calls)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "bart"])
+def test_refused_on_every_rank_before_any_layer_runs(family):
+    for message, layer_calls in run_ranks(2, _refused_worker, family, timeout=240):
+        assert message is not None and family in message and "context parallelism" in message, message
+        assert layer_calls == 0  # no attention layer ran: no K/V block moved
+
+
+def _bypass_worker(rank, world_size, bypass: bool):
+    model = _model("llama", "cp_flash")
+    if bypass:  # one layer computes its attention itself (as a name-selected class would)
+        attn = model.model.layers[1].self_attn
+        attn.forward = lambda hidden_states, **kw: (hidden_states * 0.5, None)
+    ids, pos = fs.make_inputs()
+    with cp_attention.context_parallel(timeout=60) as cp:
+        batch = cp.shard_batch(input_ids=ids, position_ids=pos)
+        try:
+            logits = model(**batch).logits
+            return float(logits.sum())
+        except NotImplementedError as exc:
+            return str(exc)
+
+
+def test_a_layer_that_does_not_reach_cp_flash_raises_on_every_rank():
+    for out in run_ranks(2, _bypass_worker, True, timeout=240):
+        found = re.search(r"(\d+) attention layer\(s\) of llama .* but (\d+) reached cp_flash", str(out))
+        assert found and int(found[1]) == int(found[2]) + 1, out
+    for out in run_ranks(2, _bypass_worker, False, timeout=240):
+        assert isinstance(out, float)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPMask, name-selected classes, positions, autocast
+
+
+def test_cpmask_is_never_a_silent_tensor():
+    mask = CPMask(batch_size=1, q_length=4, kv_length=4, q_offset=0, kv_offset=0, valid=None, opens=None,
+                  family="bloom")
+    assert mask.ndim == 4 and mask.contiguous() is mask and mask.q_length == 4
+    uses = (lambda: torch.zeros(4) + mask, lambda: mask + 1, lambda: mask[..., :2], lambda: mask.size(),
+            lambda: mask.to(torch.float32), lambda: mask.dtype, lambda: torch.where(mask, 1.0, 0.0),
+            lambda: torch.cat([mask]))
+    for use in uses:
+        with pytest.raises(NotImplementedError, match="bloom's modeling code uses the attention mask as a dense"):
+            use()
+    assert not hasattr(mask, "__array__")  # protocols stay plain AttributeErrors
+
+
+def _name_selected_modules() -> list[str]:
+    """Every transformers modeling module that selects attention by implementation name: a by-name
+    import of is_flash_attention_requested, or a table of classes keyed by "eager"."""
+    import transformers
+
+    root = Path(transformers.__file__).parent / "models"
+    found = []
+    for path in sorted(root.glob("*/modeling_*.py")):
+        text = path.read_text()
+        if "is_flash_attention_requested" in text or ('"eager":' in text and "_CLASSES" in text):
+            found.append(f"transformers.models.{path.parent.name}.{path.stem}")
+    return found
+
+
+def test_every_name_selecting_modeling_module_is_adapted():
+    import importlib
+
+    from cp_attention.integrations.transformers import adapted_sites
+
+    modules = _name_selected_modules()
+    assert len(modules) > 20
+    for name in modules:
+        assert is_modeling_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an optional dependency of that model (timm, ...)
+            continue
+    adapted = set(adapted_sites())
+    missed = [name for name in modules if name in sys.modules and name not in adapted
+              and hasattr(sys.modules[name], "is_flash_attention_requested")]
+    assert not missed
+
+
+@pytest.mark.parametrize("family", ["falcon", "gpt_neo", "git"])
+def test_name_selected_classes_never_pick_flash_attention_2(family):
+    model = _model(family, "cp_flash")
+    classes = {type(m).__name__ for m in model.modules()}
+    assert not any("Flash" in name for name in classes), classes
+    ids, pos = fs.make_inputs()
+    try:  # on one device: the family's own attention class, or a clear refusal
+        model(input_ids=ids)
+    except NotImplementedError as exc:
+        assert family in str(exc)
+
+
+def _roberta_worker(rank, world_size, with_model: bool):
+    model = _model("roberta", "cp_flash")
+    ids, _ = fs.make_inputs()
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    offsets = torch.tensor(fs.DOCS).cumsum(0)[:-1]
+    starts[0, offsets] = True
+    with cp_attention.context_parallel(timeout=60) as cp:
+        batch = cp.shard_batch(input_ids=ids, document_starts=starts, model=model if with_model else None)
+        try:
+            return cp.gather(model(**batch).logits.detach(), dim=1).tolist()
+        except NotImplementedError as exc:
+            return str(exc)
+
+
+def test_roberta_default_positions():
+    eager = _model("roberta")
+    ids, _ = fs.make_inputs()
+    start, pieces = 0, []
+    for n in fs.DOCS:  # each document alone, with the model's own default positions
+        pieces.append(eager(input_ids=ids[:, start:start + n]).logits.detach())
+        start += n
+    truth = torch.cat(pieces, dim=1)
+    for out in run_ranks(2, _roberta_worker, True, timeout=240):
+        assert (torch.tensor(out) - truth).abs().max() < 1e-4
+    for out in run_ranks(2, _roberta_worker, False, timeout=240):
+        assert isinstance(out, str) and "padding_idx + 1" in out and "position_ids" in out, out
+
+
+def test_mixed_dtypes_under_autocast():
+    """A float32 model under bfloat16 autocast hands cp_flash float32 q/k (RoPE upcasts) and bfloat16
+    v: computed in the autocast dtype, as sdpa does."""
+    ids, _ = fs.make_inputs()
+    out = {}
+    for implementation in ("sdpa", "cp_flash"):
+        model = _model("llama", implementation)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out[implementation] = model(input_ids=ids).logits.float()  # one document
+    assert (out["sdpa"] - out["cp_flash"]).abs().max() < 2e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# ranks of a sampler loop (what accelerator.prepare(dataloader) builds) given different batches
+
+
+def _sampler_worker(rank, world_size):
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    torch.manual_seed(0)
+    model = _model("llama", "cp_flash")
+    data = [torch.randint(3, 100, (44,), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    loader = DataLoader(data, batch_size=1, sampler=DistributedSampler(data, num_replicas=world_size, rank=rank,
+                                                                        shuffle=False))
+    with cp_attention.context_parallel(timeout=60) as cp:
+        for ids in loader:
+            try:
+                model(**cp.shard_batch(input_ids=ids, labels=ids.clone()))
+                return None
+            except ValueError as exc:
+                return str(exc)
+
+
+def test_a_sampler_loop_handing_ranks_different_batches_raises_on_every_rank():
+    for message in run_ranks(2, _sampler_worker, timeout=240):
+        assert message is not None and "given different batches" in message and "sampler" in message, message
