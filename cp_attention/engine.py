@@ -460,8 +460,11 @@ def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, positi
     if docs.mask and docs.kv_length != Lk:
         raise ValueError(f"cp_flash: the mask was built for {docs.kv_length} keys but the layer has {Lk}")
     if not docs.mask and Lq != Lk:
-        raise ValueError("cp_flash: queries and keys differ in length (a KV cache?) but no cp_flash mask "
-                         "describes their positions; do not pass a prebuilt 4D mask or a dict of masks")
+        raise NotImplementedError(
+            f"cp_flash: {Lq} queries but {Lk} keys, and no cp_flash mask describes the keys' positions: the model "
+            "builds its own keys (appends entries that are not tokens of the sequence, or bypasses the mask "
+            "function), or was handed a prebuilt 4D mask / a dict of masks. cp_flash cannot place such keys; use "
+            "attn_implementation=\"sdpa\" or \"eager\" for this model, and pass no prebuilt mask")
     cached = docs.q_offset != 0 or docs.kv_offset != 0 or Lq != Lk
     if batch is not None and not cached and batch.seq_len == Lq and batch.meta.batch == B:
         found = dict(position_ids=batch.meta.position, valid=None, cu_seqlens=None, opens=batch.doc_opens)

@@ -37,8 +37,8 @@ object                  what and why                                guarded by  
 ``MODEL_GUARD``         per thread: the outermost cp_flash model   thread-local  one model forward
                         forward running under a guard, and how
                         many attention layers ran / reached cp_flash;
-                        with ``MODEL_GUARD_DEPTH``/``_HOOKS``: the
-                        module hooks of the open multi-rank blocks
+                        ``MODEL_GUARD_HOOKS``: its module hooks,
+                        installed by the first multi-rank block
 ``FAILURE_SCOPES``      per group (its global ranks): how many      ``FAILURE_SCOPES_LOCK``  the process
                         contexts were opened on it, so a failure
                         reported in one context does not reach a
@@ -60,7 +60,7 @@ from .torch_compat import WeakIdKeyDictionary
 __all__ = ["ACTIVE_CONTEXT", "STATS", "STATS_LOCK", "FORWARD", "LIVE_BATCHES", "LIVE_LOCK", "LOCAL_PLANS",
            "ANNOUNCED", "ANNOUNCED_LOCK", "CONFIG_CHECKSUMS", "CONFIG_LOCK", "BATCH_CONVENTIONS", "INTEGRATIONS",
            "INTEGRATIONS_LOCK", "FAILURE_SCOPES", "FAILURE_SCOPES_LOCK", "CONTEXT_GUARDS", "MODEL_CHECKS",
-           "MODEL_LOCK", "MODEL_GUARD", "MODEL_GUARD_DEPTH", "MODEL_GUARD_HOOKS"]
+           "MODEL_LOCK", "MODEL_GUARD", "MODEL_GUARD_HOOKS"]
 
 ACTIVE_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("cp_attention_ctx", default=None)
 
@@ -91,8 +91,7 @@ MODEL_CHECKS = WeakIdKeyDictionary()  # model -> its findings (a tuple)
 MODEL_LOCK = threading.Lock()
 
 MODEL_GUARD = threading.local()
-MODEL_GUARD_DEPTH = [0]  # open multi-rank blocks (guarded by MODEL_LOCK): the hooks live while > 0
-MODEL_GUARD_HOOKS: list = []  # their handles
+MODEL_GUARD_HOOKS: list = []  # the guard's module hooks (guarded by MODEL_LOCK), kept once installed
 
 FAILURE_SCOPES: dict = {}  # group members -> contexts opened on the group
 FAILURE_SCOPES_LOCK = threading.Lock()

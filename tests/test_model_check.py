@@ -105,7 +105,7 @@ class _OwnAttention(nn.Module):
 
 class _AlibiAttention(nn.Module):
     def forward(self, hidden_states, alibi=None):
-        attention_interface = None  # noqa: F841  (stands for transformers' dispatch)
+        attention_interface = None  # noqa: F841 - stands for the dispatch
         return hidden_states
 
 

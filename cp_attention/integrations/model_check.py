@@ -32,7 +32,9 @@ model is the same everywhere), so every rank raises the same ``NotImplementedErr
 block moves. A second guard counts, during each forward of a cp_flash model inside such a block,
 the attention modules that ran and the calls that reached cp_flash: if they differ (a layer that
 chose another implementation, or a class that picks its attention by name), the forward raises on
-every rank before its outputs can be used.
+every rank before its outputs can be used. Code traced by ``torch.compile`` is not counted (the
+hooks return at once there, leaving dynamo nothing to guard on); the model check still runs, on the
+compiled model's own module.
 """
 
 from __future__ import annotations
@@ -117,6 +119,12 @@ def _computes_scores(cls: type) -> bool:
     return product and (_TRANSPOSED.search(source) is not None or "softmax" in source)
 
 
+def _is_model(module) -> bool:
+    """A transformers PreTrainedModel (its class says so: wrappers such as torch.compile's forward
+    attribute lookups to the model they wrap, and are not one)."""
+    return getattr(type(module), "base_model_prefix", None) is not None
+
+
 def _text_configs(model) -> tuple:
     config = getattr(model, "config", None)
     text = getattr(config, "text_config", None) if config is not None else None
@@ -133,7 +141,7 @@ def _modules(model):
         for name, child in module.named_children():
             config = getattr(child, "config", None)
             if config is not None and hasattr(config, "to_dict") and id(config) not in own \
-                    and hasattr(child, "base_model_prefix") and id(getattr(config, "text_config", None)) not in own:
+                    and _is_model(child) and id(getattr(config, "text_config", None)) not in own:
                 continue
             yield from walk(child, f"{prefix}.{name}" if prefix else name)
 
@@ -158,7 +166,7 @@ def model_findings(model) -> tuple[Finding, ...]:
             continue
         args = _forward_args(cls)
         own_params = {p for p, _ in module.named_parameters(recurse=False)}
-        if hasattr(module, "base_model_prefix"):  # a (sub-)model: its forward only calls its layers
+        if _is_model(module):  # a (sub-)model: its forward only calls its layers
             continue
         if uses_attention_interface(cls):
             attention += 1
@@ -230,27 +238,34 @@ def default_position_start(model) -> int:
 
 
 def _cp_flash_model(module) -> bool:
-    if not hasattr(module, "base_model_prefix"):  # a transformers PreTrainedModel
+    if not _is_model(module):
         return False
     return any(getattr(c, "_attn_implementation", None) == NAME for c in _text_configs(module))
 
 
 def _before(module, args) -> None:
+    if torch.compiler.is_compiling():  # traced code: nothing to count, no state for dynamo to guard on
+        return
+    module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: the model it compiles
     guard = state.MODEL_GUARD
     top = getattr(guard, "model", None)
     if top is None:
-        if torch.compiler.is_compiling() or not _cp_flash_model(module):
+        active = state.ACTIVE_CONTEXT.get()
+        if active is None or active.world_size <= 1 or not _cp_flash_model(module):
             return
         check_model(module)
         guard.model, guard.ran, guard.reached = module, 0, 0
         guard.position_start = default_position_start(module)
         return
     if getattr(getattr(module, "config", None), "_attn_implementation", None) == NAME and \
-            not hasattr(module, "base_model_prefix") and uses_attention_interface(type(module)):
+            not _is_model(module) and uses_attention_interface(type(module)):
         guard.ran += 1
 
 
 def _after(module, args, output) -> None:
+    if torch.compiler.is_compiling():
+        return
+    module = getattr(module, "_orig_mod", module)
     guard = state.MODEL_GUARD
     if getattr(guard, "model", None) is not module:
         return
@@ -267,6 +282,8 @@ def _after(module, args, output) -> None:
 
 def note_cp_flash_call() -> None:
     """Called by the cp_flash attention function: one more attention call reached cp_flash."""
+    if torch.compiler.is_compiling():  # a compiled forward is not counted (its modules are not either)
+        return
     guard = state.MODEL_GUARD
     if getattr(guard, "model", None) is not None:
         guard.reached += 1
@@ -279,23 +296,18 @@ def guard_position_start() -> int:
 
 
 def _enter(cp):
-    """A multi-rank block: hook every module call until the block exits (see the module docstring)."""
+    """A multi-rank block opens: the module hooks are installed (once per process, and then kept:
+    hooks added and removed per block would make torch.compile recompile for every block). They
+    return at once outside a multi-rank block, and for every model that does not use cp_flash."""
     from torch.nn.modules import module as module_mod
 
     with state.MODEL_LOCK:
-        state.MODEL_GUARD_DEPTH[0] += 1
-        if state.MODEL_GUARD_DEPTH[0] == 1:
+        if not state.MODEL_GUARD_HOOKS:
             state.MODEL_GUARD_HOOKS[:] = [module_mod.register_module_forward_pre_hook(_before),
                                           module_mod.register_module_forward_hook(_after, always_call=True)]
 
     def leave() -> None:
         state.MODEL_GUARD.model = None
-        with state.MODEL_LOCK:
-            state.MODEL_GUARD_DEPTH[0] -= 1
-            if state.MODEL_GUARD_DEPTH[0] == 0:
-                for handle in state.MODEL_GUARD_HOOKS:
-                    handle.remove()
-                state.MODEL_GUARD_HOOKS.clear()
 
     return leave
 

@@ -286,7 +286,7 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                          "function registered with it; pass a 2D padding mask (or none) and position_ids")
     info = attention_mask if isinstance(attention_mask, CPMask) else None
     note_cp_flash_call()
-    if info is not None and info.batch is not None and not info.batch.positions_given and guard_position_start():
+    if info is not None and not getattr(info.batch, "positions_given", True) and guard_position_start():
         raise NotImplementedError(
             f"cp_flash: {info.family or 'this model'} numbers its default positions from "
             f"padding_idx + 1 = {guard_position_start()}, but cp.shard_batch was given no position_ids and numbered "
