@@ -188,7 +188,7 @@ def test_cpmask_is_never_a_silent_tensor():
     mask = CPMask(batch_size=1, q_length=4, kv_length=4, q_offset=0, kv_offset=0, valid=None, opens=None,
                   family="bloom")
     assert mask.ndim == 4 and mask.contiguous() is mask and mask.q_length == 4
-    uses = (lambda: torch.zeros(4) + mask, lambda: mask + 1, lambda: mask[..., :2], lambda: mask.size(),
+    uses = (lambda: torch.zeros(4) + mask, lambda: mask + 1, lambda: 1.0 + mask, lambda: 2 * mask, lambda: mask[..., :2], lambda: mask.size(),
             lambda: mask.to(torch.float32), lambda: mask.dtype, lambda: torch.where(mask, 1.0, 0.0),
             lambda: torch.cat([mask]))
     for use in uses:
