@@ -34,37 +34,11 @@ from cp_attention.tools.launch import run_ranks
 from oracle import oracle_attention, oracle_mask, rank_tokens
 from rank_pool import single_thread
 from test_contract import LOW_PRECISION_TOL
+from test_contract import naive_varlen as dense_varlen  # float64 per-sequence oracle, v with its own Dv
 from test_flash_translation import FA2_6, FA3, fake_aten_backward, fake_aten_forward, install  # noqa: F401
 
 # --------------------------------------------------------------------------------------------------
 # the varlen contract
-
-
-def dense_varlen(q, k, v, cu_q, cu_k, *, scale, causal, window, softcap):
-    """float64 oracle of the contract: per sequence, softmax(q k^T * scale + mask) v with the bottom-right
-    aligned causal/window mask; q (Tq, H, D), k (Tk, K, D), v (Tk, K, Dv) -> out (Tq, H, Dv), lse (H, Tq)."""
-    H, K = q.shape[1], k.shape[1]
-    outs, lses = [], []
-    for i in range(len(cu_q) - 1):
-        qs, ks, vs = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
-        Lq, Lk = qs.shape[0], ks.shape[0]
-        rows, cols = torch.arange(Lq)[:, None], torch.arange(Lk)[None, :]
-        diag = rows + Lk - Lq
-        left, right = window[0], 0 if causal else window[1]
-        visible = torch.ones(Lq, Lk, dtype=torch.bool)
-        if left >= 0:
-            visible &= cols >= diag - left
-        if right >= 0:
-            visible &= cols <= diag + right
-        s = torch.einsum("qhd,khd->hqk", qs, ks.repeat_interleave(H // K, 1)) * scale
-        if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~visible, float("-inf"))
-        lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse)[..., None])  # exp(-inf) = 0 where hidden
-        outs.append(torch.einsum("hqk,khe->qhe", p, vs.repeat_interleave(H // K, 1)))
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses, dim=1)
 
 
 # (name, q lengths, k lengths, causal, window, softcap, (H, K), (D, Dv))
