@@ -1,16 +1,28 @@
 """One GPU check: correctness of every GPU backend against the reference, then timings.
 
-    python benchmarks/gpu_check.py            # on a CUDA machine; prints the timing table last
+    python benchmarks/gpu_check.py            # on a CUDA machine, from a checkout (no install needed)
     python benchmarks/gpu_check.py --smoke    # tiny shapes, any device (exercises the code on CPU)
 
 1. Correctness: every GPU backend's forward and backward against the reference backend in float32
-   on the same device (the oracle), for causal, sliding window, packed documents with a window,
-   softcap and GQA, in bfloat16; next to the bfloat16 errors of a plain torch implementation with
-   the equivalent dense mask (SDPA; for softcap, which SDPA lacks, eager bfloat16 attention). A
-   backend passes a case when its out, dq, dk and dv errors are each finite and within 2x of that
-   baseline's (:func:`case_failures`). The run fails (exit 1) when any case fails, and on a CUDA
-   device also when no GPU backend ran at all (:func:`overall_verdict`); a CPU ``--smoke`` run only
-   exercises the check on the reference backend and says so: it is never a GPU pass.
+   on the same device (the oracle), in bfloat16, on two sets of cases:
+
+   * fixed cases (:data:`CASES`): causal, sliding window, packed documents with a window, softcap
+     and GQA, queries and keys of one length;
+   * real context-parallel calls (:func:`plan_cases`): every distinct kernel call of every rank's
+     plan for a causal layer with window L/2 over L tokens (L = min(--seq-len, 8192)), zigzag and
+     contiguous, P = 2 and 4, one document and packed documents: more queries than keys, keys
+     before the queries, rows that see nothing. One row per plan and backend, from its worst call.
+
+   Next to each, the bfloat16 errors of a plain torch implementation with the equivalent dense mask
+   (SDPA; eager bfloat16 attention for softcap, which SDPA lacks, and for the plan calls, whose rows
+   may see no key). A backend passes a case when its out, dq, dk and dv errors are each finite and
+   within 2x of that baseline's (:func:`case_failures`). Every backend gets a row for every case:
+   one that raises is recorded as a failure (:class:`CaseResult`), and on a CUDA device of sm80 or
+   newer the flash backend skipped for any reason but a feature it declares unsupported (softcap
+   on PyTorch's kernels) is a failure too (:func:`flash_skip_failure`). The verdict
+   (:func:`overall_verdict`) is printed before any timing: exit 1 when any case fails, and on a
+   CUDA device also when no GPU backend ran at all; a CPU ``--smoke`` run only exercises the check
+   on the reference backend and says so: it is never a GPU pass.
 2. Timing (median of CUDA-event timed repeats, after warm-up) of forward and forward+backward for
    each backend against ``scaled_dot_product_attention``: flash SDPA with ``is_causal`` for plain
    causal, SDPA with the dense mask for window and packed masks; the flash backend also against a
@@ -26,15 +38,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from cp_attention.backends import BACKENDS
-from cp_attention.backends.base import row_key_intervals
-from cp_attention.masks import MaskSpec
-from cp_attention.tools import harness
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python benchmarks/gpu_check.py` from a checkout: no install needed (the GPU
+    sys.path.insert(0, ROOT)  # machine is offline: nothing to build an editable install with)
+
+import cp_attention  # noqa: E402
+from cp_attention.backends import BACKENDS  # noqa: E402
+from cp_attention.backends.base import row_key_intervals  # noqa: E402
+from cp_attention.masks import MaskSpec, SequenceMeta  # noqa: E402
+from cp_attention.plan import build_plan  # noqa: E402
+from cp_attention.tools import harness  # noqa: E402
 
 
 def _cu(lengths, device):
@@ -65,17 +84,75 @@ CASES = {  # name: (sequence lengths as fractions of L, causal, window, softcap,
 }
 
 
-def _inputs(case, L, D, device, dtype, seed=0):
-    fracs, causal, window, softcap, (H, K) = case
-    lengths = [max(1, int(f * L)) for f in fracs]
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One varlen call to check: query and key lengths per sequence and the contract's mask."""
+
+    lengths_q: tuple[int, ...]
+    lengths_k: tuple[int, ...]
+    causal: bool
+    window: tuple[int, int]
+    softcap: float | None
+    heads: tuple[int, int]
+
+
+def fixed_cases(L: int) -> dict[str, list[Call]]:
+    """:data:`CASES` at length ``L``: one call each, queries and keys of one length."""
+    cases = {}
+    for name, (fracs, causal, window, softcap, heads) in CASES.items():
+        lengths = tuple(max(1, int(f * L)) for f in fracs)
+        cases[name] = [Call(lengths, lengths, causal, window, softcap, heads)]
+    return cases
+
+
+PLAN_DOCUMENTS = {"1doc": None, "6docs": (0.014, 0.079, 0.626, 0.121, 0.076, 0.084)}
+"""Documents of the plan cases as fractions of L (the second mix: a document longer than the window
+among short ones, as in tests/test_flash_translation.py)."""
+
+
+def _document_lengths(fracs, L):
+    lengths = [max(1, round(f * L)) for f in fracs[:-1]]
+    return lengths + [L - sum(lengths)]
+
+
+def plan_cases(L: int, heads=(16, 4)) -> dict[str, list[Call]]:
+    """Every distinct kernel call of every rank's plan for a causal layer with window ``L // 2``
+    over ``L`` tokens: zigzag and contiguous, P = 2 and 4, one document and :data:`PLAN_DOCUMENTS`;
+    one case per (layout, P, documents), calls seen in an earlier case left out."""
+    cases, seen = {}, set()
+    for docs_name, fracs in PLAN_DOCUMENTS.items():
+        cu = None if fracs is None else torch.tensor([0] + _document_lengths(fracs, L)).cumsum(0)
+        meta = SequenceMeta.from_inputs(1, L, cu_seqlens=cu)
+        for layout in ("zigzag", "contiguous"):
+            for P in (2, 4):
+                calls = []
+                for rank in range(P):
+                    plan = build_plan(meta, MaskSpec(window=L // 2), world_size=P, layout=layout, rank=rank,
+                                      head_kv=heads[1], head_dim=8, itemsize=2)
+                    for step in plan.steps():
+                        for c in step.calls:
+                            call = Call(tuple(c.cu_seqlens_q.diff().tolist()), tuple(c.cu_seqlens_k.diff().tolist()),
+                                        c.causal, c.window, None, heads)
+                            if call not in seen:
+                                seen.add(call)
+                                calls.append(call)
+                if calls:
+                    cases[f"plan:{layout}:P{P}:{docs_name}"] = calls
+    return cases
+
+
+def _inputs(call: Call, D, device, dtype, seed=0):
+    """q (T, H, D), k/v (S, K, D), dout, cu_seqlens_q/k, max lengths and the mask keywords."""
+    H, K = call.heads
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    T = sum(lengths)
+    T, S = sum(call.lengths_q), sum(call.lengths_k)
     q = torch.randn(T, H, D, generator=gen).to(device, dtype)
-    k = torch.randn(T, K, D, generator=gen).to(device, dtype)
-    v = torch.randn(T, K, D, generator=gen).to(device, dtype)
+    k = torch.randn(S, K, D, generator=gen).to(device, dtype)
+    v = torch.randn(S, K, D, generator=gen).to(device, dtype)
     dout = torch.randn(T, H, D, generator=gen).to(device, dtype)
-    cu = _cu(lengths, device)
-    return q, k, v, dout, cu, max(lengths), dict(scale=D ** -0.5, causal=causal, window=window, softcap=softcap)
+    cu_q, cu_k = _cu(list(call.lengths_q), device), _cu(list(call.lengths_k), device)
+    kw = dict(scale=D ** -0.5, causal=call.causal, window=call.window, softcap=call.softcap)
+    return q, k, v, dout, cu_q, cu_k, max(call.lengths_q), max(call.lengths_k), kw
 
 
 QUANTITIES = ("out", "dq", "dk", "dv")
@@ -85,7 +162,9 @@ FACTOR = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class CaseResult:
-    """One backend on one case: skipped (with why), or its errors next to the baseline's."""
+    """One backend on one case: skipped (with why), or its errors next to the baseline's (of the
+    case's worst call). ``failures`` non-empty: the row fails, also for a skip that counts as a
+    failure (:func:`flash_skip_failure`) and for a backend that raised."""
 
     case: str
     backend: str
@@ -112,15 +191,33 @@ def case_failures(errors: dict, baseline: dict, factor: float = FACTOR) -> list[
     return failures
 
 
+def flash_skip_failure(backend, reasons: list[str], *, capability, device, head_dim: int,
+                       spec: MaskSpec) -> str | None:
+    """Why skipping the flash backend on a case is a failure (None: it is not). On a CUDA device
+    of sm80 or newer (``capability``; None: not CUDA) some flash interface is always there
+    (PyTorch's own), so the flash backend must run every case but one that needs a feature it
+    declares unsupported: the case counts as that only when the backend supports the same inputs
+    without it (the softcap, the one optional feature of the cases). Anything else (an interface
+    that does not import, a head dim none takes, a wrong device or dtype) fails the run."""
+    if capability is None or tuple(capability) < (8, 0):
+        return None
+    if spec.softcap is not None and not backend.not_supported_reasons(
+            device=device, dtype=torch.bfloat16, head_dim=head_dim, spec=dataclasses.replace(spec, softcap=None)):
+        return None
+    return (f"flash skipped on sm{capability[0]}{capability[1]} for a reason other than an unsupported feature: "
+            + "; ".join(reasons))
+
+
 def overall_verdict(results: list[CaseResult], *, device_type: str) -> tuple[int, str]:
-    """Exit status and verdict line of a run. 1 when any case failed; on CUDA also 1 when no GPU
-    backend (anything but ``reference``) ran a single case; 0 otherwise. Off CUDA (``--smoke`` on
-    CPU) a clean run is reported as a smoke run of the check, never as a GPU pass."""
+    """Exit status and verdict line of a run. 1 when any row failed (errors, a raise, a flash skip
+    that :func:`flash_skip_failure` counts); on CUDA also 1 when no GPU backend (anything but
+    ``reference``) ran a single case; 0 otherwise. Off CUDA (``--smoke`` on CPU) a clean run is
+    reported as a smoke run of the check, never as a GPU pass."""
     ran = [r for r in results if r.skipped is None]
-    failed = [r for r in ran if r.failures]
-    gpu_ran = sorted({r.backend for r in ran if r.backend != "reference"})
+    failed = [r for r in results if r.failures]
+    gpu_ran = sorted({r.backend for r in ran if r.backend != "reference" and not r.failures})
     if failed:
-        return 1, f"verdict: FAIL ({len(failed)} of {len(ran)} checks: " + ", ".join(
+        return 1, f"verdict: FAIL ({len(failed)} of {len(results)} rows: " + ", ".join(
             f"{r.case}/{r.backend}" for r in failed) + ")"
     if device_type == "cuda":
         ok = bool(gpu_ran)
@@ -135,18 +232,20 @@ def overall_verdict(results: list[CaseResult], *, device_type: str) -> tuple[int
 
 
 def _eager(q, k, v, mask, scale, softcap):
-    """Plain attention in the inputs' dtype (the softcap baseline, which SDPA cannot express)."""
+    """Plain attention in the inputs' dtype (the baseline where SDPA cannot be one: softcap, and
+    rows that see no key, which give 0 here and NaN in SDPA)."""
     rep = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = torch.einsum("qhd,khd->hqk", q, kr) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.einsum("hqk,khd->qhd", p, vr)
+    empty_T1 = ~mask.any(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")).masked_fill(empty_T1, 0.0), dim=-1)
+    return torch.einsum("hqk,khd->qhd", p.masked_fill(empty_T1, 0.0), vr)
 
 
 def _max_err(x, ref) -> float:
-    return (x.float() - ref.float()).abs().max().item()  # NaN propagates
+    return (x.float() - ref.float()).abs().max().item() if x.numel() else 0.0  # NaN propagates
 
 
 def _errors(out, grads, ref_out, ref_grads) -> dict:
@@ -156,9 +255,10 @@ def _errors(out, grads, ref_out, ref_grads) -> dict:
 
 
 def _baseline(q, k, v, dout, mask, kw, ref_out, ref_grads) -> dict:
-    """Errors of a plain torch implementation in the inputs' dtype (forward and gradients)."""
+    """Errors of a plain torch implementation in the inputs' dtype (forward and gradients): SDPA
+    with the dense mask, or :func:`_eager` for softcap and for calls with rows that see no key."""
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    if kw["softcap"] is None:
+    if kw["softcap"] is None and bool(mask.any(-1).all()):
         out = _sdpa(qg, kg, vg, mask, kw["scale"])
     else:
         out = _eager(qg, kg, vg, mask, kw["scale"], kw["softcap"])
@@ -166,42 +266,86 @@ def _baseline(q, k, v, dout, mask, kw, ref_out, ref_grads) -> dict:
     return _errors(out.detach(), (qg.grad, kg.grad, vg.grad), ref_out, ref_grads)
 
 
-def correctness(backends, L, D, device) -> list[CaseResult]:
-    results, ref = [], BACKENDS["reference"]
-    for name, case in CASES.items():
-        q, k, v, dout, cu, mx, kw = _inputs(case, L, D, device, torch.bfloat16)
-        f32 = [t.float() for t in (q, k, v, dout)]
-        ref_out, ref_lse = ref.forward(*f32[:3], cu, cu, mx, mx, **kw)
-        ref_grads = ref.backward(f32[3], *f32[:3], ref_out, ref_lse, cu, cu, mx, mx, **kw)
-        mask, _ = mask_and_pairs(cu.cpu(), cu.cpu(), kw["causal"], kw["window"], device)
-        baseline = _baseline(q, k, v, dout, mask, kw, ref_out, ref_grads)
+def _ratio(errors: dict, baseline: dict) -> float:
+    """How close a call came to failing: the largest error / baseline ratio (inf when unmeasured)."""
+    ratios = []
+    for key in QUANTITIES:
+        err, base = errors.get(key, math.nan), baseline.get(key, math.nan)
+        ratios.append(0.0 if err == 0 else err / base if base and math.isfinite(base) else math.inf)
+    return max((r if math.isfinite(r) else math.inf) for r in ratios)
+
+
+def _describe(call: Call) -> str:
+    return (f"{len(call.lengths_q)} seq, {sum(call.lengths_q)} queries x {sum(call.lengths_k)} keys, "
+            f"{'causal ' if call.causal else ''}window {call.window}")
+
+
+def correctness(backends, L, D, device, *, capability=None, plan_len=None) -> list[CaseResult]:
+    """One :class:`CaseResult` per (case, backend): the fixed cases at length ``L`` and the plan
+    cases at ``plan_len`` (default ``L``). ``capability``: the CUDA device's (None off CUDA), for
+    :func:`flash_skip_failure`."""
+    ref = BACKENDS["reference"]
+    cases = {**fixed_cases(L), **plan_cases(plan_len or L)}
+    results = []
+    for name, calls in cases.items():
+        spec = MaskSpec(softcap=calls[0].softcap)
+        rows = {}  # backend -> (worst ratio, errors, baseline, failures)
         for bname, backend in backends.items():
-            spec = MaskSpec(softcap=kw["softcap"])
             reasons = backend.not_supported_reasons(device=device, dtype=torch.bfloat16, head_dim=D, spec=spec)
             if reasons:
-                results.append(CaseResult(name, bname, skipped="; ".join(reasons)))
-                continue
-            out, lse = backend.forward(q, k, v, cu, cu, mx, mx, **kw)
-            grads = backend.backward(dout, q, k, v, out, lse, cu, cu, mx, mx, **kw)
-            errors = _errors(out, grads, ref_out, ref_grads)
+                failure = flash_skip_failure(backend, reasons, capability=capability, device=device, head_dim=D,
+                                             spec=spec) if bname == "flash" else None
+                results.append(CaseResult(name, bname, skipped="; ".join(reasons),
+                                          failures=(failure,) if failure else ()))
+            else:
+                rows[bname] = (-1.0, {}, {}, [])
+        for n, call in enumerate(calls):
+            q, k, v, dout, cu_q, cu_k, mq, mk, kw = _inputs(call, D, device, torch.bfloat16, seed=n)
+            f32 = [t.float() for t in (q, k, v, dout)]
+            ref_out, ref_lse = ref.forward(*f32[:3], cu_q, cu_k, mq, mk, **kw)
+            ref_grads = ref.backward(f32[3], *f32[:3], ref_out, ref_lse, cu_q, cu_k, mq, mk, **kw)
+            mask, _ = mask_and_pairs(cu_q.cpu(), cu_k.cpu(), kw["causal"], kw["window"], device)
+            baseline = _baseline(q, k, v, dout, mask, kw, ref_out, ref_grads)
+            where = f"call {n} ({_describe(call)}): " if len(calls) > 1 else ""
+            for bname in rows:
+                worst, errors_w, baseline_w, failures = rows[bname]
+                try:
+                    out, lse = backends[bname].forward(q, k, v, cu_q, cu_k, mq, mk, **kw)
+                    grads = backends[bname].backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, **kw)
+                    errors = _errors(out, grads, ref_out, ref_grads)
+                    failures += [where + f for f in case_failures(errors, baseline)]
+                except Exception as exc:  # recorded as a failure; the other rows still run
+                    errors = {}
+                    failures.append(f"{where}raised {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                ratio = _ratio(errors, baseline)
+                if ratio > worst:
+                    worst, errors_w, baseline_w = ratio, errors, baseline
+                rows[bname] = (worst, errors_w, baseline_w, failures)
+        for bname, (_, errors, baseline, failures) in rows.items():
+            label = bname
             if bname == "flash":  # which flash interface ran this case
-                bname = f"flash/{backend.interface_for(device=device, head_dim=D, softcap=spec.softcap is not None)}"
-            results.append(CaseResult(name, bname, errors=errors, baseline=baseline,
-                                      failures=tuple(case_failures(errors, baseline))))
+                iface = backends[bname].interface_for(device=device, head_dim=D, softcap=spec.softcap is not None)
+                label = f"flash/{iface}"
+            results.append(CaseResult(name, label, errors=errors, baseline=baseline, failures=tuple(failures)))
     return results
 
 
 def format_result(r: CaseResult) -> str:
+    verdict = "OK" if not r.failures else "FAIL: " + "; ".join(r.failures)
     if r.skipped is not None:
-        return f"{r.case:14s} {r.backend:10s} skipped: {r.skipped}"
+        return f"{r.case:24s} {r.backend:10s} skipped: {r.skipped}" + ("" if not r.failures else "  " + verdict)
+    if not r.errors:
+        return f"{r.case:24s} {r.backend:10s} {verdict}"
     errs = "  ".join(f"{key} {r.errors[key]:.2e} (base {r.baseline[key]:.2e})" for key in QUANTITIES)
-    return f"{r.case:14s} {r.backend:10s} {errs}  " + ("OK" if not r.failures else "FAIL: " + "; ".join(r.failures))
+    return f"{r.case:24s} {r.backend:10s} {errs}  {verdict}"
 
 
-def timing(backends, L, D, device, repeats) -> list[str]:
-    rows = []
+def timing(backends, L, D, device, repeats) -> tuple[list[str], list[str]]:
+    """Rows of the timing table, and what raised while timing (each a failure of the run)."""
+    rows, failures = [], []
+    cases = fixed_cases(L)
     for name in ("causal", "window", "packed+window"):
-        q, k, v, dout, cu, mx, kw = _inputs(CASES[name], L, D, device, torch.bfloat16)
+        q, k, v, dout, cu, _, mx, _, kw = _inputs(cases[name][0], D, device, torch.bfloat16)
         mask, pairs = mask_and_pairs(cu.cpu(), cu.cpu(), kw["causal"], kw["window"], device)
         fwd_flops = harness.pair_flops(pairs, heads=q.shape[1], head_dim=D, backward=False)
         fwd_bwd_flops = harness.pair_flops(pairs, heads=q.shape[1], head_dim=D, backward=True)
@@ -233,9 +377,14 @@ def timing(backends, L, D, device, repeats) -> list[str]:
                     lambda i=iface, a=args: flash_mod.INTERFACES[i].forward(q, k, v, cu, cu, mx, mx, **a), None)
         base = None
         for ename, (fwd, fwd_bwd) in entries.items():
-            t_f = harness.median_time(fwd, device=device, warmup=3, repeats=repeats)
-            t_fb = (harness.median_time(fwd_bwd, device=device, warmup=3, repeats=repeats) if fwd_bwd is not None
-                    else float("nan"))
+            try:
+                t_f = harness.median_time(fwd, device=device, warmup=3, repeats=repeats)
+                t_fb = (harness.median_time(fwd_bwd, device=device, warmup=3, repeats=repeats)
+                        if fwd_bwd is not None else float("nan"))
+            except Exception as exc:  # a row saying so; the other rows still run
+                failures.append(f"{name}/{ename}")
+                rows.append(f"{name:14s} {ename:18s} raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                continue
             if device.type != "cuda":  # no absolute CPU times: ratios to the first row of the case
                 base = base or (t_f, t_fb)
                 rows.append(f"{name:14s} {ename:18s} fwd x{t_f / base[0]:6.2f}   fwd+bwd x{t_fb / base[1]:6.2f}"
@@ -243,11 +392,12 @@ def timing(backends, L, D, device, repeats) -> list[str]:
                 continue
             rows.append(f"{name:14s} {ename:18s} fwd {t_f * 1e3:8.3f} ms {fwd_flops / t_f / 1e12:7.1f} TFLOP/s   "
                         f"fwd+bwd {t_fb * 1e3:8.3f} ms {fwd_bwd_flops / t_fb / 1e12:7.1f} TFLOP/s")
-    return rows
+    return rows, failures
 
 
-def main(argv=None, backends=None) -> int:
-    """Run the check; ``backends`` (name -> backend) replaces the backends under test (tests)."""
+def main(argv=None, backends=None, capability=None) -> int:
+    """Run the check; ``backends`` (name -> backend) replaces the backends under test and
+    ``capability`` the device's compute capability (tests run both on CPU)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device")
     parser.add_argument("--seq-len", type=int, default=8192)
@@ -259,27 +409,34 @@ def main(argv=None, backends=None) -> int:
         print("gpu_check needs a CUDA device (use --smoke for a tiny run on any device)")
         return 2
     device = torch.device("cuda" if cuda else "cpu")
+    if capability is None and cuda:
+        capability = tuple(torch.cuda.get_device_capability())
     L, D, repeats = (128, 16, 2) if args.smoke else (args.seq_len, args.head_dim, args.repeats)
     if backends is None:
         backends = {n: b for n, b in BACKENDS.items() if n != "reference"}
         if not cuda:  # no GPU backend can run here: exercise the check on the reference
             backends = {"reference": BACKENDS["reference"]}
-    print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}; torch {torch.__version__}; L={L}, D={D}")
+    print(f"device: {torch.cuda.get_device_name() if cuda else 'cpu'}; torch {torch.__version__}; "
+          f"cp_attention {cp_attention.__version__} from {os.path.dirname(os.path.abspath(cp_attention.__file__))}; "
+          f"L={L}, D={D}")
     if "flash" in backends and cuda:
         from cp_attention.backends import flash as flash_mod
 
-        name, rejected = flash_mod.pick_interface(capability=torch.cuda.get_device_capability(), head_dim=D,
-                                                  softcap=False)
+        name, rejected = flash_mod.pick_interface(capability=capability, head_dim=D, softcap=False)
         label = flash_mod.INTERFACES[name].label if name else "none"
         print(f"flash interface: {label}" + "".join(f"\n  passed over {r}" for r in rejected))
     print("== correctness (bfloat16 vs float32 reference on the same device; errors: max abs, "
-          "base = plain torch bfloat16) ==")
-    results = correctness(backends, min(L, 2048), D, device)
+          "base = plain torch bfloat16; plan rows: their worst call) ==")
+    results = correctness(backends, min(L, 2048), D, device, capability=capability, plan_len=min(L, 8192))
     print("\n".join(map(format_result, results)))
-    print("== timing (bfloat16) ==")
-    print("\n".join(timing(backends, L, D, device, repeats)))
     status, line = overall_verdict(results, device_type=device.type)
-    print(line)
+    print(line, flush=True)
+    print("== timing (bfloat16) ==")
+    rows, failures = timing(backends, L, D, device, repeats)
+    print("\n".join(rows))
+    if failures:
+        print(f"timing: FAIL ({len(failures)} rows raised: {', '.join(failures)})")
+        status = 1
     return status
 
 

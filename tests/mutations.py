@@ -93,6 +93,10 @@ MUTANTS = (
            "                  **_window_kwargs(self._fwd_params, window_size_right, window_size_left))\n"
            "        if softcap:\n            kw[\"softcap\"] = softcap\n        out_THD, lse_HT, *_ = _call(",
            ("tests/test_flash_translation.py",)),
+    Mutant("flash-attn 2 / PyTorch flash: adapter passes max_seqlen_k unchanged", "flash",
+           "cp_attention/backends/flash.py",
+           "return max(max_seqlen_q, max_seqlen_k) if max_seqlen_k > 0 else max_seqlen_k",
+           "return max_seqlen_k", ("tests/test_flash_translation.py",)),
     Mutant("gpu_check: a forced ok = True in the verdict", "gpu_check", "benchmarks/gpu_check.py",
            "ok = math.isfinite(err) and err <= factor * base", "ok = True", ("tests/test_gpu_check.py",)),
     Mutant("gradient scaling: loss normalised by all label tokens (SUM convention)", "training",

@@ -57,6 +57,14 @@ GRID = [
     ("empty-q", [0, 7, 0], [5, 7, 3], False, (-1, -1), None, (2, 2)),
     ("empty-rows-window", [12], [4], False, (0, 0), None, (2, 2)),
     ("everything", [11, 0, 23, 6], [15, 4, 23, 0], True, (5, 0), 3.0, (6, 2)),
+    # more queries than keys + 1 with a window: FlashAttention-2 reads window sides against max_seqlen_k
+    # (backends/flash.py, _fa2_max_seqlen_k); the ring's calls look like these (a zigzag rank's pieces
+    # against the halo it receives)
+    ("lq>lk+1-left-only", [63], [32], False, (0, -1), None, (2, 1)),
+    ("lq>lk+1-right>=lk", [40], [8], False, (0, 10), None, (2, 2)),
+    ("lq>lk+1-varlen", [50, 9], [6, 30], False, (3, -1), None, (4, 2)),
+    ("lq>lk+1-causal-window", [63, 20], [32, 5], True, (40, 0), None, (2, 2)),
+    ("lq>lk+1-causal-narrow", [45], [12], True, (7, 0), None, (2, 1)),
 ]
 
 

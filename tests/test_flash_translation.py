@@ -9,6 +9,13 @@ dtype) and runs the reference backend in float32 under that kernel's own convent
 its mask arguments, which lse it writes and expects for rows that see no key), returning out and
 gradients in the input dtype and lse in float32 as the kernels do. The backend must then match the
 float64 loop oracle over the contract grid in float16 and bfloat16.
+
+How a kernel reads its window is part of its conventions: each stand-in rewrites the window sides it
+receives exactly as its source does before the mask is built (:func:`fa2_kernel_window`,
+:func:`fa3_kernel_window`, :func:`_fa4_window`) and hands the reference the band that results, so an
+adapter whose arguments a real kernel would read differently fails here too (the window read against
+``max_seqlen_k`` by flash-attn 2 and PyTorch's copy of it: grid cases with more queries than keys and
+:func:`test_real_plan_calls_through_flash_translation`).
 """
 
 from __future__ import annotations
@@ -91,6 +98,60 @@ def _check_grad_buffers(q, k, v, dq, dk, dv):
 
 
 # ----------------------------------------------------------------------------------------------
+# how each kernel reads its window (before it builds its mask), from its source
+
+
+def fa2_kernel_window(is_causal, left, right, max_seqlen_q, max_seqlen_k, *, forward=True):
+    """FlashAttention-2's reading of ``(is_causal, left, right)`` (flash-attn 2's
+    ``csrc/flash_attn/flash_api.cpp`` and PyTorch's copy, ``aten/src/ATen/native/transformers/cuda/
+    flash_attn/flash_api.cpp``): ``mha_varlen_fwd`` drops causal for one query and sets right = 0 for
+    causal (``mha_varlen_bwd`` only the latter), then turns a side ``>= max_seqlen_k`` into -1;
+    ``set_params_fprop`` marks the call causal when left < 0 and right == 0 and replaces an unlimited
+    side next to a finite one by ``max_seqlen_k``. Returns the band the kernel applies to every
+    sequence (bottom-right, per sequence's own lengths), as the contract's window of a non-causal
+    call (-1 unlimited; causal: (-1, 0))."""
+    if forward and max_seqlen_q == 1:
+        is_causal = False
+    if is_causal:
+        right = 0
+    if left >= max_seqlen_k:
+        left = -1
+    if right >= max_seqlen_k:
+        right = -1
+    if left < 0 and right == 0:
+        return (-1, 0)
+    if left < 0 and right >= 0:
+        left = max_seqlen_k
+    if left >= 0 and right < 0:
+        right = max_seqlen_k
+    return (left, right)
+
+
+def fa3_kernel_window(is_causal, left, right, max_seqlen_q, max_seqlen_k, *, forward=True):
+    """flash-attn 3's reading (``hopper/flash_api.cpp``): ``mha_fwd`` / ``mha_bwd`` turn a left
+    side ``>= max_seqlen_k - 1`` and a right side ``>= max_seqlen_q - 1`` into -1, (forward: drop
+    causal for one query when both sides are unlimited), set right = 0 for causal and mark the call
+    causal when left < 0 and right == 0; ``set_params_fprop`` replaces an unlimited left side by
+    ``max_seqlen_k - 1`` and an unlimited right side by ``max_seqlen_q - 1`` next to a finite one.
+    Returns the band as :func:`fa2_kernel_window` does."""
+    if left >= max_seqlen_k - 1:
+        left = -1
+    if right >= max_seqlen_q - 1:
+        right = -1
+    if forward and max_seqlen_q == 1 and left == -1 and right == -1:
+        is_causal = False
+    if is_causal:
+        right = 0
+    if left < 0 and right == 0:
+        return (-1, 0)
+    if left < 0 and right >= 0:
+        left = max_seqlen_k - 1
+    if left >= 0 and right < 0:
+        right = max_seqlen_q - 1
+    return (left, right)
+
+
+# ----------------------------------------------------------------------------------------------
 # flash-attn 3: hopper/flash_attn_interface.py (custom ops; backward fills dq/dk/dv, note `sequed_q`)
 
 
@@ -111,9 +172,10 @@ def fa3_forward(
     _check_dtypes(q, k, v)  # its float8 path (no backward) is not used
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     assert seqused_q is None and page_table is None and attention_chunk == 0 and softmax_scale is not None
-    # FA3: causal forces right = 0; -1 is unlimited; softcap 0.0 is off; rows without keys get -inf
+    # FA3: its window reading (fa3_kernel_window); softcap 0.0 is off; rows without keys get -inf
+    window = fa3_kernel_window(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k)
     out, lse = _ref_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
-                            causal=causal, window=(window_size_left, window_size_right), softcap=softcap or None)
+                            causal=False, window=window, softcap=softcap or None)
     return out, lse, q.new_empty(0), q.new_empty(0)
 
 
@@ -133,9 +195,10 @@ def fa3_backward(
     # its preprocess turns lse = -inf into log2-lse 0 on rows whose scores are all masked: p = 0;
     # its forward never writes +inf, so a backward given +inf was handed another kernel's convention
     assert not torch.isposinf(softmax_lse).any(), "flash-attn 3 writes -inf, not +inf, for rows that see nothing"
+    window = fa3_kernel_window(is_causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k,
+                               forward=False)
     grads = _ref_grads(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       scale=softmax_scale, causal=is_causal, window=(window_size_left, window_size_right),
-                       softcap=softcap or None)
+                       scale=softmax_scale, causal=False, window=window, softcap=softcap or None)
     for buf, g in zip((dq, dk, dv), grads):
         buf.copy_(g)
     return softmax_lse.new_empty(softmax_lse.shape)
@@ -260,8 +323,9 @@ def fa2_varlen_forward(
     _check_dtypes(q, k, v)
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     assert dropout_p == 0.0 and alibi_slopes is None and not return_softmax
+    window = fa2_kernel_window(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k)
     out, lse = _ref_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=softmax_scale,
-                            causal=causal, window=(window_size_left, window_size_right), softcap=softcap or None)
+                            causal=False, window=window, softcap=softcap or None)
     return out, _with_empty_rows(lse, float("inf")), q.new_empty(0), torch.zeros(2, dtype=torch.int64)
 
 
@@ -279,9 +343,10 @@ def fa2_varlen_backward(
     _check_lse(softmax_lse, q)
     assert not torch.isneginf(softmax_lse).any(), "flash-attn 2 writes +inf, not -inf, for rows that see nothing"
     lse = torch.where(torch.isposinf(softmax_lse), float("-inf"), softmax_lse)
+    window = fa2_kernel_window(causal, window_size_left, window_size_right, max_seqlen_q, max_seqlen_k,
+                               forward=False)
     grads = _ref_grads(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       scale=softmax_scale, causal=causal, window=(window_size_left, window_size_right),
-                       softcap=softcap or None)
+                       scale=softmax_scale, causal=False, window=window, softcap=softcap or None)
     for buf, g in zip((dq, dk, dv), grads):
         buf.copy_(g)
     return softmax_lse.new_empty(softmax_lse.shape)
@@ -326,8 +391,9 @@ def fake_aten_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dro
     assert dropout_p == 0.0 and not return_debug_mask and scale is not None
     assert seqused_k is None and alibi_slopes is None and block_table is None and num_splits is None
     _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
-    out, lse = _ref_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, scale=scale, causal=is_causal,
-                            window=(window_size_left, window_size_right))
+    window = fa2_kernel_window(is_causal, window_size_left, window_size_right, max_q, max_k)  # FA2 inside
+    out, lse = _ref_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, scale=scale, causal=False,
+                            window=window)
     rng_state = torch.zeros(2, dtype=torch.int64)
     return out, _with_empty_rows(lse, float("inf")), rng_state, query.new_empty(()), query.new_empty(0)
 
@@ -340,8 +406,10 @@ def fake_aten_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, c
     assert dropout_p == 0.0 and scale is not None
     assert not torch.isneginf(logsumexp).any(), "flash expects +inf, not -inf, for rows that see nothing"
     lse = torch.where(torch.isposinf(logsumexp), float("-inf"), logsumexp)
+    _check_inputs(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
+    window = fa2_kernel_window(is_causal, window_size_left, window_size_right, max_q, max_k, forward=False)
     return tuple(_ref_grads(grad_out, query, key, value, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, scale=scale,
-                            causal=is_causal, window=(window_size_left, window_size_right)))
+                            causal=False, window=window))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -657,3 +725,73 @@ def test_kernel_ops_have_fake_implementations():
         dq, dk, dv = flash_mod.flash_varlen_bwd(q, q, k, k, out, lse, cu, cu, 5, 4, 0.125, True, -1, 0, 0.0, "fa3")
     assert out.shape == q.shape and lse.shape == (4, 10) and lse.dtype == torch.float32
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+
+# ----------------------------------------------------------------------------------------------
+# every kernel call of real windowed plans, through each interface's translation
+
+
+PLAN_L, PLAN_WINDOW = 8192, 4096
+PLAN_DOCUMENTS = {"one document": None, "packed 6 documents": [116, 649, 5131, 987, 621, 688],
+                  "packed 3 documents": [1955, 4627, 1610]}
+
+
+def real_plan_calls():
+    """The distinct kernel calls (``cu_seqlens``, causal, window) of every rank's plan for a causal
+    layer with window 4096 over L = 8192 tokens: zigzag and contiguous, P = 2 and 4, one document
+    and packed documents, each with where it first occurs."""
+    from cp_attention.masks import SequenceMeta
+    from cp_attention.plan import build_plan
+
+    calls = {}
+    for docs_name, docs in PLAN_DOCUMENTS.items():
+        cu = None if docs is None else torch.tensor([0] + docs).cumsum(0)
+        meta = SequenceMeta.from_inputs(1, PLAN_L, cu_seqlens=cu)
+        for layout in ("zigzag", "contiguous"):
+            for P in (2, 4):
+                for rank in range(P):
+                    plan = build_plan(meta, MaskSpec(window=PLAN_WINDOW), world_size=P, layout=layout, rank=rank,
+                                      head_kv=1, head_dim=8, itemsize=2)
+                    for step in plan.steps():
+                        for c in step.calls:
+                            key = (tuple(c.cu_seqlens_q.tolist()), tuple(c.cu_seqlens_k.tolist()), c.causal,
+                                   c.window)
+                            where = f"{layout} P={P} {docs_name}: rank {rank} x K/V of rank {step.source}"
+                            calls.setdefault(key, (c, where))
+    return list(calls.values())
+
+
+@pytest.mark.parametrize("interface, modules", [("fa2", FA2), ("aten", {}), ("fa3", FA3), ("fa4", FA4)],
+                         ids=["fa2", "aten", "fa3", "fa4"])
+def test_real_plan_calls_through_flash_translation(interface, modules, install):
+    """Each call runs forward and backward through the flash backend (the stand-in applying the
+    kernel's own reading of its window) and through the reference backend with the contract's
+    arguments, on the same float16 inputs; any key a kernel would lose or add shows in out, lse or a
+    gradient. The calls include those with more queries than ``max_seqlen_k + 1`` and an unlimited
+    right side (zigzag, window 4096: a rank's two pieces against the other's halo), which
+    FlashAttention-2 reads wrongly unless ``max_seqlen_k`` covers the queries."""
+    install(modules)
+    backend = flash_mod.FlashBackend(interface)
+    calls = real_plan_calls()
+    assert len(calls) >= 30 and any(c.max_seqlen_q > c.max_seqlen_k + 1 and c.window[1] < 0 for c, _ in calls)
+    wrong = []
+    for n, (c, where) in enumerate(calls):
+        gen = torch.Generator().manual_seed(n)
+        Tq, Tk = int(c.cu_seqlens_q[-1]), int(c.cu_seqlens_k[-1])
+        q, dout = (torch.randn(Tq, 2, 8, generator=gen).half() for _ in range(2))
+        k, v = (torch.randn(Tk, 1, 8, generator=gen).half() for _ in range(2))
+        kw = dict(scale=8 ** -0.5, causal=c.causal, window=c.window)
+        args = (c.cu_seqlens_q, c.cu_seqlens_k, c.max_seqlen_q, c.max_seqlen_k)
+        out, lse = backend.forward(q, k, v, *args, **kw)
+        grads = backend.backward(dout, q, k, v, out, lse, *args, **kw)
+        ref_out, ref_lse = REF.forward(q.float(), k.float(), v.float(), *args, **kw)
+        ref_grads = REF.backward(dout.float(), q.float(), k.float(), v.float(), ref_out, ref_lse, *args, **kw)
+        seen = ~torch.isneginf(ref_lse)
+        ok = (torch.equal(torch.isneginf(lse), ~seen) and torch.allclose(lse[seen], ref_lse[seen], atol=1e-3)
+              and torch.allclose(out.float(), ref_out, atol=4e-3)
+              and all(torch.allclose(g, rg, atol=4e-3) for g, rg in zip(grads, ref_grads)))
+        if not ok:
+            lost = int((out.float() - ref_out).abs().amax(dim=(1, 2)).gt(4e-3).sum())
+            wrong.append(f"{where} (queries {c.max_seqlen_q}, keys {c.max_seqlen_k}, window {c.window}: "
+                         f"{lost} rows off)")
+    assert not wrong, f"{len(wrong)} of {len(calls)} real plan calls wrong through {interface}: " + "; ".join(wrong)

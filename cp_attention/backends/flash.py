@@ -17,9 +17,12 @@ name      entry points                                    conventions the adapte
                                                           and returns (dq, dk, dv); no softcap
 ``fa2``   ``flash_attn.flash_attn_interface.``            ``window_size_left/right`` (2.7+) or a
           ``_flash_attn_varlen_forward/_backward``        ``window_size`` tuple; fills dq/dk/dv;
-                                                          lse (H, T), ``+inf`` for empty rows
+                                                          lse (H, T), ``+inf`` for empty rows;
+                                                          window sides read against
+                                                          ``max_seqlen_k`` (:func:`_fa2_max_seqlen_k`)
 ``aten``  ``torch.ops.aten._flash_attention_forward`` /   ``cum_seq_q/k``, ``window_size_left/
-          ``_flash_attention_backward``                   right``; no softcap; ``+inf`` lse rows
+          ``_flash_attention_backward``                   right``; no softcap; ``+inf`` lse rows;
+                                                          FA2 inside: as ``fa2`` for the window
 ========  ==============================================  ======================================
 
 Preference when several are installed: ``fa3`` (Hopper, sm90), ``fa4`` (Blackwell, sm100/sm110),
@@ -80,6 +83,38 @@ def kernel_arguments(*, scale: float, causal: bool, window: tuple[int, int], sof
         right = 0
     return dict(is_causal=right == 0, window_size_left=left, window_size_right=right, scale=float(scale),
                 softcap=0.0 if softcap is None else float(softcap))
+
+
+def _fa2_max_seqlen_k(max_seqlen_q: int, max_seqlen_k: int) -> int:
+    """The ``max_seqlen_k`` to hand FlashAttention-2's varlen kernels (flash-attn 2 and PyTorch's
+    bundled copy) so that they keep the contract's window for every sequence of the call.
+
+    FA2 rewrites the window sides from ``max_seqlen_k`` before it builds its mask (``flash_api.cpp``:
+    ``mha_varlen_fwd`` / ``mha_varlen_bwd``: ``if (window_size_left >= max_seqlen_k) window_size_left
+    = -1`` and the same for the right side; then ``set_params_fprop``: ``if (window_size_left >= 0 &&
+    window_size_right < 0) window_size_right = seqlen_k``, and the mirror rule for the left side,
+    with ``seqlen_k`` that same ``max_seqlen_k``). With the mask aligned bottom-right, row ``i`` of a
+    sequence of ``sq`` queries and ``sk`` keys then sees keys up to ``i + sk - sq + max_seqlen_k``:
+    a sequence with more than ``max_seqlen_k + 1`` queries loses keys in its first rows (the ring
+    emits such calls: L = 8192, P = 2, zigzag, window 4096 gives rank 1 a call of 4095 queries
+    against 2048 keys with window (0, -1), 2046 rows of it wrong), and a finite side ``>=
+    max_seqlen_k`` that still bounds such a sequence is dropped.
+
+    Passing ``M = max(max_seqlen_q, max_seqlen_k)`` makes both rewrites exact: a side ``>= M`` bounds
+    no row of any sequence (``sq, sk <= M``), and an unlimited side replaced by ``M`` reaches at least
+    ``i + sk`` on the right and ``i + sk - sq - M <= 0`` on the left. FA2 reads ``max_seqlen_k``
+    otherwise only for rounding, the backward's grid over key blocks (blocks past a sequence's keys
+    exit at once) and the split-KV heuristics of paged / single-query calls; every loop runs over each
+    sequence's own length from ``cu_seqlens_k``. A call without keys (``max_seqlen_k == 0``) keeps 0:
+    the kernel's own no-key path (out 0, lse +inf) applies.
+
+    flash-attn 3 needs no such care: it rewrites the left side from ``max_seqlen_k - 1`` and the right
+    side from ``max_seqlen_q - 1`` (``hopper/flash_api.cpp``, ``mha_fwd`` / ``mha_bwd`` and
+    ``set_params_fprop``), which is exact for every sequence; flash-attn 4 (``flash_attn/cute/
+    interface.py``, ``_resolve_causal_local_window``) takes unlimited sides as None and reads no
+    sequence length for the window. ``tests/test_flash_translation.py`` runs every interface behind
+    stand-ins that apply these rules as the sources do."""
+    return max(max_seqlen_q, max_seqlen_k) if max_seqlen_k > 0 else max_seqlen_k
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,8 +416,9 @@ class _FlashAttn2(_Interface):
 
     def forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale, is_causal,
                 window_size_left, window_size_right, softcap):
+        max_k = _fa2_max_seqlen_k(max_seqlen_q, max_seqlen_k)  # FA2 reads window sides against it
         kw = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k, dropout_p=0.0, softmax_scale=scale, causal=is_causal,
+                  max_seqlen_k=max_k, dropout_p=0.0, softmax_scale=scale, causal=is_causal,
                   alibi_slopes=None, return_softmax=False,
                   **_window_kwargs(self._fwd_params, window_size_left, window_size_right))
         if "softcap" in self._fwd_params:
@@ -396,8 +432,9 @@ class _FlashAttn2(_Interface):
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, scale,
                  is_causal, window_size_left, window_size_right, softcap):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        max_k = _fa2_max_seqlen_k(max_seqlen_q, max_seqlen_k)  # FA2 reads window sides against it
         kw = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_seqlens_q,
-                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0,
+                  cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_k, dropout_p=0.0,
                   softmax_scale=scale, causal=is_causal, alibi_slopes=None, deterministic=False,
                   **_window_kwargs(self._bwd_params, window_size_left, window_size_right))
         if "softcap" in self._bwd_params:
@@ -440,8 +477,9 @@ class _AtenFlash(_Interface):
                 window_size_left, window_size_right, softcap):
         if softcap:
             raise ValueError("PyTorch's flash kernels have no softcap")
+        max_k = _fa2_max_seqlen_k(max_seqlen_q, max_seqlen_k)  # its FA2 reads window sides against it
         out, lse, *_ = _aten_flash_forward(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, is_causal, False, scale=scale,
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_k, 0.0, is_causal, False, scale=scale,
             window_size_left=window_size_left, window_size_right=window_size_right)
         return out, lse
 
@@ -449,8 +487,9 @@ class _AtenFlash(_Interface):
                  is_causal, window_size_left, window_size_right, softcap):
         rng = torch.zeros(2, dtype=torch.int64, device=q.device)
         unused = torch.empty(0, device=q.device)
+        max_k = _fa2_max_seqlen_k(max_seqlen_q, max_seqlen_k)  # its FA2 reads window sides against it
         dq, dk, dv = _aten_flash_backward(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, is_causal, rng,
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_k, 0.0, is_causal, rng,
             unused, scale=scale, window_size_left=window_size_left, window_size_right=window_size_right)
         return dq, dk, dv
 
