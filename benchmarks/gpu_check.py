@@ -19,10 +19,13 @@
    within 2x of that baseline's (:func:`case_failures`). Every backend gets a row for every case:
    one that raises is recorded as a failure (:class:`CaseResult`), and on a CUDA device of sm80 or
    newer the flash backend skipped for any reason but a feature it declares unsupported (softcap
-   on PyTorch's kernels) is a failure too (:func:`flash_skip_failure`). The verdict
+   on PyTorch's kernels) is a failure too (:func:`flash_skip_failure`), as is a flash package that
+   is installed but does not import (:func:`flash_import_failures`). A fault that leaves the device
+   unusable fails the rows not yet run, which are still printed. The verdict
    (:func:`overall_verdict`) is printed before any timing: exit 1 when any case fails, and on a
    CUDA device also when no GPU backend ran at all; a CPU ``--smoke`` run only exercises the check
-   on the reference backend and says so: it is never a GPU pass.
+   on the reference backend and says so: it is never a GPU pass. A timing that raises also makes
+   the exit status 1; the last line states it.
 2. Timing (median of CUDA-event timed repeats, after warm-up) of forward and forward+backward for
    each backend against ``scaled_dot_product_attention``: flash SDPA with ``is_causal`` for plain
    causal, SDPA with the dense mask for window and packed masks; the flash backend also against a
@@ -280,43 +283,74 @@ def _describe(call: Call) -> str:
             f"{'causal ' if call.causal else ''}window {call.window}")
 
 
+def _raised(exc: BaseException) -> str:
+    """``raised <Type>: <first line>`` (the first line may be missing: a bare ``assert``)."""
+    lines = str(exc).strip().splitlines()
+    return f"raised {type(exc).__name__}" + (f": {lines[0][:300]}" if lines else "")
+
+
+def _sync(device) -> None:
+    """Wait for the device: an asynchronous CUDA fault surfaces here, charged to the call before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def correctness(backends, L, D, device, *, capability=None, plan_len=None) -> list[CaseResult]:
     """One :class:`CaseResult` per (case, backend): the fixed cases at length ``L`` and the plan
     cases at ``plan_len`` (default ``L``). ``capability``: the CUDA device's (None off CUDA), for
-    :func:`flash_skip_failure`."""
+    :func:`flash_skip_failure`. A backend that raises (or whose support check raises) fails its
+    row; when the oracle's side of a call raises (the device was left unusable, e.g. by a CUDA
+    fault) every row not yet run fails as "not run", and the check still returns every row."""
     ref = BACKENDS["reference"]
     cases = {**fixed_cases(L), **plan_cases(plan_len or L)}
-    results = []
+    results, lost = [], None
     for name, calls in cases.items():
         spec = MaskSpec(softcap=calls[0].softcap)
         rows = {}  # backend -> (worst ratio, errors, baseline, failures)
         for bname, backend in backends.items():
-            reasons = backend.not_supported_reasons(device=device, dtype=torch.bfloat16, head_dim=D, spec=spec)
-            if reasons:
+            if lost is not None:
+                results.append(CaseResult(name, bname, failures=(f"not run: {lost}",)))
+                continue
+            try:
+                reasons = backend.not_supported_reasons(device=device, dtype=torch.bfloat16, head_dim=D, spec=spec)
                 failure = flash_skip_failure(backend, reasons, capability=capability, device=device, head_dim=D,
-                                             spec=spec) if bname == "flash" else None
+                                             spec=spec) if bname == "flash" and reasons else None
+            except Exception as exc:  # noqa: BLE001 - a failing row, not a crash
+                results.append(CaseResult(name, bname, failures=(f"support check {_raised(exc)}",)))
+                continue
+            if reasons:
                 results.append(CaseResult(name, bname, skipped="; ".join(reasons),
                                           failures=(failure,) if failure else ()))
             else:
                 rows[bname] = (-1.0, {}, {}, [])
         for n, call in enumerate(calls):
-            q, k, v, dout, cu_q, cu_k, mq, mk, kw = _inputs(call, D, device, torch.bfloat16, seed=n)
-            f32 = [t.float() for t in (q, k, v, dout)]
-            ref_out, ref_lse = ref.forward(*f32[:3], cu_q, cu_k, mq, mk, **kw)
-            ref_grads = ref.backward(f32[3], *f32[:3], ref_out, ref_lse, cu_q, cu_k, mq, mk, **kw)
-            mask, _ = mask_and_pairs(cu_q.cpu(), cu_k.cpu(), kw["causal"], kw["window"], device)
-            baseline = _baseline(q, k, v, dout, mask, kw, ref_out, ref_grads)
+            if lost is not None:
+                break
             where = f"call {n} ({_describe(call)}): " if len(calls) > 1 else ""
+            try:
+                q, k, v, dout, cu_q, cu_k, mq, mk, kw = _inputs(call, D, device, torch.bfloat16, seed=n)
+                f32 = [t.float() for t in (q, k, v, dout)]
+                ref_out, ref_lse = ref.forward(*f32[:3], cu_q, cu_k, mq, mk, **kw)
+                ref_grads = ref.backward(f32[3], *f32[:3], ref_out, ref_lse, cu_q, cu_k, mq, mk, **kw)
+                mask, _ = mask_and_pairs(cu_q.cpu(), cu_k.cpu(), kw["causal"], kw["window"], device)
+                baseline = _baseline(q, k, v, dout, mask, kw, ref_out, ref_grads)
+                _sync(device)
+            except Exception as exc:  # noqa: BLE001 - the device is unusable: the rest fails as "not run"
+                lost = f"the oracle of {name} {where or ''}{_raised(exc)}; the device is unusable after an earlier fault"
+                for bname in rows:
+                    rows[bname][3].append(lost)
+                break
             for bname in rows:
                 worst, errors_w, baseline_w, failures = rows[bname]
                 try:
                     out, lse = backends[bname].forward(q, k, v, cu_q, cu_k, mq, mk, **kw)
                     grads = backends[bname].backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, **kw)
+                    _sync(device)
                     errors = _errors(out, grads, ref_out, ref_grads)
                     failures += [where + f for f in case_failures(errors, baseline)]
-                except Exception as exc:  # recorded as a failure; the other rows still run
+                except Exception as exc:  # noqa: BLE001 - recorded as a failure; the other rows still run
                     errors = {}
-                    failures.append(f"{where}raised {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                    failures.append(where + _raised(exc))
                 ratio = _ratio(errors, baseline)
                 if ratio > worst:
                     worst, errors_w, baseline_w = ratio, errors, baseline
@@ -328,6 +362,20 @@ def correctness(backends, L, D, device, *, capability=None, plan_len=None) -> li
                 label = f"flash/{iface}"
             results.append(CaseResult(name, label, errors=errors, baseline=baseline, failures=tuple(failures)))
     return results
+
+
+def flash_import_failures() -> list[CaseResult]:
+    """A failing row for every flash interface that is installed but does not import (a broken
+    build would otherwise only make the backend fall back to the next interface, unnoticed)."""
+    from cp_attention.backends import flash as flash_mod
+
+    rows = []
+    for name, iface in flash_mod.INTERFACES.items():
+        reason = iface.unavailable()
+        if reason is not None and reason.startswith("not importable"):
+            rows.append(CaseResult("flash import", f"flash/{name}", skipped=reason,
+                                   failures=(f"{iface.label} is installed but {reason}",)))
+    return rows
 
 
 def format_result(r: CaseResult) -> str:
@@ -345,7 +393,12 @@ def timing(backends, L, D, device, repeats) -> tuple[list[str], list[str]]:
     rows, failures = [], []
     cases = fixed_cases(L)
     for name in ("causal", "window", "packed+window"):
-        q, k, v, dout, cu, _, mx, _, kw = _inputs(cases[name][0], D, device, torch.bfloat16)
+        try:
+            q, k, v, dout, cu, _, mx, _, kw = _inputs(cases[name][0], D, device, torch.bfloat16)
+        except Exception as exc:  # noqa: BLE001 - the device is unusable
+            failures.append(name)
+            rows.append(f"{name:14s} inputs {_raised(exc)}")
+            continue
         mask, pairs = mask_and_pairs(cu.cpu(), cu.cpu(), kw["causal"], kw["window"], device)
         fwd_flops = harness.pair_flops(pairs, heads=q.shape[1], head_dim=D, backward=False)
         fwd_bwd_flops = harness.pair_flops(pairs, heads=q.shape[1], head_dim=D, backward=True)
@@ -383,7 +436,7 @@ def timing(backends, L, D, device, repeats) -> tuple[list[str], list[str]]:
                         if fwd_bwd is not None else float("nan"))
             except Exception as exc:  # a row saying so; the other rows still run
                 failures.append(f"{name}/{ename}")
-                rows.append(f"{name:14s} {ename:18s} raised {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                rows.append(f"{name:14s} {ename:18s} {_raised(exc)}")
                 continue
             if device.type != "cuda":  # no absolute CPU times: ratios to the first row of the case
                 base = base or (t_f, t_fb)
@@ -428,6 +481,8 @@ def main(argv=None, backends=None, capability=None) -> int:
     print("== correctness (bfloat16 vs float32 reference on the same device; errors: max abs, "
           "base = plain torch bfloat16; plan rows: their worst call) ==")
     results = correctness(backends, min(L, 2048), D, device, capability=capability, plan_len=min(L, 8192))
+    if "flash" in backends:
+        results += flash_import_failures()
     print("\n".join(map(format_result, results)))
     status, line = overall_verdict(results, device_type=device.type)
     print(line, flush=True)
@@ -437,6 +492,8 @@ def main(argv=None, backends=None, capability=None) -> int:
     if failures:
         print(f"timing: FAIL ({len(failures)} rows raised: {', '.join(failures)})")
         status = 1
+    print(f"exit status {status}: " + ("correctness and timing ran clean" if status == 0 else
+                                      "see the verdict and the timing lines above"))
     return status
 
 

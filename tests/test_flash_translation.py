@@ -131,9 +131,10 @@ def fa3_kernel_window(is_causal, left, right, max_seqlen_q, max_seqlen_k, *, for
     """flash-attn 3's reading (``hopper/flash_api.cpp``): ``mha_fwd`` / ``mha_bwd`` turn a left
     side ``>= max_seqlen_k - 1`` and a right side ``>= max_seqlen_q - 1`` into -1, (forward: drop
     causal for one query when both sides are unlimited), set right = 0 for causal and mark the call
-    causal when left < 0 and right == 0; ``set_params_fprop`` replaces an unlimited left side by
-    ``max_seqlen_k - 1`` and an unlimited right side by ``max_seqlen_q - 1`` next to a finite one.
-    Returns the band as :func:`fa2_kernel_window` does."""
+    causal when left < 0 and right == 0; then an unlimited left side becomes ``max_seqlen_k - 1``
+    and an unlimited right side ``max_seqlen_q - 1`` next to a finite one (``set_params_fprop`` in
+    the releases this follows; later ones fill both sides unconditionally in ``mha_fwd`` /
+    ``mha_bwd``, which gives the same band). Returns the band as :func:`fa2_kernel_window` does."""
     if left >= max_seqlen_k - 1:
         left = -1
     if right >= max_seqlen_q - 1:

@@ -108,9 +108,9 @@ def _fa2_max_seqlen_k(max_seqlen_q: int, max_seqlen_k: int) -> int:
     sequence's own length from ``cu_seqlens_k``. A call without keys (``max_seqlen_k == 0``) keeps 0:
     the kernel's own no-key path (out 0, lse +inf) applies.
 
-    flash-attn 3 needs no such care: it rewrites the left side from ``max_seqlen_k - 1`` and the right
-    side from ``max_seqlen_q - 1`` (``hopper/flash_api.cpp``, ``mha_fwd`` / ``mha_bwd`` and
-    ``set_params_fprop``), which is exact for every sequence; flash-attn 4 (``flash_attn/cute/
+    flash-attn 3 needs no such care: it reads the left side against ``max_seqlen_k - 1`` and the right
+    side against ``max_seqlen_q - 1`` (``hopper/flash_api.cpp``, ``mha_fwd`` / ``mha_bwd``, and
+    ``set_params_fprop`` in earlier releases), which is exact for every sequence; flash-attn 4 (``flash_attn/cute/
     interface.py``, ``_resolve_causal_local_window``) takes unlimited sides as None and reads no
     sequence length for the window. ``tests/test_flash_translation.py`` runs every interface behind
     stand-ins that apply these rules as the sources do."""
