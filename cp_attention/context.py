@@ -249,8 +249,8 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
     waiting on this one raise at once, naming it, instead of waiting for the timeout.
     """
     cp = ContextParallel(as_group(group, mesh_dim), layout, timeout, backend)
-    # the integrations' guards of a multi-rank block (the model check of cp_flash models)
-    leave = [guard(cp) for guard in list(state.CONTEXT_GUARDS)] if cp.world_size > 1 else []
+    # the integrations' guards of the block (the model check of cp_flash models)
+    leave = [guard(cp) for guard in list(state.CONTEXT_GUARDS)]
     token = state.ACTIVE_CONTEXT.set(cp)
     try:
         yield cp

@@ -28,7 +28,7 @@ object                  what and why                                guarded by  
                         the engine never imports them
 ``INTEGRATIONS``        which integrations registered, and the      ``INTEGRATIONS_LOCK``  the process
                         transformers modules adapted for the name
-``CONTEXT_GUARDS``      what a multi-rank ``context_parallel``      (set once at import)  the process
+``CONTEXT_GUARDS``      what a ``context_parallel``                 (set once at import)  the process
                         block enters and leaves (the model check of
                         cp_flash models): registered by the
                         integrations, each returns its exit

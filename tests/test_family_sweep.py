@@ -53,8 +53,7 @@ FAST = ("mamba", "openai-gpt", "bart", "bloom", "git", "deepseek_v4")  # exact f
 def problems(record: dict) -> list[str]:
     """What is wrong with one family's sweep record (empty: exact or refused everywhere)."""
     family, out = record["family"], []
-    as_eager = (record.get("eager_isolates") or {}).get("isolates") is False and \
-        (record.get("ws1_vs_packed_eager") or {}).get("outcome") == "exact"
+    as_eager = fs.ws1_as_eager(record)
     for ws, rec in sorted(record["outcomes"].items()):
         outcome = rec["outcome"]
         if outcome in ("exact", "refused"):

@@ -306,3 +306,66 @@ def _sampler_worker(rank, world_size):
 def test_a_sampler_loop_handing_ranks_different_batches_raises_on_every_rank():
     for message in run_ranks(2, _sampler_worker, timeout=240):
         assert message is not None and "given different batches" in message and "sampler" in message, message
+
+
+# ----------------------------------------------------------------------------------------------
+# world size 1: cp_flash computes what the family's own eager computes, or refuses
+
+
+def _logits(model, ids, pos=None):
+    kwargs = {"position_ids": pos} if pos is not None else {}
+    out = model(input_ids=ids, use_cache=False, **kwargs)
+    return out.logits
+
+
+def test_a_layer_declared_bidirectional_follows_its_causal_mask():
+    """BigBird-Pegasus's decoder leaves its attention's ``is_causal`` at the default False and hands
+    it a causal mask, which eager follows: cp_flash (which reads bidirectional layers from that
+    flag, ModernBERT's) must follow the mask too."""
+    eager = _model("bigbird_pegasus")
+    cp_model = fs.build_model(fs.tiny_config("bigbird_pegasus"), "cp_flash", eager.state_dict())
+    assert not any(getattr(m, "is_causal", True) for m in cp_model.modules() if hasattr(m, "is_causal"))
+    ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = float((_logits(cp_model, ids) - _logits(eager, ids)).abs().max())
+    assert err <= 1e-5, err
+
+
+def test_score_tensors_handed_to_the_attention_are_refused():
+    """Inkling hands its attention a relative-position ``position_bias`` (a tensor over (query, key)
+    pairs) through the interface's keywords: the model check finds it, and at world size 1 (no
+    check there) the cp_flash layer raises instead of dropping it."""
+    findings = model_check.model_findings(_model("inkling_text", "cp_flash"))
+    assert any(f.what == "a score bias" and "position_bias" in f.why and "self_attn" in f.module for f in findings)
+    model = _model("inkling_text", "cp_flash")
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NotImplementedError, match="'position_bias'.*score bias"):
+        _logits(model, ids)
+
+
+@pytest.mark.parametrize("family", ["bigbird_pegasus", "moss_transcribe_diarize"])
+def test_one_rank_packed_documents_without_position_ids_are_refused(family):
+    """A model whose forward takes no position_ids cannot restart positions at the documents
+    cp.shard_batch recorded: a one-rank block refuses a packed batch before any layer runs, and runs
+    a batch of one document per row (padding included) as the family's own eager does."""
+    eager = _model(family)
+    cp_model = fs.build_model(fs.tiny_config(family), "cp_flash", eager.state_dict())
+    calls = []
+    for m in cp_model.modules():
+        if model_check.uses_attention_interface(type(m)) and not model_check._is_model(m):
+            m.register_forward_pre_hook(lambda *a: calls.append(1))
+    ids, pos = fs.make_inputs()
+    with cp_attention.context_parallel() as cp:
+        batch = cp.shard_batch(input_ids=ids, position_ids=pos)
+        batch.pop("position_ids")
+        with pytest.raises(NotImplementedError, match="packed documents.*takes no position_ids"):
+            cp_model(**batch, use_cache=False)
+    assert not calls, "refused before any attention layer ran"
+    mask = torch.ones_like(ids)
+    mask[:, -5:] = 0  # right padding: one-token documents of their own, not packing
+    with cp_attention.context_parallel() as cp, torch.no_grad():
+        batch = cp.shard_batch(input_ids=ids, attention_mask=mask)
+        batch.pop("position_ids")
+        got = cp_model(**batch, use_cache=False).logits
+        want = eager(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert float((got - want)[:, :-5].abs().max()) <= 1e-5

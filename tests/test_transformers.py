@@ -144,11 +144,12 @@ def test_unsupported_inputs_raise_clear_errors():
     model = tiny_model("qwen3", "cp_flash")
     ids = torch.randint(3, 128, (1, 10))
     dense = torch.ones(1, 1, 10, 10, dtype=torch.bool)
-    with pytest.raises(ValueError, match="cp_flash received a dense attention_mask"):
+    with pytest.raises(ValueError, match=r"cp_flash received a dense \(1, 1, 10, 10\) attention_mask") as info:
         model.model.layers[0].self_attn(model.model.embed_tokens(ids),
                                         model.model.rotary_emb(model.model.embed_tokens(ids),
                                                                torch.arange(10)[None]),
                                         attention_mask=dense)
+    assert isinstance(info.value, NotImplementedError)  # also a refusal (a family that builds dense masks: BLT)
     cfg = tiny_config("qwen3")
     cfg.attention_dropout = 0.1
     train = tiny_model("qwen3", "cp_flash", config=cfg).train()

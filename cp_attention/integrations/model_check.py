@@ -26,6 +26,9 @@ family. What it refuses, each with the module that has it (:func:`model_findings
 Vision, audio and other sub-models with a configuration of their own are not read: they do not
 run over the text sequence.
 
+In a one-rank block only one finding changes the result: a model whose forward takes no
+``position_ids`` on a batch of packed documents (:func:`check_positions_one_rank`).
+
 Checked once per model object (:data:`cp_attention.state.MODEL_CHECKS`) when a multi-rank
 :func:`~cp_attention.context_parallel` block runs its first forward, on every rank alike (the
 model is the same everywhere), so every rank raises the same ``NotImplementedError`` before a K/V
@@ -48,8 +51,8 @@ from torch import nn
 
 from .. import state
 
-__all__ = ["Finding", "model_findings", "check_model", "default_position_start", "install_guard",
-           "note_cp_flash_call"]
+__all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank", "default_position_start",
+           "install_guard", "note_cp_flash_call"]
 
 NAME = "cp_flash"
 
@@ -60,6 +63,7 @@ _FUSED = re.compile(r"scaled_dot_product_attention|flash_attn_(?:func|varlen_fun
 _STATE_ARGS = ("cache_params", "state", "recurrent_state", "ssm_state", "conv_state")
 _STATE_PARAMS = ("A_log", "time_decay", "time_first")
 _BIAS_ARGS = ("alibi", "position_bias")
+_BIAS_KEYWORD = re.compile(r"\b(alibi|position_bias)\s*=(?!=)")
 
 
 class Finding(tuple):
@@ -170,9 +174,9 @@ def model_findings(model) -> tuple[Finding, ...]:
             continue
         if uses_attention_interface(cls):
             attention += 1
-            bias = sorted(args.intersection(_BIAS_ARGS))
+            bias = sorted(args.intersection(_BIAS_ARGS) | set(_BIAS_KEYWORD.findall(_class_source(cls))))
             if bias:
-                findings.append(Finding(where, "a score bias", f"its forward takes {', '.join(bias)}: a bias over "
+                findings.append(Finding(where, "a score bias", f"it computes {', '.join(bias)}: a bias over "
                                         "(query, key) positions that needs the mask as a dense tensor"))
             continue
         state_args = sorted(args.intersection(_STATE_ARGS)) or sorted(own_params.intersection(_STATE_PARAMS))
@@ -224,6 +228,32 @@ def check_model(model) -> None:
         "attention implementation of its own (\"eager\", \"sdpa\") outside a context_parallel block.")
 
 
+def _packed(meta) -> bool:
+    """Whether a row of ``meta`` holds a document of two or more tokens that does not open the row
+    (padding tokens are one-token documents of their own and do not count)."""
+    starts = getattr(meta, "doc_start", None)
+    if starts is None or starts.shape[-1] < 3:
+        return False
+    opens = starts == torch.arange(starts.shape[-1])
+    return bool((opens[:, 1:-1] & (starts[:, 2:] == starts[:, 1:-1])).any())
+
+
+def check_positions_one_rank(model, record) -> None:
+    """In a one-rank ``context_parallel`` block, the one finding that changes the result there: a
+    model whose forward takes no ``position_ids`` numbers its positions over the whole row, so on
+    packed documents (``record``: the batch ``cp.shard_batch`` recorded) its positions cannot restart
+    per document while its attention keeps the documents apart; neither each document alone nor the
+    family's own eager (which attends across them). Raises ``NotImplementedError``; nothing otherwise."""
+    if "position_ids" in _forward_args(type(model)) or record is None or not hasattr(record, "meta"):
+        return
+    if _packed(record.meta):
+        raise NotImplementedError(
+            f"cp_flash cannot run {_family(model)} ({type(model).__name__}) on the packed documents cp.shard_batch "
+            "recorded: its forward takes no position_ids, so it numbers positions over the whole row instead of "
+            "restarting them at each document. Give it one document per row, or run it with its own attention "
+            "implementation (\"eager\", \"sdpa\") outside a context_parallel block.")
+
+
 def default_position_start(model) -> int:
     """Where ``model`` numbers its default positions: 0, or ``padding_idx + 1`` for a position
     embedding with a padding index (RoBERTa, XLM-R, CamemBERT, data2vec-text, X-MOD)."""
@@ -251,10 +281,14 @@ def _before(module, args) -> None:
     top = getattr(guard, "model", None)
     if top is None:
         active = state.ACTIVE_CONTEXT.get()
-        if active is None or active.world_size <= 1 or not _cp_flash_model(module):
+        if active is None or not _cp_flash_model(module):
+            return
+        if active.world_size <= 1:  # one rank: only the packed-positions check, no counting
+            check_positions_one_rank(module, active.current_batch())
+            guard.model, guard.ran, guard.reached, guard.counting, guard.position_start = module, 0, 0, False, 0
             return
         check_model(module)
-        guard.model, guard.ran, guard.reached = module, 0, 0
+        guard.model, guard.ran, guard.reached, guard.counting = module, 0, 0, True
         guard.position_start = default_position_start(module)
         return
     if getattr(getattr(module, "config", None), "_attn_implementation", None) == NAME and \
@@ -271,7 +305,7 @@ def _after(module, args, output) -> None:
         return
     guard.model = None
     ran, reached = guard.ran, guard.reached
-    if output is not None and ran != reached:
+    if output is not None and ran != reached and getattr(guard, "counting", True):
         raise NotImplementedError(
             f"cp_flash: {ran} attention layer(s) of {_family(module)} ({type(module).__name__}) ran in this "
             f"forward under context parallelism but {reached} reached cp_flash: the others computed their "
@@ -296,9 +330,10 @@ def guard_position_start() -> int:
 
 
 def _enter(cp):
-    """A multi-rank block opens: the module hooks are installed (once per process, and then kept:
-    hooks added and removed per block would make torch.compile recompile for every block). They
-    return at once outside a multi-rank block, and for every model that does not use cp_flash."""
+    """A block opens: the module hooks are installed (once per process, and then kept: hooks added
+    and removed per block would make torch.compile recompile for every block). They return at once
+    outside a block and for every model that does not use cp_flash; in a one-rank block they only
+    run :func:`check_positions_one_rank`."""
     from torch.nn.modules import module as module_mod
 
     with state.MODEL_LOCK:

@@ -84,6 +84,8 @@ def _version() -> tuple[int, int]:
 # the mask function: O(L) metadata instead of an (L x L) mask
 
 
+_UNPROBED = object()  # CPMask.sees_no_later_key not computed yet
+
 @dataclass(eq=False)
 class CPMask:
     """What "cp_flash" layers receive as ``attention_mask``: sizes, offsets and O(L) metadata.
@@ -95,7 +97,8 @@ class CPMask:
     window (or chunk) transformers' sliding-window (chunked) mask builder applies, None for a full
     mask: a layer whose module passes no ``sliding_window`` (Qwen2-MoE, PhiMoE: the window lives
     only in the mask) takes its window from here. ``plans`` caches the single-device plan of each
-    mask for the layers of one forward.
+    mask for the layers of one forward. ``mask_function``: transformers' own mask function, probed by
+    :meth:`sees_no_later_key` for layers that declare themselves bidirectional.
     """
 
     batch_size: int
@@ -109,6 +112,20 @@ class CPMask:
     local_size: int | None = None
     plans: dict = field(default_factory=dict, repr=False)
     family: str = ""
+    mask_function: object = field(default=None, repr=False)
+    _no_later_key: object = field(default=_UNPROBED, repr=False)
+
+    @torch.compiler.disable
+    def sees_no_later_key(self) -> bool | None:
+        """Whether transformers' mask function lets no query see the key right after it, in any row:
+        a causal mask (probed on the (query, next key) pairs, O(B * L), once per mask; eager under
+        torch.compile). None when there is nothing to probe. A layer whose module says it is
+        bidirectional (``is_causal = False``: BigBird-Pegasus's decoder, which leaves the flag at its
+        default) but is handed a causal mask attends causally under eager, which follows the mask."""
+        if self._no_later_key is _UNPROBED:
+            self._no_later_key = _probe_no_later_key(self.mask_function, self.batch_size, self.q_length,
+                                                     self.q_offset, self.kv_offset + self.kv_length)
+        return self._no_later_key
 
     # generate() with a static cache prepares the masks in advance; models that build one mask (no
     # ``layer_types``: Mistral, Phi-3) hand it back to ``create_*_mask``, whose argument check reads
@@ -155,6 +172,21 @@ _CPMASK_FIELDS = frozenset(("batch_size", "q_length", "kv_length", "q_offset", "
                             "batch", "local_size", "plans", "family"))
 
 
+def _probe_no_later_key(mask_function, batch_size: int, q_length: int, q_offset: int, kv_end: int) -> bool | None:
+    """For :meth:`CPMask.sees_no_later_key`: False as soon as one query sees the key after it."""
+    if mask_function is None:
+        return None
+    q_idx = torch.arange(q_offset, q_offset + q_length)
+    q_idx = q_idx[q_idx + 1 < kv_end]
+    if q_idx.numel() == 0:
+        return None
+    for b in range(batch_size):
+        seen = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, q_idx + 1)
+        if bool(torch.as_tensor(seen, dtype=torch.bool).any()):
+            return False
+    return True
+
+
 def _hf_document_starts(mask_function, batch_size: int, length: int, *, prune: bool = True) -> torch.Tensor | None:
     """Document starts in transformers' own mask: a token opens one where it cannot see its
     predecessor (probed on the ``length - 1`` adjacent pairs, O(L)). Chunk starts and window-1 masks
@@ -194,7 +226,8 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
     return CPMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
                   kv_offset=int(kv_offset), valid=None if attention_mask is None else attention_mask.detach().bool(),
                   opens=opens, batch=layer_mask_batch(attention_mask, batch_size, q_length),
-                  local_size=None if local_size is None else int(local_size), family=family)
+                  local_size=None if local_size is None else int(local_size), family=family,
+                  mask_function=mask_function)
 
 
 @torch.compiler.disable
@@ -211,7 +244,7 @@ def _bound_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_funct
         opens = _hf_document_starts(mask_function, batch_size, q_length)
     batch = layer_mask_batch(attention_mask, batch_size, q_length)  # also starts the forward's statistics
     return CPMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
-                  kv_offset=int(kv_offset), valid=valid, opens=opens, batch=batch)
+                  kv_offset=int(kv_offset), valid=valid, opens=opens, batch=batch, mask_function=mask_function)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,13 +252,16 @@ def _bound_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_funct
 
 
 def layer_mask_spec(module, *, sliding_window=None, softcap=None, scaling=None, is_causal=None,
-                    mask_window: int | None = None) -> MaskSpec:
-    """The MaskSpec of one transformers attention layer: causal from the call or ``module.is_causal``,
-    chunks from the configuration (:func:`~.models.layer_mask`), the window the layer passes, else
-    the one its causal mask applies (``mask_window``: :attr:`CPMask.local_size`; not on chunked
-    layers, whose builder reports the chunk there)."""
+                    mask_window: int | None = None, mask_causal=None) -> MaskSpec:
+    """The MaskSpec of one transformers attention layer: causal from the call or ``module.is_causal``
+    (a layer declared bidirectional is causal when its mask is: ``mask_causal``, a callable,
+    :meth:`CPMask.sees_no_later_key`), chunks from the configuration (:func:`~.models.layer_mask`),
+    the window the layer passes, else the one its causal mask applies (``mask_window``:
+    :attr:`CPMask.local_size`; not on chunked layers, whose builder reports the chunk there)."""
     config = getattr(module, "config", None)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal and mask_causal is not None and mask_causal():
+        causal = True  # eager follows the mask, not the flag
     chunk = None if config is None else layer_mask(text_config(config), getattr(module, "layer_idx", None)).chunk_size
     window = int(sliding_window) if sliding_window is not None else None
     if window is None and mask_window is not None and chunk is None and causal:
@@ -271,6 +307,24 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
+class DenseMaskError(NotImplementedError, ValueError):
+    """A dense attention mask reached a cp_flash layer: not implemented (a family whose code builds
+    one is refused), and a wrong argument where the caller passed it (a ValueError, as before)."""
+
+
+def _refuse_score_tensors(kwargs: dict, q_length: int, kv_length: int, info) -> None:
+    """A keyword tensor over (query, key) pairs, ``(..., Lq, Lk)`` with at least 3 dims, is a score
+    bias or a dense mask (Inkling's relative-position ``position_bias``): cp_flash cannot apply it,
+    so the layer raises instead of dropping it."""
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 3 and tuple(value.shape[-2:]) == (q_length, kv_length):
+            family = (info.family if info is not None else "") or "this model"
+            raise NotImplementedError(
+                f"cp_flash: {family} hands its attention {name!r}, a {tuple(value.shape)} tensor over (query, key) "
+                "pairs (a score bias or a dense mask), which cp_flash cannot apply: it would be dropped. Use "
+                "attn_implementation=\"eager\" (or \"sdpa\") for this family, without context_parallel.")
+
+
 def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                        dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
                        softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
@@ -282,8 +336,12 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
         raise NotImplementedError(f"cp_flash does not implement attention dropout (got dropout={dropout}); "
                                   "set the model's attention_dropout to 0")
     if isinstance(attention_mask, torch.Tensor):
-        raise ValueError("cp_flash received a dense attention_mask tensor: its masks come from the mask "
-                         "function registered with it; pass a 2D padding mask (or none) and position_ids")
+        family = str(getattr(getattr(module, "config", None), "model_type", "") or "this model")
+        raise DenseMaskError(
+            f"cp_flash received a dense {tuple(attention_mask.shape)} attention_mask tensor in {family}, which it "
+            "cannot apply: its masks come from the mask function registered with it. If you passed it, pass a 2D "
+            "padding mask (or none) and position_ids; if the model builds it itself (BLT's byte and patch masks), "
+            "cp_flash does not support this family: use attn_implementation=\"eager\" or \"sdpa\"")
     info = attention_mask if isinstance(attention_mask, CPMask) else None
     note_cp_flash_call()
     if info is not None and not getattr(info.batch, "positions_given", True) and guard_position_start():
@@ -293,8 +351,10 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
             "them from 0: pass position_ids (padding_idx + 1 + each token's offset in its document), or pass "
             "model=... to cp.shard_batch so it numbers them as the model does")
     query, key, value = _autocast(query, key, value)
+    _refuse_score_tensors(kwargs, query.shape[2], key.shape[2], info)
     spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling,
-                           is_causal=kwargs.get("is_causal"), mask_window=info.local_size if info is not None else None)
+                           is_causal=kwargs.get("is_causal"), mask_window=info.local_size if info is not None else None,
+                           mask_causal=info.sees_no_later_key if info is not None else None)
     collator = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
     if info is None:
         docs = LayerDocs(cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator)
