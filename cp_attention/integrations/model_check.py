@@ -285,15 +285,15 @@ def _before(module, args) -> None:
             return
         if active.world_size <= 1:  # one rank: only the packed-positions check, no counting
             check_positions_one_rank(module, active.current_batch())
-            guard.model, guard.ran, guard.reached, guard.counting, guard.position_start = module, 0, 0, False, 0
+            guard.model, guard.ran, guard.reached, guard.counting, guard.position_start = module, set(), set(), False, 0
             return
         check_model(module)
-        guard.model, guard.ran, guard.reached, guard.counting = module, 0, 0, True
+        guard.model, guard.ran, guard.reached, guard.counting = module, set(), set(), True
         guard.position_start = default_position_start(module)
         return
     if getattr(getattr(module, "config", None), "_attn_implementation", None) == NAME and \
             not _is_model(module) and uses_attention_interface(type(module)):
-        guard.ran += 1
+        guard.ran.add(id(module))
 
 
 def _after(module, args, output) -> None:
@@ -304,23 +304,26 @@ def _after(module, args, output) -> None:
     if getattr(guard, "model", None) is not module:
         return
     guard.model = None
-    ran, reached = guard.ran, guard.reached
-    if output is not None and ran != reached and getattr(guard, "counting", True):
+    # every attention module that ran must have reached cp_flash (some call it more than once: DiffLlama's
+    # two softmaxes); a module that hands the interface another module object counts as that one
+    missing, foreign = guard.ran - guard.reached, guard.reached - guard.ran
+    if output is not None and len(missing) > len(foreign) and getattr(guard, "counting", True):
         raise NotImplementedError(
-            f"cp_flash: {ran} attention layer(s) of {_family(module)} ({type(module).__name__}) ran in this "
-            f"forward under context parallelism but {reached} reached cp_flash: the others computed their "
+            f"cp_flash: {len(guard.ran)} attention layer(s) of {_family(module)} ({type(module).__name__}) ran in "
+            f"this forward under context parallelism but {len(missing) - len(foreign)} of them did not reach "
+            "cp_flash: they computed their "
             "attention another way on this rank's shard only, so the outputs are not the model's. Its modeling "
             "code selects attention classes by implementation name or bypasses the attention interface for "
             "some layers; run it without context_parallel.")
 
 
-def note_cp_flash_call() -> None:
-    """Called by the cp_flash attention function: one more attention call reached cp_flash."""
+def note_cp_flash_call(module) -> None:
+    """Called by the cp_flash attention function: ``module``'s attention reached cp_flash."""
     if torch.compiler.is_compiling():  # a compiled forward is not counted (its modules are not either)
         return
     guard = state.MODEL_GUARD
     if getattr(guard, "model", None) is not None:
-        guard.reached += 1
+        guard.reached.add(id(module))
 
 
 def guard_position_start() -> int:

@@ -343,7 +343,7 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
             "padding mask (or none) and position_ids; if the model builds it itself (BLT's byte and patch masks), "
             "cp_flash does not support this family: use attn_implementation=\"eager\" or \"sdpa\"")
     info = attention_mask if isinstance(attention_mask, CPMask) else None
-    note_cp_flash_call()
+    note_cp_flash_call(module)
     if info is not None and not getattr(info.batch, "positions_given", True) and guard_position_start():
         raise NotImplementedError(
             f"cp_flash: {info.family or 'this model'} numbers its default positions from "
