@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -168,23 +168,28 @@ class CPMask:
     __lt__ = __le__ = __gt__ = __ge__ = __invert__ = __neg__ = _arith
 
 
-_CPMASK_FIELDS = frozenset(("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "valid", "opens",
-                            "batch", "local_size", "plans", "family"))
+_CPMASK_FIELDS = frozenset(f.name for f in fields(CPMask))  # looked up before __init__ (copy): AttributeError
+
+
+def _mask_pairs(mask_function, batch_size: int, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """(B, n) bool: which of the n (query, key) pairs ``(q_idx[i], kv_idx[i])`` transformers' mask
+    function lets each row see (one call per row, O(B * n))."""
+    seen = torch.zeros(batch_size, q_idx.numel(), dtype=torch.bool)
+    for b in range(batch_size):
+        row = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, kv_idx)
+        seen[b] = torch.as_tensor(row, dtype=torch.bool).expand(q_idx.numel())
+    return seen
 
 
 def _probe_no_later_key(mask_function, batch_size: int, q_length: int, q_offset: int, kv_end: int) -> bool | None:
-    """For :meth:`CPMask.sees_no_later_key`: False as soon as one query sees the key after it."""
+    """For :meth:`CPMask.sees_no_later_key`: no query sees the key after it (probed on every row)."""
     if mask_function is None:
         return None
     q_idx = torch.arange(q_offset, q_offset + q_length)
     q_idx = q_idx[q_idx + 1 < kv_end]
     if q_idx.numel() == 0:
         return None
-    for b in range(batch_size):
-        seen = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, q_idx + 1)
-        if bool(torch.as_tensor(seen, dtype=torch.bool).any()):
-            return False
-    return True
+    return not bool(_mask_pairs(mask_function, batch_size, q_idx, q_idx + 1).any())
 
 
 def _hf_document_starts(mask_function, batch_size: int, length: int, *, prune: bool = True) -> torch.Tensor | None:
@@ -195,12 +200,8 @@ def _hf_document_starts(mask_function, batch_size: int, length: int, *, prune: b
     if mask_function is None or length < 2:
         return None
     q_idx = torch.arange(1, length)
-    opens = torch.zeros(batch_size, length, dtype=torch.bool)
-    opens[:, 0] = True
-    for b in range(batch_size):
-        seen = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, q_idx - 1)
-        seen = torch.as_tensor(seen, dtype=torch.bool).expand(length - 1)
-        opens[b, 1:] = ~seen
+    opens = torch.ones(batch_size, length, dtype=torch.bool)
+    opens[:, 1:] = ~_mask_pairs(mask_function, batch_size, q_idx, q_idx - 1)
     return opens if not prune or bool(opens[:, 1:].any()) else None
 
 
