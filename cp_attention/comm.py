@@ -7,27 +7,37 @@ next exchange before it computes the current block.
 Failure handling. A rank that fails inside context-parallel attention (or inside a
 :func:`~cp_attention.context_parallel` block) records the failure in the process group's store
 (:meth:`Comm.report_failure`). Every blocking wait here is bounded by ``Comm.timeout`` seconds and
-names the failing rank when it gives up:
+raises :class:`RankFailedError` naming the rank that failed:
 
-* collectives are posted asynchronously and polled; the store is checked while polling, so a
-  recorded failure is noticed within about 0.1 s;
-* point-to-point waits on CPU (gloo) cannot be polled (a timed-out gloo wait closes the
-  connection): one waiter thread per process blocks on them while the calling thread watches the
-  store and the deadline; a peer process that exits closes its connections and ends the wait;
-* point-to-point waits on CUDA (NCCL) only order the streams and never block the CPU; a stalled
-  exchange is caught by the next attention call's (polled) agreement exchange.
+* on CPU (gloo) every exchange is point-to-point, the agreement's all-gather included, so every
+  transport error belongs to one peer: a peer process that dies closes its connections, and the
+  rank that sees the closed connection (when it posts or waits) records that peer's death in the
+  store before it raises; the others read it there within about 0.1 s. No gloo collective runs on
+  gloo's worker threads, so a hung peer never blocks ``destroy_process_group`` or the process's
+  exit;
+* gloo waits cannot be polled (a timed-out gloo wait closes the connection): waiter threads block
+  on them (one per batch of works; one stuck on a failed group never delays another group) while
+  the calling thread watches the store and the deadline. A wait that lasts longer than a second
+  publishes which peer it waits on, so at the timeout the ranks follow these "waits on" links to
+  the rank that waits on nobody, and name it as the hung one;
+* collectives on CUDA (NCCL) are posted asynchronously and polled; point-to-point waits on CUDA
+  only order the streams and never block the CPU: a stalled exchange is caught by the next
+  attention call's (polled) agreement exchange. NCCL communicators are not aborted here.
 
-Failures are recorded per scope: one per :func:`~cp_attention.context_parallel` block (see
-``fresh_scope``). After a real failure the group's ring may be out of step: every later call in
-that block raises :class:`RankFailedError` (create a new process group, or restart the job, to
-continue). Errors that every rank raises together are not failures and are never recorded.
+Failures are recorded per scope: one per :func:`~cp_attention.context_parallel` block and group
+(see ``fresh_scope``). After a real failure the group's exchanges are out of step: every later call
+in that block raises :class:`RankFailedError` (restart the job, or continue on a new process group
+without the failed rank). Errors that every rank raises together are not failures and are never
+recorded; nor is a transport error, which is about a peer, not about the rank that sees it.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import datetime
 import os
+import pickle
 import queue
 import threading
 import time
@@ -38,7 +48,7 @@ import torch.distributed as dist
 
 from . import state
 
-__all__ = ["Comm", "Pending", "RankFailedError", "DEFAULT_TIMEOUT", "process_count"]
+__all__ = ["Comm", "Pending", "RankFailedError", "DEFAULT_TIMEOUT", "process_count", "is_transport_error"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a rank waits for its peers before it gives up (well under the process groups' own
@@ -46,17 +56,39 @@ default of 10-30 minutes). Override per context (``context_parallel(timeout=...)
 ``CP_ATTENTION_TIMEOUT`` environment variable."""
 
 _POLL_STORE_EVERY = 0.1  # seconds between store checks while polling a collective
+_PUBLISH_WAIT_AFTER = 1.0  # seconds a wait lasts before it publishes the peer it waits on
+_GLOO_WAIT_GRACE = 30.0  # a waiter thread's gloo deadline is the comm's plus this: the calling
+#                          thread gives up (and records why) before gloo closes any connection
+_EXIT_DRAIN_SECONDS = 2.0  # seconds the exit of a rank that gave up waits for its blocked waiter threads
+_COLLECTIVE_TAG = 1 << 24  # point-to-point tag of the collectives on gloo (the ring's are < 2 P)
+_TRANSPORT_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                     "Timed out waiting", "Socket Timeout")  # gloo's words for a lost peer
 
 
 class RankFailedError(RuntimeError):
-    """Another rank of the context-parallel group failed, or stopped responding.
+    """Another rank of the context-parallel group failed, died, or stopped responding.
 
-    ``rank`` is the failing rank's index in the group, or None when no rank reported a failure
-    (a peer that hung or died without reporting)."""
+    ``rank`` is the failed rank's index in the group: the rank that reported a failure, the peer
+    whose connection closed, or the rank found hung at the timeout (the end of the chain of ranks
+    waiting on each other); None when no single rank could be named."""
 
     def __init__(self, message: str, rank: int | None = None):
         super().__init__(message)
         self.rank = rank
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a transport error of torch.distributed (a peer's connection closed or
+    timed out): about a peer, never recorded as this rank's own failure."""
+    return isinstance(exc, RuntimeError) and any(words in str(exc) for words in _TRANSPORT_ERRORS)
+
+
+class _PeerError(Exception):
+    """A waiter thread's report: the wait on a work with ``peer`` raised ``cause``."""
+
+    def __init__(self, peer: int, cause: BaseException):
+        super().__init__(peer, cause)
+        self.peer, self.cause = peer, cause
 
 
 def process_count() -> int:
@@ -82,7 +114,7 @@ class Pending:
 
     def __init__(self, comm: Comm | None, works: list, tensors: list[torch.Tensor], what: str = ""):
         self._comm = comm
-        self._works = works
+        self._works = works  # (work, peer) pairs
         self._tensors = tensors
         self._what = what
 
@@ -150,15 +182,22 @@ class Comm:
         """Record in the group's store that this rank failed (never raises).
 
         Peers waiting on this rank then raise :class:`RankFailedError` naming it instead of
-        waiting for their timeout. Failures that every rank raised together (invalid arguments
-        found by the agreement exchange) and failures reported by peers are not recorded."""
-        if self._store is None or isinstance(exc, RankFailedError) or getattr(exc, "cp_collective", False):
+        waiting for their timeout. Not recorded: failures that every rank raised together (invalid
+        arguments found by the agreement exchange), failures learnt from peers, and transport
+        errors (a peer's connection closed: that peer failed, not this rank)."""
+        if (isinstance(exc, RankFailedError) or getattr(exc, "cp_collective", False)
+                or is_transport_error(exc)):
             return
-        message = f"rank {self.rank} failed in {where}: {type(exc).__name__}: {exc}"[:2000]
-        try:
-            self._store.set(f"{self._failed_key}/{self.rank}", message)
+        self._record(self.rank, f"rank {self.rank} failed in {where}: {type(exc).__name__}: {exc}")
+
+    def _record(self, rank: int, message: str) -> None:
+        """Record ``rank``'s failure unless one is recorded for it already (never raises)."""
+        if self._store is None:
+            return
+        try:  # the first record of a rank wins; the counter says "some record exists" (failure())
+            self._store.compare_set(f"{self._failed_key}/{rank}", "", message[:2000])
             self._store.add(self._failed_key, 1)
-        except Exception:  # the store is gone too: the peers fall back to their timeout
+        except Exception:  # the store is gone too: the peers fall back to their own evidence
             pass
 
     def failure(self) -> RankFailedError | None:
@@ -172,8 +211,10 @@ class Comm:
                 key = f"{self._failed_key}/{rank}"
                 if self._store.check([key]):
                     message = self._store.get(key).decode(errors="replace")
-                    return RankFailedError(f"cp_attention: {message} (context-parallel rank {self.rank} "
-                                           f"stops too)", rank)
+                    return RankFailedError(
+                        f"cp_attention: {message}. Context-parallel rank {self.rank} stops too: the group's "
+                        f"exchanges are out of step. Restart the job (torchrun --max-restarts), or continue on "
+                        f"a new process group without rank {rank}", rank)
         except Exception:
             return None
         return None
@@ -182,46 +223,114 @@ class Comm:
         """Raise :class:`RankFailedError` if any rank of the group recorded a failure."""
         error = self.failure()
         if error is not None:
+            self._gave_up()
             raise error
 
-    def _gave_up(self, what: str, cause: BaseException | None = None) -> RankFailedError:
+    def _gave_up(self) -> None:
+        """This rank leaves exchanges of the group unfinished: drain the waiters at exit."""
+        _drain_at_exit()
+
+    def _peer_died(self, peer: int, what: str, cause: BaseException) -> RankFailedError:
+        """A transport error on the connection to ``peer``: a failure recorded already (a rank that
+        raised, or a death another rank saw first) explains it; otherwise ``peer`` died. Recorded
+        before this rank raises, so the ranks waiting on this one name the same rank."""
+        self._gave_up()
         error = self.failure()
-        if error is None and cause is not None:  # a peer that exits may record its failure a moment later
-            time.sleep(min(1.0, self.timeout))
-            error = self.failure()
         if error is not None:
             return error
-        if cause is None:
+        cause_text = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
+        self._record(peer, f"rank {peer} died or lost its connection (rank {self.rank} saw it close while "
+                           f"waiting for {what}: {type(cause).__name__}: {cause_text})")
+        return self.failure() or RankFailedError(
+            f"cp_attention: rank {peer} died or lost its connection (rank {self.rank} saw it close while "
+            f"waiting for {what}: {cause_text}); restart the job, or continue on a new process group without "
+            f"rank {peer}", peer)
+
+    def _hung(self, peer: int | None, what: str) -> RankFailedError:
+        """The deadline passed while waiting on ``peer`` (None: unknown). Follow the published
+        "waits on" links from ``peer`` to the rank that waits on nobody: that one hung."""
+        self._gave_up()
+        error = self.failure()
+        if error is not None:
+            return error
+        chain = self._follow_waits(peer) if peer is not None else []
+        if not chain:
             return RankFailedError(f"cp_attention: rank {self.rank} waited {self.timeout:g} s for {what}; no "
                                    f"rank reported a failure (one hung or died?); raise the limit with "
                                    f"context_parallel(timeout=...) or CP_ATTENTION_TIMEOUT if your ranks "
                                    f"legitimately drift apart that far")
-        return RankFailedError(f"cp_attention: rank {self.rank} lost a peer while waiting for {what} "
-                               f"({type(cause).__name__}: {cause}); that rank probably died")
+        culprit = chain[-1]
+        via = "".join(f", which waits on rank {r}" for r in chain[1:])
+        self._record(culprit, f"rank {culprit} did not respond for {self.timeout:g} s (rank {self.rank} waited for "
+                              f"{what} on rank {chain[0]}{via}): it hung, or is stuck outside attention; raise the "
+                              f"limit with context_parallel(timeout=...) or CP_ATTENTION_TIMEOUT if your ranks "
+                              f"legitimately drift apart that far")
+        return self.failure() or RankFailedError(
+            f"cp_attention: rank {culprit} did not respond for {self.timeout:g} s (rank {self.rank} waited for "
+            f"{what}); restart the job", culprit)
+
+    def _waits_key(self, rank: int) -> str:
+        return f"{self._failed_key}/waits/{rank}"
+
+    def _publish_wait(self, peer: int | None) -> None:
+        """Publish (None: withdraw) the peer this rank waits on (never raises)."""
+        if self._store is None:
+            return
+        try:
+            if peer is None:
+                self._store.delete_key(self._waits_key(self.rank))
+            else:
+                self._store.set(self._waits_key(self.rank), str(peer))
+        except Exception:
+            pass
+
+    def _follow_waits(self, peer: int) -> list[int]:
+        """``[peer, the rank peer waits on, ...]`` up to a rank that published no wait (or a cycle)."""
+        chain = [peer]
+        try:
+            while self._store is not None and self._store.check([self._waits_key(chain[-1])]):
+                nxt = int(self._store.get(self._waits_key(chain[-1])))
+                if nxt in chain or nxt == self.rank or not 0 <= nxt < self.world_size:
+                    break
+                chain.append(nxt)
+        except Exception:
+            pass
+        return chain
 
     def _wait_p2p(self, works: list, what: str) -> None:
         if self.backend == "nccl":  # stream-ordered: does not block the CPU
-            for work in works:
+            for work, _ in works:
                 work.wait()
             return
-        # gloo waits cannot be polled (a timed-out wait closes the connection): one waiter thread
-        # blocks on them, with the timeout as its deadline, while this thread watches the store
-        done = _Waiter.shared().submit(works, datetime.timedelta(seconds=self.timeout))
+        # gloo waits cannot be polled: a waiter thread blocks on them while this thread watches the
+        # store and the deadline (the waiter's own gloo deadline is later, so that this rank records
+        # why it gives up before gloo closes any connection)
+        job = _Waiters.shared().submit(works, datetime.timedelta(seconds=self.timeout + _GLOO_WAIT_GRACE))
         start = time.monotonic()
-        while True:
-            try:
-                done.result(timeout=_POLL_STORE_EVERY)
-                return
-            except concurrent.futures.TimeoutError:
-                self.raise_if_failed()
-                if time.monotonic() - start >= self.timeout:
-                    raise self._gave_up(what) from None
-            except RuntimeError as exc:
-                timed_out = time.monotonic() - start >= self.timeout
-                raise self._gave_up(what, None if timed_out else exc) from exc
+        published = None
+        try:
+            while True:
+                try:
+                    job.done.result(timeout=_POLL_STORE_EVERY)
+                    return
+                except concurrent.futures.TimeoutError:
+                    self.raise_if_failed()
+                    waited = time.monotonic() - start
+                    if waited >= min(_PUBLISH_WAIT_AFTER, self.timeout / 4) and job.peer != published:
+                        published = job.peer
+                        self._publish_wait(published)
+                    if waited >= self.timeout:
+                        raise self._hung(job.peer, what) from None
+                except _PeerError as exc:
+                    if time.monotonic() - start >= self.timeout:
+                        raise self._hung(exc.peer, what) from exc.cause
+                    raise self._peer_died(exc.peer, what, exc.cause) from exc.cause
+        finally:
+            if published is not None:
+                self._publish_wait(None)
 
     def _await(self, work, what: str) -> None:
-        """Poll an asynchronous collective until done, checking the store for failures."""
+        """Poll an asynchronous (NCCL) collective until done, checking the store for failures."""
         start = time.monotonic()
         last_check, pause = start, 1e-5
         while not work.is_completed():
@@ -230,38 +339,60 @@ class Comm:
                 last_check = now
                 self.raise_if_failed()
             if now - start >= self.timeout:
-                raise self._gave_up(what)
+                raise self._hung(None, what)
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
         try:
             work.wait()
         except RuntimeError as exc:
-            raise self._gave_up(what, exc) from exc
+            self._gave_up()
+            error = self.failure()
+            raise (error or RankFailedError(f"cp_attention: rank {self.rank} lost a peer while waiting for {what} "
+                                            f"({type(exc).__name__}: {exc}); restart the job")) from exc
 
     # -- collectives -----------------------------------------------------------------------------
 
     def all_gather(self, tensor: torch.Tensor, what: str = "an all-gather") -> list[torch.Tensor]:
-        """Every rank's ``tensor`` (same shape everywhere), in rank order, on ``tensor``'s device."""
+        """Every rank's ``tensor`` (same shape everywhere), in rank order, on ``tensor``'s device.
+
+        On gloo: point-to-point with every peer (see the module's docstring: attributable, never
+        blocking the exit); on NCCL: ``all_gather``, polled."""
         if self.world_size == 1:
             return [tensor]
-        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._await(dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True), what)
+        tensor = tensor.contiguous()
+        if self.backend == "nccl":
+            out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            self._await(dist.all_gather(out, tensor, group=self.group, async_op=True), what)
+            return out
+        out = [tensor.clone() if r == self.rank else torch.empty_like(tensor) for r in range(self.world_size)]
+        ops = []
+        for step in range(1, self.world_size):  # peers in ring order: no rank is everyone's first
+            to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
+            ops += [("send", tensor, to, _COLLECTIVE_TAG), ("recv", out[frm], frm, _COLLECTIVE_TAG)]
+        self._post(ops, what).wait()
         return out
 
     def all_reduce(self, tensor: torch.Tensor, what: str = "an all-reduce") -> torch.Tensor:
-        """Sum ``tensor`` over the group, in place; returns it."""
+        """Sum ``tensor`` over the group (in rank order: the same bits on every rank), in place; returns it."""
         if self.world_size > 1:
-            self._await(dist.all_reduce(tensor, group=self.group, async_op=True), what)
+            parts = self.all_gather(tensor, what)
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            tensor.copy_(total)
         return tensor
 
-    def all_gather_object(self, obj) -> list:
-        """Every rank's picklable ``obj``, in rank order (blocking; used after a polled exchange
-        has shown that every rank is here)."""
+    def all_gather_object(self, obj, what: str = "an object all-gather") -> list:
+        """Every rank's picklable ``obj``, in rank order (two :meth:`all_gather`: sizes, then bytes)."""
         if self.world_size == 1:
             return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [int(n) for n in self.all_gather(torch.tensor([data.numel()], device=self.device), what)]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
+        padded[:data.numel()] = data.to(self.device)
+        parts = self.all_gather(padded, what)
+        return [obj if r == self.rank else pickle.loads(parts[r][:n].cpu().numpy().tobytes())
+                for r, n in enumerate(sizes)]
 
     # -- point to point --------------------------------------------------------------------------
 
@@ -276,18 +407,43 @@ class Comm:
     def commit(self, what: str = "a K/V exchange") -> Pending:
         """Post every queued operation asynchronously."""
         ops, self._ops = self._ops, []
+        return self._post(ops, what)
+
+    def _post(self, ops: list, what: str) -> Pending:
         if not ops:
             return Pending(self, [], [])
+        peers = ", ".join(str(p) for p in sorted({peer for _, _, peer, _ in ops}))
+        what = f"{what} with rank(s) {peers}"
         if self.backend == "nccl":
             p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self._global(peer),
                               group=self.group, tag=tag) for kind, t, peer, tag in ops]
-            works = dist.batch_isend_irecv(p2p)
+            works = [(work, None) for work in dist.batch_isend_irecv(p2p)]
         else:
-            works = [(dist.isend if kind == "send" else dist.irecv)(t, self._global(peer), group=self.group,
-                                                                    tag=tag)
-                     for kind, t, peer, tag in ops]
-        peers = ", ".join(str(p) for p in sorted({peer for _, _, peer, _ in ops}))
-        return Pending(self, works, [t for _, t, _, _ in ops], f"{what} with rank(s) {peers}")
+            works = []
+            for kind, t, peer, tag in ops:
+                try:  # posting on a connection that closed (a dead peer) raises at once
+                    works.append(((dist.isend if kind == "send" else dist.irecv)(
+                        t, self._global(peer), group=self.group, tag=tag), peer))
+                except RuntimeError as exc:
+                    raise self._peer_died(peer, what, exc) from exc
+        return Pending(self, works, [t for _, t, _, _ in ops], what)
+
+
+def _drain_at_exit() -> None:
+    """Register (once per process) :func:`_drain_waiters` to run when the interpreter exits."""
+    with state.EXIT_DRAIN_LOCK:
+        if not state.EXIT_DRAIN:
+            atexit.register(_drain_waiters)
+            state.EXIT_DRAIN.append(True)
+
+
+def _drain_waiters() -> None:
+    """At exit, after a failure: give the waiter threads still blocked in a gloo wait up to
+    :data:`_EXIT_DRAIN_SECONDS` seconds to end. A blocked wait ends when its peer's connection closes; if
+    that happened while the interpreter finalizes, the daemon thread could not re-enter Python and
+    the process would abort (SIGABRT) instead of exiting normally. Survivors of one failure exit
+    together, so their closing connections end each other's waits within this grace."""
+    _Waiters.shared().drain(_EXIT_DRAIN_SECONDS)
 
 
 def _scope(members: str, fresh: bool) -> int:
@@ -301,16 +457,37 @@ def _scope(members: str, fresh: bool) -> int:
         return scopes.get(members, 0)
 
 
-class _Waiter:
-    """A daemon thread that completes gloo works one batch at a time (a daemon, so a wait left
-    blocked by a failed peer never delays the process's exit). One per process."""
+class _Job:
+    """One batch of (work, peer) waits for a waiter thread; ``peer``: the one being waited on."""
 
-    _instance: _Waiter | None = None
+    def __init__(self, works: list, timeout: datetime.timedelta):
+        self.works, self.timeout = works, timeout
+        self.peer: int | None = works[0][1] if works else None
+        self.done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run(self) -> None:
+        for work, peer in self.works:
+            self.peer = peer
+            try:
+                work.wait(timeout=self.timeout)
+            except BaseException as exc:  # handed to the waiting thread, with the peer
+                self.done.set_exception(_PeerError(peer, exc))
+                return
+        self.done.set_result(None)
+
+
+class _Waiters:
+    """Daemon threads that complete gloo works, one job (batch of works) at a time each. A job goes
+    to an idle thread, or to a new one: a thread left blocked by a failed peer (until its gloo
+    deadline) never delays a later job, e.g. on another group; daemons never delay the exit. One
+    pool per process."""
+
+    _instance: _Waiters | None = None
     _lock = threading.Lock()
 
     @classmethod
-    def shared(cls) -> _Waiter:
-        with cls._lock:  # a forked child does not inherit the parent's thread: start its own
+    def shared(cls) -> _Waiters:
+        with cls._lock:  # a forked child does not inherit the parent's threads: start its own
             if cls._instance is None or cls._instance._pid != os.getpid():
                 cls._instance = cls()
             return cls._instance
@@ -318,23 +495,34 @@ class _Waiter:
     def __init__(self):
         self._pid = os.getpid()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="cp_attention_wait", daemon=True).start()
+        self._idle = 0
+        self._busy = 0
+        self._idle_lock = threading.Condition()
 
-    def submit(self, works: list, timeout: datetime.timedelta) -> concurrent.futures.Future:
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((works, timeout, done))
-        return done
+    def submit(self, works: list, timeout: datetime.timedelta) -> _Job:
+        job = _Job(works, timeout)
+        with self._idle_lock:
+            self._busy += 1
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+        if start:
+            threading.Thread(target=self._run, name="cp_attention_wait", daemon=True).start()
+        self._jobs.put(job)
+        return job
 
     def _run(self) -> None:
         while True:
-            works, timeout, done = self._jobs.get()
-            try:
-                for work in works:
-                    work.wait(timeout=timeout)
-            except BaseException as exc:  # handed to the waiting thread
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
+            self._jobs.get().run()
+            with self._idle_lock:
+                self._idle += 1
+                self._busy -= 1
+                self._idle_lock.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no job is running; whether none is."""
+        with self._idle_lock:
+            return self._idle_lock.wait_for(lambda: self._busy == 0, timeout)
 
 
 def _default_store():

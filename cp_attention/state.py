@@ -43,6 +43,9 @@ object                  what and why                                guarded by  
                         contexts were opened on it, so a failure
                         reported in one context does not reach a
                         later one (the same count on every rank)
+``EXIT_DRAIN``          whether this rank gave up on an exchange    ``EXIT_DRAIN_LOCK``  the process
+                        (a failed peer): its exit then lets the
+                        blocked waiter threads end first
 ======================  ==========================================  ===========  ==========================
 
 Not listed: constants, and the backend objects of ``cp_attention.backends.BACKENDS`` (one per
@@ -59,7 +62,8 @@ from .torch_compat import WeakIdKeyDictionary
 
 __all__ = ["ACTIVE_CONTEXT", "STATS", "STATS_LOCK", "FORWARD", "LIVE_BATCHES", "LIVE_LOCK", "LOCAL_PLANS",
            "ANNOUNCED", "ANNOUNCED_LOCK", "CONFIG_CHECKSUMS", "CONFIG_LOCK", "BATCH_CONVENTIONS", "INTEGRATIONS",
-           "INTEGRATIONS_LOCK", "FAILURE_SCOPES", "FAILURE_SCOPES_LOCK", "CONTEXT_GUARDS", "MODEL_CHECKS",
+           "INTEGRATIONS_LOCK", "FAILURE_SCOPES", "FAILURE_SCOPES_LOCK", "EXIT_DRAIN", "EXIT_DRAIN_LOCK",
+           "CONTEXT_GUARDS", "MODEL_CHECKS",
            "MODEL_LOCK", "MODEL_GUARD", "MODEL_GUARD_HOOKS"]
 
 ACTIVE_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("cp_attention_ctx", default=None)
@@ -95,3 +99,6 @@ MODEL_GUARD_HOOKS: list = []  # the guard's module hooks (guarded by MODEL_LOCK)
 
 FAILURE_SCOPES: dict = {}  # group members -> contexts opened on the group
 FAILURE_SCOPES_LOCK = threading.Lock()
+
+EXIT_DRAIN: list = []  # [True] once this process gave up on an exchange (the exit drain is registered)
+EXIT_DRAIN_LOCK = threading.Lock()

@@ -6,7 +6,8 @@
 * Failure: a rank that raises inside attention's forward or backward, or anywhere in its
   ``context_parallel`` block, is named by the others, which raise :class:`RankFailedError` within
   a second or two; a rank that hangs silently makes the others raise after the configured
-  timeout. ``run_ranks`` leaves no process behind.
+  timeout, naming it. ``run_ranks`` leaves no process behind. Real process faults (SIGKILL,
+  endless hangs) are in tests/test_real_faults.py.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ def test_silent_hang_raises_after_the_timeout():
     for rank in (0, 2):
         (name, msg, took), _ = per_rank[rank]
         assert name == "RankFailedError", per_rank[rank]
-        assert "waited 2 s" in msg and "CP_ATTENTION_TIMEOUT" in msg, msg
+        # the stalled rank (it waits on nobody) is named, with how to raise the limit
+        assert msg.startswith("cp_attention: rank 1 did not respond for 2 s") and "CP_ATTENTION_TIMEOUT" in msg, msg
         assert 1.9 < took < NOTICED, f"rank {rank} gave up after {took:.1f} s with a 2 s timeout"
 
 
@@ -227,3 +229,88 @@ def test_failure_anywhere_in_the_block_is_reported():
 def test_timeout_validation():
     with pytest.raises(ValueError, match="positive number of seconds"):
         cp_attention.context_parallel(timeout=0).__enter__()
+
+
+# -- the failure records and the "waits on" links, on a store in memory -------------------------
+
+
+class _MemoryStore:
+    """The five store methods the failure channel uses, in one process."""
+
+    def __init__(self):
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def delete_key(self, key):
+        return self.data.pop(key, None) is not None
+
+    def compare_set(self, key, expected, desired):
+        if key not in self.data and expected == "":
+            self.set(key, desired)
+        return self.data.get(key, b"")
+
+    def add(self, key, n):
+        value = int(self.data.get(key, b"0")) + n
+        self.data[key] = str(value).encode()
+        return value
+
+
+def _comm_on(store, rank: int, world_size: int, timeout: float = 5.0):
+    from cp_attention.comm import Comm
+
+    comm = Comm(single=True, timeout=timeout)
+    comm.rank, comm.world_size, comm._store, comm._failed_key = rank, world_size, store, "cp/failed/test/1"
+    return comm
+
+
+def test_hung_rank_is_found_through_the_waits_on_links():
+    store = _MemoryStore()
+    comms = [_comm_on(store, r, 5) for r in range(5)]
+    comms[1]._publish_wait(3)  # 0 waits on 1, which waits on 3, which waits on 4; 4 waits on nobody
+    comms[3]._publish_wait(4)
+    assert comms[0]._follow_waits(1) == [1, 3, 4]
+    error = comms[0]._hung(1, "a K/V exchange")
+    assert isinstance(error, RankFailedError) and error.rank == 4, error
+    assert "rank 4 did not respond for 5 s" in str(error) and "which waits on rank 3" in str(error)
+    # the first record wins: a later survivor names the same rank, whatever it waited on
+    assert comms[2]._hung(3, "a K/V exchange").rank == 4
+    comms[3]._publish_wait(None)  # a wait that ended withdraws its link
+    assert comms[0]._follow_waits(1) == [1, 3]
+
+
+def test_waits_on_links_stop_at_a_cycle_and_at_the_asking_rank():
+    store = _MemoryStore()
+    comms = [_comm_on(store, r, 4) for r in range(4)]
+    comms[1]._publish_wait(2)
+    comms[2]._publish_wait(1)
+    assert comms[0]._follow_waits(1) == [1, 2]
+    comms[3]._publish_wait(0)
+    assert comms[0]._follow_waits(3) == [3]  # 3 waits on the asking rank: 3 is the one to name
+
+
+def test_a_closed_connection_blames_the_peer_unless_a_failure_was_recorded():
+    from cp_attention.comm import is_transport_error
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5")
+    assert is_transport_error(lost) and not is_transport_error(ValueError("Connection closed by peer"))
+    store = _MemoryStore()
+    comms = [_comm_on(store, r, 3) for r in range(3)]
+    comms[2].report_failure("its context_parallel block", lost)  # a transport error is no own failure
+    assert comms[0].failure() is None
+    error = comms[0]._peer_died(1, "a K/V exchange", lost)
+    assert error.rank == 1 and "rank 1 died or lost its connection" in str(error), error
+    # rank 2 then sees rank 0's connection close (rank 0 exited): the record names rank 1
+    assert comms[2]._peer_died(0, "a dK/dV exchange", lost).rank == 1
+    store2 = _MemoryStore()
+    a, b = _comm_on(store2, 0, 2), _comm_on(store2, 1, 2)
+    b.report_failure("context-parallel attention backward", _Injected("boom"))
+    assert a._peer_died(1, "a K/V exchange", lost).rank == 1
+    assert "rank 1 failed in context-parallel attention backward: _Injected: boom" in str(a.failure())
