@@ -61,8 +61,7 @@ _GLOO_WAIT_GRACE = 30.0  # a waiter thread's gloo deadline is the comm's plus th
 #                          thread gives up (and records why) before gloo closes any connection
 _EXIT_DRAIN_SECONDS = 2.0  # seconds the exit of a rank that gave up waits for its blocked waiter threads
 _COLLECTIVE_TAG = 1 << 24  # point-to-point tag of the collectives on gloo (the ring's are < 2 P)
-_TRANSPORT_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                     "Timed out waiting", "Socket Timeout")  # gloo's words for a lost peer
+_TRANSPORT_ERRORS = ("gloo/transport", "caused pair closure")  # gloo's errors of a connection
 
 
 class RankFailedError(RuntimeError):
@@ -78,8 +77,8 @@ class RankFailedError(RuntimeError):
 
 
 def is_transport_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a transport error of torch.distributed (a peer's connection closed or
-    timed out): about a peer, never recorded as this rank's own failure."""
+    """Whether ``exc`` is gloo's error of a connection to a peer (closed, reset, timed out): about a
+    peer, never recorded as this rank's own failure."""
     return isinstance(exc, RuntimeError) and any(words in str(exc) for words in _TRANSPORT_ERRORS)
 
 
@@ -154,6 +153,7 @@ class Comm:
         else:
             self.rank, self.world_size, self.backend = 0, 1, None
         self._ops: list[tuple[str, torch.Tensor, int, int]] = []
+        self._error: RankFailedError | None = None  # set when this rank gives up on the group
         self._store = None
         self._failed_key = ""
         if self.distributed and self.world_size > 1:
@@ -191,83 +191,83 @@ class Comm:
         self._record(self.rank, f"rank {self.rank} failed in {where}: {type(exc).__name__}: {exc}")
 
     def _record(self, rank: int, message: str) -> None:
-        """Record ``rank``'s failure unless one is recorded for it already (never raises)."""
+        """Record ``rank``'s failure (never raises). The first record of the group's scope is the one
+        every rank names (``{key}/first``); a rank's own first record is kept with it."""
         if self._store is None:
             return
-        try:  # the first record of a rank wins; the counter says "some record exists" (failure())
+        try:  # the record, then which one came first, then the counter that says "look"
             self._store.compare_set(f"{self._failed_key}/{rank}", "", message[:2000])
+            self._store.compare_set(f"{self._failed_key}/first", "", str(rank))
             self._store.add(self._failed_key, 1)
         except Exception:  # the store is gone too: the peers fall back to their own evidence
             pass
 
     def failure(self) -> RankFailedError | None:
-        """The error describing a failure some rank recorded, or None (one store lookup)."""
+        """The error describing the first failure some rank recorded, or None (one store lookup
+        when there is none)."""
         if self._store is None:
             return None
         try:
             if not self._store.check([self._failed_key]):
                 return None
-            for rank in range(self.world_size):
-                key = f"{self._failed_key}/{rank}"
-                if self._store.check([key]):
-                    message = self._store.get(key).decode(errors="replace")
-                    return RankFailedError(
-                        f"cp_attention: {message}. Context-parallel rank {self.rank} stops too: the group's "
-                        f"exchanges are out of step. Restart the job (torchrun --max-restarts), or continue on "
-                        f"a new process group without rank {rank}", rank)
+            rank = int(self._store.get(f"{self._failed_key}/first"))
+            message = self._store.get(f"{self._failed_key}/{rank}").decode(errors="replace")
         except Exception:
             return None
-        return None
+        return RankFailedError(
+            f"cp_attention: {message}. Context-parallel rank {self.rank} stops too: the group's exchanges are out of "
+            f"step. Restart the job (torchrun --max-restarts), or continue on a new process group without rank "
+            f"{rank}", rank)
 
     def raise_if_failed(self) -> None:
         """Raise :class:`RankFailedError` if any rank of the group recorded a failure."""
         error = self.failure()
         if error is not None:
-            self._gave_up()
-            raise error
+            raise self._failed(error)
 
-    def _gave_up(self) -> None:
-        """This rank leaves exchanges of the group unfinished: drain the waiters at exit."""
+    def _failed(self, error: RankFailedError) -> RankFailedError:
+        """This rank gives up on the group: later exchanges of this comm raise ``error`` without
+        posting anything, and the waiter threads it leaves blocked are drained at exit."""
+        self._error = error
         _drain_at_exit()
+        return error
 
     def _peer_died(self, peer: int, what: str, cause: BaseException) -> RankFailedError:
-        """A transport error on the connection to ``peer``: a failure recorded already (a rank that
-        raised, or a death another rank saw first) explains it; otherwise ``peer`` died. Recorded
-        before this rank raises, so the ranks waiting on this one name the same rank."""
-        self._gave_up()
+        """gloo's transport error on the connection to ``peer``: a failure recorded already (a rank
+        that raised, or a death another rank saw first) explains it; otherwise ``peer`` died.
+        Recorded before this rank raises, so the ranks waiting on this one name the same rank."""
         error = self.failure()
-        if error is not None:
-            return error
-        cause_text = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
-        self._record(peer, f"rank {peer} died or lost its connection (rank {self.rank} saw it close while "
-                           f"waiting for {what}: {type(cause).__name__}: {cause_text})")
-        return self.failure() or RankFailedError(
-            f"cp_attention: rank {peer} died or lost its connection (rank {self.rank} saw it close while "
-            f"waiting for {what}: {cause_text}); restart the job, or continue on a new process group without "
-            f"rank {peer}", peer)
+        if error is None:
+            cause_text = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
+            message = (f"rank {peer} died or lost its connection (rank {self.rank} saw it close while waiting for "
+                       f"{what}: {type(cause).__name__}: {cause_text})")
+            self._record(peer, message)
+            error = self.failure() or RankFailedError(f"cp_attention: {message}; restart the job", peer)
+        return self._failed(error)
 
     def _hung(self, peer: int | None, what: str) -> RankFailedError:
         """The deadline passed while waiting on ``peer`` (None: unknown). Follow the published
         "waits on" links from ``peer`` to the rank that waits on nobody: that one hung."""
-        self._gave_up()
         error = self.failure()
         if error is not None:
-            return error
-        chain = self._follow_waits(peer) if peer is not None else []
-        if not chain:
-            return RankFailedError(f"cp_attention: rank {self.rank} waited {self.timeout:g} s for {what}; no "
-                                   f"rank reported a failure (one hung or died?); raise the limit with "
-                                   f"context_parallel(timeout=...) or CP_ATTENTION_TIMEOUT if your ranks "
-                                   f"legitimately drift apart that far")
+            return self._failed(error)
+        chain, cycle = self._follow_waits(peer) if peer is not None else ([], False)
+        limit = (f"raise the limit with context_parallel(timeout=...) or CP_ATTENTION_TIMEOUT if your ranks "
+                 f"legitimately drift apart that far")
+        error = self.failure()  # a rank that timed out a moment earlier may have found the culprit
+        if error is not None:
+            return self._failed(error)
+        if not chain or cycle:
+            waits = "" if not chain else f" (ranks {', '.join(map(str, [self.rank, *chain]))} wait on each other)"
+            return self._failed(RankFailedError(
+                f"cp_attention: rank {self.rank} waited {self.timeout:g} s for {what}{waits}; no rank reported a "
+                f"failure (one hung or died?); {limit}"))
         culprit = chain[-1]
         via = "".join(f", which waits on rank {r}" for r in chain[1:])
-        self._record(culprit, f"rank {culprit} did not respond for {self.timeout:g} s (rank {self.rank} waited for "
-                              f"{what} on rank {chain[0]}{via}): it hung, or is stuck outside attention; raise the "
-                              f"limit with context_parallel(timeout=...) or CP_ATTENTION_TIMEOUT if your ranks "
-                              f"legitimately drift apart that far")
-        return self.failure() or RankFailedError(
-            f"cp_attention: rank {culprit} did not respond for {self.timeout:g} s (rank {self.rank} waited for "
-            f"{what}); restart the job", culprit)
+        message = (f"rank {culprit} did not respond for {self.timeout:g} s (rank {self.rank} waited for {what} on "
+                   f"rank {chain[0]}{via}): it hung, or is stuck outside attention; {limit}")
+        self._record(culprit, message)
+        return self._failed(self.failure() or RankFailedError(f"cp_attention: {message}", culprit))
 
     def _waits_key(self, rank: int) -> str:
         return f"{self._failed_key}/waits/{rank}"
@@ -284,23 +284,30 @@ class Comm:
         except Exception:
             pass
 
-    def _follow_waits(self, peer: int) -> list[int]:
-        """``[peer, the rank peer waits on, ...]`` up to a rank that published no wait (or a cycle)."""
+    def _follow_waits(self, peer: int) -> tuple[list[int], bool]:
+        """``([peer, the rank peer waits on, ...], cycle)``: the links up to a rank that published
+        none; ``cycle``: they lead back into the chain or to this rank (ranks waiting on each other,
+        with no rank to name)."""
         chain = [peer]
         try:
             while self._store is not None and self._store.check([self._waits_key(chain[-1])]):
                 nxt = int(self._store.get(self._waits_key(chain[-1])))
-                if nxt in chain or nxt == self.rank or not 0 <= nxt < self.world_size:
+                if nxt in chain or nxt == self.rank:
+                    return chain, True
+                if not 0 <= nxt < self.world_size:
                     break
                 chain.append(nxt)
         except Exception:
             pass
-        return chain
+        return chain, False
 
     def _wait_p2p(self, works: list, what: str) -> None:
         if self.backend == "nccl":  # stream-ordered: does not block the CPU
-            for work, _ in works:
-                work.wait()
+            try:
+                for work, _ in works:
+                    work.wait()
+            except RuntimeError as exc:
+                raise self._nccl_failed(what, exc) from exc
             return
         # gloo waits cannot be polled: a waiter thread blocks on them while this thread watches the
         # store and the deadline (the waiter's own gloo deadline is later, so that this rank records
@@ -312,7 +319,6 @@ class Comm:
             while True:
                 try:
                     job.done.result(timeout=_POLL_STORE_EVERY)
-                    return
                 except concurrent.futures.TimeoutError:
                     self.raise_if_failed()
                     waited = time.monotonic() - start
@@ -322,12 +328,25 @@ class Comm:
                     if waited >= self.timeout:
                         raise self._hung(job.peer, what) from None
                 except _PeerError as exc:
+                    if not is_transport_error(exc.cause):  # a local error of this rank (recorded as its own)
+                        raise exc.cause from None
                     if time.monotonic() - start >= self.timeout:
                         raise self._hung(exc.peer, what) from exc.cause
                     raise self._peer_died(exc.peer, what, exc.cause) from exc.cause
+                else:
+                    if published is not None:  # a link stays published when this rank gives up
+                        self._publish_wait(None)
+                    return
         finally:
-            if published is not None:
-                self._publish_wait(None)
+            if not job.done.done():  # left blocked (an error, an interrupt): drained at exit
+                _drain_at_exit()
+
+    def _nccl_failed(self, what: str, exc: BaseException) -> RankFailedError:
+        """An error of an NCCL exchange: the failure a rank recorded, else an unnamed one (NCCL's
+        errors do not say which peer failed). Never recorded as this rank's own failure."""
+        return self._failed(self.failure() or RankFailedError(
+            f"cp_attention: rank {self.rank} lost a peer while waiting for {what} ({type(exc).__name__}: {exc}); "
+            f"restart the job"))
 
     def _await(self, work, what: str) -> None:
         """Poll an asynchronous (NCCL) collective until done, checking the store for failures."""
@@ -345,10 +364,7 @@ class Comm:
         try:
             work.wait()
         except RuntimeError as exc:
-            self._gave_up()
-            error = self.failure()
-            raise (error or RankFailedError(f"cp_attention: rank {self.rank} lost a peer while waiting for {what} "
-                                            f"({type(exc).__name__}: {exc}); restart the job")) from exc
+            raise self._nccl_failed(what, exc) from exc
 
     # -- collectives -----------------------------------------------------------------------------
 
@@ -362,7 +378,11 @@ class Comm:
         tensor = tensor.contiguous()
         if self.backend == "nccl":
             out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-            self._await(dist.all_gather(out, tensor, group=self.group, async_op=True), what)
+            try:
+                work = dist.all_gather(out, tensor, group=self.group, async_op=True)
+            except RuntimeError as exc:
+                raise self._nccl_failed(what, exc) from exc
+            self._await(work, what)
             return out
         out = [tensor.clone() if r == self.rank else torch.empty_like(tensor) for r in range(self.world_size)]
         ops = []
@@ -410,6 +430,8 @@ class Comm:
         return self._post(ops, what)
 
     def _post(self, ops: list, what: str) -> Pending:
+        if self._error is not None:  # this rank gave up on the group: nothing more is posted
+            raise self._error
         if not ops:
             return Pending(self, [], [])
         peers = ", ".join(str(p) for p in sorted({peer for _, _, peer, _ in ops}))
@@ -417,7 +439,10 @@ class Comm:
         if self.backend == "nccl":
             p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, self._global(peer),
                               group=self.group, tag=tag) for kind, t, peer, tag in ops]
-            works = [(work, None) for work in dist.batch_isend_irecv(p2p)]
+            try:
+                works = [(work, None) for work in dist.batch_isend_irecv(p2p)]
+            except RuntimeError as exc:
+                raise self._nccl_failed(what, exc) from exc
         else:
             works = []
             for kind, t, peer, tag in ops:
@@ -425,6 +450,8 @@ class Comm:
                     works.append(((dist.isend if kind == "send" else dist.irecv)(
                         t, self._global(peer), group=self.group, tag=tag), peer))
                 except RuntimeError as exc:
+                    if not is_transport_error(exc):
+                        raise
                     raise self._peer_died(peer, what, exc) from exc
         return Pending(self, works, [t for _, t, _, _ in ops], what)
 
@@ -507,7 +534,12 @@ class _Waiters:
             if not start:
                 self._idle -= 1
         if start:
-            threading.Thread(target=self._run, name="cp_attention_wait", daemon=True).start()
+            try:
+                threading.Thread(target=self._run, name="cp_attention_wait", daemon=True).start()
+            except BaseException:
+                with self._idle_lock:
+                    self._busy -= 1
+                raise
         self._jobs.put(job)
         return job
 

@@ -41,11 +41,12 @@ from oracle import oracle_attention, oracle_mask
 PHASES = ("forward", "backward", "recompute", "agreement", "outside")
 L, H, K, D = 48, 4, 2, 8
 PG_TIMEOUT = 120.0  # the process group's own timeout: far above every bound asserted
+STALL_SECONDS = 3.0  # a "stall": the victim pauses this long (its peers' waits publish their links)
 
 
 @dataclass(frozen=True)
 class Fault:
-    """One case: ``action`` ("kill", "hang" or "raise") on rank ``victim`` at ``phase``."""
+    """One case: ``action`` ("kill", "hang", "raise" or "stall") on rank ``victim`` at ``phase``."""
 
     world: int
     phase: str
@@ -91,6 +92,9 @@ def _strike(fault: Fault, store) -> None:
     if fault.action == "hang":
         while True:
             time.sleep(3600)
+    if fault.action == "stall":  # a slow rank, below the timeout: everyone must complete, exactly
+        time.sleep(STALL_SECONDS)
+        return
     raise RuntimeError(f"injected failure in {fault.phase}")
 
 
@@ -117,15 +121,21 @@ def _inputs(seed: int = 0):
     return tuple(torch.randn(1, L, n, D, generator=gen) for n in (H, K, K))
 
 
-def _bare_steps(cp, fault: Fault, store, steps: int = 2) -> None:
-    """Two training steps of two attention layers (the second checkpointed) on this rank's shard."""
+def _bare_steps(cp, fault: Fault, store, steps: int = 2) -> list[list[bytes]]:
+    """Two training steps of two attention layers (the second checkpointed) on this rank's shard;
+    returns each step's q, k, v gradients as bytes (the same inputs every step)."""
     q, k, v = (cp.shard(t).requires_grad_() for t in _inputs())
+    grads = []
     for step in range(steps):
         if fault.phase == "outside" and step == 1 and cp.rank == fault.victim:
             _strike(fault, store)
         x = cp_attention.attention(q, k, v, window=20)
         y = checkpoint(lambda a: cp_attention.attention(a, k, v), x, use_reentrant=False)
         y.square().sum().backward()
+        grads.append([t.grad.numpy().tobytes() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    return grads
 
 
 def _model_steps(cp, fault: Fault, store, model, steps: int = 2) -> None:
@@ -161,7 +171,7 @@ def _group_case(rank: int, fault: Fault, store, groups) -> dict:
                 _bare_steps(cp, fault, store, steps=1)
         _survive(result, failing)
         if rank == fault.victim:  # a victim that raised stays alive while the others go on
-            time.sleep(6)
+            time.sleep(10)
             return result
     if rank in (0, other) and "error" in result and result["error"] != "RankFailedError":
         return result  # the first group's failure was not the expected one: the test reports it
@@ -213,7 +223,8 @@ def _rank_main(rank: int, fault: Fault, port: int, queue) -> None:
         def steps():
             with cp_attention.context_parallel(timeout=fault.timeout) as cp:
                 if model is None:
-                    _bare_steps(cp, fault, store)
+                    grads = _bare_steps(cp, fault, store)
+                    result["steps_identical"] = all(g == grads[0] for g in grads)
                 else:
                     _model_steps(cp, fault, store, model)
         _survive(result, steps)
@@ -255,7 +266,7 @@ def run_fault(fault: Fault, deadline: float = 150.0) -> dict:
             while not queue.empty():
                 r, result = queue.get()
                 ranks[r].update(result)
-            survivors = [r for r in procs if r != fault.victim or fault.action == "raise"]
+            survivors = [r for r in procs if r != fault.victim or fault.action in ("raise", "stall")]
             if all("t_exit" in ranks[r] for r in survivors):
                 break
             time.sleep(0.02)

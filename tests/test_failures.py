@@ -276,31 +276,39 @@ def test_hung_rank_is_found_through_the_waits_on_links():
     comms = [_comm_on(store, r, 5) for r in range(5)]
     comms[1]._publish_wait(3)  # 0 waits on 1, which waits on 3, which waits on 4; 4 waits on nobody
     comms[3]._publish_wait(4)
-    assert comms[0]._follow_waits(1) == [1, 3, 4]
+    assert comms[0]._follow_waits(1) == ([1, 3, 4], False)
     error = comms[0]._hung(1, "a K/V exchange")
     assert isinstance(error, RankFailedError) and error.rank == 4, error
     assert "rank 4 did not respond for 5 s" in str(error) and "which waits on rank 3" in str(error)
-    # the first record wins: a later survivor names the same rank, whatever it waited on
-    assert comms[2]._hung(3, "a K/V exchange").rank == 4
-    comms[3]._publish_wait(None)  # a wait that ended withdraws its link
-    assert comms[0]._follow_waits(1) == [1, 3]
+    # the first record wins: a survivor that times out later, when the links have changed (3's
+    # wait withdrawn: it would now name 3), still names rank 4
+    comms[3]._publish_wait(None)
+    assert comms[2]._follow_waits(1) == ([1, 3], False)
+    assert comms[2]._hung(1, "a K/V exchange").rank == 4
+    # ... also when the later record is of a lower rank
+    comms[1]._record(1, "rank 1 failed in its context_parallel block: ValueError: later")
+    assert comms[0].failure().rank == 4 and comms[3].failure().rank == 4
 
 
-def test_waits_on_links_stop_at_a_cycle_and_at_the_asking_rank():
+def test_ranks_waiting_on_each_other_name_nobody():
     store = _MemoryStore()
     comms = [_comm_on(store, r, 4) for r in range(4)]
     comms[1]._publish_wait(2)
     comms[2]._publish_wait(1)
-    assert comms[0]._follow_waits(1) == [1, 2]
+    assert comms[0]._follow_waits(1) == ([1, 2], True)
     comms[3]._publish_wait(0)
-    assert comms[0]._follow_waits(3) == [3]  # 3 waits on the asking rank: 3 is the one to name
+    assert comms[0]._follow_waits(3) == ([3], True)  # 3 waits on the asking rank
+    error = comms[0]._hung(1, "a K/V exchange")
+    assert error.rank is None and "ranks 0, 1, 2 wait on each other" in str(error), error
+    assert comms[0].failure() is None  # nobody is recorded as the culprit
 
 
 def test_a_closed_connection_blames_the_peer_unless_a_failure_was_recorded():
     from cp_attention.comm import is_transport_error
 
-    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5")
-    assert is_transport_error(lost) and not is_transport_error(ValueError("Connection closed by peer"))
+    lost = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5")
+    assert is_transport_error(lost) and is_transport_error(RuntimeError("Application timeout caused pair closure"))
+    assert not is_transport_error(ValueError(str(lost))) and not is_transport_error(RuntimeError("Broken pipe"))
     store = _MemoryStore()
     comms = [_comm_on(store, r, 3) for r in range(3)]
     comms[2].report_failure("its context_parallel block", lost)  # a transport error is no own failure
@@ -309,6 +317,10 @@ def test_a_closed_connection_blames_the_peer_unless_a_failure_was_recorded():
     assert error.rank == 1 and "rank 1 died or lost its connection" in str(error), error
     # rank 2 then sees rank 0's connection close (rank 0 exited): the record names rank 1
     assert comms[2]._peer_died(0, "a dK/dV exchange", lost).rank == 1
+    # a rank that gave up posts nothing more: the next exchange raises the same error at once
+    comms[0].send(torch.zeros(1), 1)
+    with pytest.raises(RankFailedError, match="rank 1 died"):
+        comms[0].commit()
     store2 = _MemoryStore()
     a, b = _comm_on(store2, 0, 2), _comm_on(store2, 1, 2)
     b.report_failure("context-parallel attention backward", _Injected("boom"))

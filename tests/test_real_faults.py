@@ -6,8 +6,11 @@ Every survivor must raise :class:`~cp_attention.comm.RankFailedError` naming the
 :data:`EXIT_BOUND` (no SIGABRT, no wait for the process group's 120 s timeout). A failure in one
 group never reaches a new block on another group, which runs at once and exactly.
 
+A stalled rank (3 s, below the timeout) is no failure: every rank completes and the stalled step's
+gradients equal the next step's bit for bit.
+
 The default run (CI) takes a subset that covers each fixed failure once; ``-m faults`` runs the
-whole matrix (P = 2 and 3, every phase, kill and hang; model, two-group and exit cases).
+whole matrix (P = 2 and 3, every phase, kill and hang; model, two-group, exit and stall cases).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ FAST = [
     _hang(3, "outside"),                       # ... a hang outside attention, at the start of a step
     _kill(3, "recompute", api="model"),        # a cp_flash model with gradient checkpointing
     Fault(3, "forward", "raise", two_groups=True),  # a new group was blocked behind the failed one
+    Fault(3, "backward", "stall"),             # a slow rank (3 s, timeout 10 s) is no failure
 ]
 
 FULL = (
@@ -56,6 +60,8 @@ FULL = (
         # closes: the process must not abort (SIGABRT) in the interpreter's teardown
         _hang(3, "forward", two_groups=True, teardown=False, second_timeout=HANG_TIMEOUT),
         _kill(3, "backward", teardown=False),
+        Fault(2, "agreement", "stall"),
+        Fault(3, "recompute", "stall", victim=2),
     ]
 )
 
@@ -66,6 +72,14 @@ def check(fault: Fault, report: dict) -> list[str]:
     ranks, fault_at = report["ranks"], report["fault_at"]
     if fault_at is None:
         return [f"the victim never reached its fault point ({fault.phase} #{fault.at})"]
+    if fault.action == "stall":  # slow, not failed: every rank completes, the stalled step exactly
+        for r, got in sorted(ranks.items()):
+            if got.get("error") is not None or got.get("exitcode") != 0:
+                problems.append(f"rank {r}: {got.get('error')} ({str(got.get('message'))[:300]}), exit code "
+                                f"{got.get('exitcode')}")
+            elif not got.get("steps_identical"):
+                problems.append(f"rank {r}: the stalled step's gradients differ from the next step's")
+        return problems
     survivors = [r for r in ranks if r != fault.victim]
     if fault.two_groups:
         survivors = [0]  # the victim's partner in the failing group; the other rank checked below
@@ -78,7 +92,8 @@ def check(fault: Fault, report: dict) -> list[str]:
             continue
         took = got["t_left"] - fault_at
         if fault.action == "hang":
-            if not fault.timeout - 0.1 <= took <= fault.timeout + HANG_SLACK:
+            # a survivor's deadline runs from its own wait, which may start before the victim hangs
+            if not 0.5 * fault.timeout <= took <= fault.timeout + HANG_SLACK:
                 problems.append(f"{where}: raised {took:.2f} s after the hang (timeout {fault.timeout:g} s)")
         elif took > DEATH_BOUND:
             problems.append(f"{where}: raised {took:.2f} s after the {fault.action} (bound {DEATH_BOUND:g} s)")
@@ -88,9 +103,10 @@ def check(fault: Fault, report: dict) -> list[str]:
         if got.get("exitcode") != want_code:
             problems.append(f"rank {r}: exit code {got.get('exitcode')} (want {want_code}; -6 is SIGABRT)")
             continue
-        if "t_left" in got and got["t_exit"] - got["t_left"] > EXIT_BOUND:
+        if r != fault.victim and "t_left" in got and got["t_exit"] - got["t_left"] > EXIT_BOUND:  # (a raising
+            # victim stays alive on purpose)
             problems.append(f"rank {r}: exited {got['t_exit'] - got['t_left']:.1f} s after leaving its block")
-        if got.get("destroy_seconds", 0.0) > 2.0:
+        if got.get("destroy_seconds", 0.0) > 5.0:
             problems.append(f"rank {r}: destroy_process_group took {got['destroy_seconds']:.1f} s")
     if fault.two_groups and fault.teardown:
         for r in (0, 3 - fault.victim):
@@ -99,7 +115,7 @@ def check(fault: Fault, report: dict) -> list[str]:
                 problems.append(f"rank {r}: the second group failed: {got.get('second_failed')}")
             elif got["second_error"] > 1e-12:
                 problems.append(f"rank {r}: the second group is off by {got['second_error']:.2e} (float64)")
-        if ranks[0].get("second_seconds", 99.0) > 3.0:  # rank 0 enters it last: no wait is legitimate
+        if ranks[0].get("second_seconds", 99.0) > 5.0:  # rank 0 enters it last: no wait is legitimate
             problems.append(f"rank 0: the second group took {ranks[0].get('second_seconds')} s")
     return problems
 
@@ -133,6 +149,11 @@ def test_check_flags_each_kind_of_problem():
         bad = {"fault_at": 100.0, "ranks": {0: dict(good), 1: {}, 2: dict(good, **change)}}
         assert any(fragment in p for p in check(fault, bad)), (change, check(fault, bad))
     assert "never reached" in check(fault, {"fault_at": None, "ranks": {}})[0]
+    stall = Fault(3, "backward", "stall")
+    fine = dict(error=None, exitcode=0, steps_identical=True)
+    assert check(stall, {"fault_at": 1.0, "ranks": {r: dict(fine) for r in range(3)}}) == []
+    for change in (dict(error="RankFailedError"), dict(steps_identical=False), dict(exitcode=1)):
+        assert check(stall, {"fault_at": 1.0, "ranks": {0: dict(fine), 1: dict(fine), 2: dict(fine, **change)}})
     hang = _hang(2, "agreement")
     early = {"fault_at": 100.0, "ranks": {0: dict(good, t_left=101.0), 1: {}}}
     assert any("after the hang" in p for p in check(hang, early))
