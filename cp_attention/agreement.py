@@ -22,11 +22,21 @@ from .comm import Comm
 from .layout import layout_code
 from .masks import SequenceMeta, segment_runs
 
-__all__ = ["DTYPES", "Header", "make_header", "signature", "exchange_headers", "collective_error", "meta_crc",
+__all__ = ["DTYPES", "STRATEGIES", "check_strategy", "Header", "make_header", "signature", "exchange_headers", "collective_error", "meta_crc",
            "float_bits"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """The dtypes attention accepts, in the order of the header's ``dtype`` field."""
+
+STRATEGIES = ("ring", "ulysses")
+"""How a multi-rank call runs, in the order of the header's ``strategy`` field."""
+
+
+def check_strategy(strategy) -> str:
+    """``strategy`` if it is one of :data:`STRATEGIES`, else ValueError."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+    return strategy
 
 
 def float_bits(x: float | None) -> int:
@@ -76,6 +86,7 @@ class Header:
     cached_seq_len: int = -1       # the global length of the cached entry
     cached_meta_crc: int = -1      # the metadata checksum of the cached entry
     model_crc: int = -1            # checksum of the model's configuration (cp_flash), -1: none
+    strategy: int = -1             # index in STRATEGIES
 
     PER_RANK: ClassVar[frozenset] = frozenset({"error", "local_len", "plan_cached", "meta_cached",
                                                "cached_seq_len", "cached_meta_crc"})
@@ -92,7 +103,8 @@ class Header:
         return cls(**dict(zip(cls.names(), (int(x) for x in row.tolist()))))
 
 
-def make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached, model_crc: int = -1) -> Header:
+def make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached, model_crc: int = -1,
+                strategy: str = "ring") -> Header:
     """This rank's header. ``cached``: (plan cached, metadata cached, their global length, their
     metadata checksum)."""
     crc = -1
@@ -108,7 +120,8 @@ def make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cach
         cu_seqlens_crc=crc, batch_length=-1 if batch is None else batch.seq_len,
         batch_documents_crc=-1 if batch is None else batch.crc,
         batch_tokens_crc=-1 if batch is None else batch.tokens_crc, plan_cached=plan_cached, meta_cached=meta_cached,
-        cached_seq_len=cached_seq_len, cached_meta_crc=cached_meta_crc, model_crc=model_crc)
+        cached_seq_len=cached_seq_len, cached_meta_crc=cached_meta_crc, model_crc=model_crc,
+        strategy=STRATEGIES.index(strategy))
 
 
 def signature(header: Header) -> tuple:

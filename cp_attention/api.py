@@ -27,6 +27,7 @@ def attention(
     causal: bool = True, window: int | None = None, chunk_size: int | None = None,
     softcap: float | None = None, sinks: torch.Tensor | None = None, scale: float | None = None,
     group=None, layout=None, backend: str | None = None, mask: MaskSpec | None = None,
+    strategy: str | None = None,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across a process group, honouring every mask.
 
@@ -67,6 +68,10 @@ def attention(
             context's backend (``context_parallel(backend=...)``), else "auto".
         mask: a :class:`~cp_attention.MaskSpec` instead of the keywords ``causal``, ``window``,
             ``chunk_size``, ``softcap`` and ``scale`` (which must then keep their defaults).
+        strategy: how a multi-rank call runs: "ring" or "ulysses" (all-to-all head parallelism;
+            ``H`` must be a multiple of the world size); None: the active context's
+            (``context_parallel(strategy=...)``), else "ring". Every strategy computes the same
+            attention; they differ in traffic and balance.
 
     Returns:
         (B, L_local, H, Dv) in q's dtype (accumulation in float32), differentiable w.r.t. q, k, v
@@ -88,4 +93,4 @@ def attention(
                                      "chunk_size, softcap and scale, not both")
     return engine.attend(q, k, v, mask if mask is not None and local_error is None else keywords,
                   position_ids=position_ids, cu_seqlens=cu_seqlens, sinks=sinks, group=group, layout=layout,
-                  backend=backend, local_error=local_error)
+                  backend=backend, local_error=local_error, strategy=strategy)

@@ -61,6 +61,7 @@ _GLOO_WAIT_GRACE = 30.0  # a waiter thread's gloo deadline is the comm's plus th
 #                          thread gives up (and records why) before gloo closes any connection
 _EXIT_DRAIN_SECONDS = 2.0  # seconds the exit of a rank that gave up waits for its blocked waiter threads
 _COLLECTIVE_TAG = 1 << 24  # point-to-point tag of the collectives on gloo (the ring's are < 2 P)
+_ALL_TO_ALL_TAG = (1 << 24) + 1  # ... and of the all-to-all exchanges (head parallelism)
 _TRANSPORT_ERRORS = ("gloo/transport", "caused pair closure")  # gloo's errors of a connection
 
 
@@ -401,6 +402,19 @@ class Comm:
                 total += part
             tensor.copy_(total)
         return tensor
+
+    def all_to_all(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], what: str = "an all-to-all") -> None:
+        """Send ``sends[j]`` to every other rank j and receive ``recvs[j]`` from it (contiguous
+        tensors; this rank's own entries are not touched), then wait. Point-to-point with every peer
+        on both backends: one message per pair, posted together in ring order, so that a failed
+        peer is named (see the module's docstring)."""
+        if self.world_size == 1:
+            return
+        ops = []
+        for step in range(1, self.world_size):
+            to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
+            ops += [("send", sends[to], to, _ALL_TO_ALL_TAG), ("recv", recvs[frm], frm, _ALL_TO_ALL_TAG)]
+        self._post(ops, what).wait()
 
     def all_gather_object(self, obj, what: str = "an object all-gather") -> list:
         """Every rank's picklable ``obj``, in rank order (two :meth:`all_gather`: sizes, then bytes)."""

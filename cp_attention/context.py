@@ -14,6 +14,7 @@ import torch
 
 from . import layout as layout_mod
 from . import state
+from .agreement import check_strategy
 from .backends import BACKENDS
 from .batch import BatchRecord, LiveRecords, bind, tokens_checksum
 from .comm import Comm
@@ -62,10 +63,12 @@ class ContextParallel:
     mask reuses one plan and the metadata is exchanged once.
     """
 
-    def __init__(self, group=None, layout="zigzag", timeout: float | None = None, backend: str = "auto"):
+    def __init__(self, group=None, layout="zigzag", timeout: float | None = None, backend: str = "auto",
+                 strategy: str = "ring"):
         group = as_group(group)
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+        self.strategy = check_strategy(strategy)
         # a layout object, or the Balanced policy (shard_batch lays out each batch); parsed before the
         # comm opens its failure scope, so a bad layout opens none (the ranks' scope counts stay equal)
         self.layout = layout_mod.as_layout(layout, policy=True)
@@ -224,7 +227,7 @@ class ContextParallel:
 
 @contextlib.contextmanager
 def context_parallel(group=None, layout="zigzag", timeout: float | None = None, *,
-                     mesh_dim: str | None = None, backend: str = "auto"):
+                     mesh_dim: str | None = None, backend: str = "auto", strategy: str = "ring"):
     """Make ``group`` (None: the default WORLD group) the context-parallel group of the block.
 
     ``group``: a ProcessGroup, a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]`` of a (dp, cp) mesh), or a
@@ -232,7 +235,11 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
     ``"zigzag"``, ``"contiguous"``, ``"balanced"`` (each batch of ``cp.shard_batch`` gets its own
     balanced layout) or a layout object (:mod:`cp_attention.layout`). ``backend``: the varlen backend
     of the block's attention calls that do not name one, ``cp_flash`` layers included ("auto", or a
-    name in ``cp_attention.backends.BACKENDS``).
+    name in ``cp_attention.backends.BACKENDS``). ``strategy``: how the block's multi-rank calls run
+    (those that do not name one, ``cp_flash`` layers included): ``"ring"`` (K/V moves between the
+    ranks' token shards: only the halo a window or chunk needs) or ``"ulysses"`` (all-to-all head
+    parallelism, :mod:`cp_attention.ulysses`: every rank attends over the whole sequence for
+    ``H / P`` heads; needs ``H`` divisible by ``P``).
 
     Inside, :func:`~cp_attention.attention` with ``group=None`` shards over this group with this layout::
 
@@ -248,7 +255,7 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
     exception escaping the block (or raised inside attention) is recorded for the group, so ranks
     waiting on this one raise at once, naming it, instead of waiting for the timeout.
     """
-    cp = ContextParallel(as_group(group, mesh_dim), layout, timeout, backend)
+    cp = ContextParallel(as_group(group, mesh_dim), layout, timeout, backend, strategy)
     # the integrations' guards of the block (the model check of cp_flash models)
     leave = [guard(cp) for guard in list(state.CONTEXT_GUARDS)]
     token = state.ACTIVE_CONTEXT.set(cp)

@@ -24,7 +24,8 @@ import torch
 
 from . import compiled, context, stats
 from . import layout as layout_mod
-from .agreement import DTYPES, collective_error, exchange_headers, make_header, meta_crc, signature
+from .agreement import DTYPES, STRATEGIES, check_strategy, collective_error, exchange_headers, make_header, meta_crc, \
+    signature
 from .backends import BACKENDS, select_backend
 from .batch import NO_MASK, BatchRecord, batch_of, resolve, resolve_for_mask
 from .comm import Comm, process_count
@@ -32,6 +33,7 @@ from .layout import global_index
 from .masks import MaskSpec, SequenceMeta
 from .plan import RankPlan, build_plan
 from .ring import ring_attention
+from .ulysses import UlyssesPlan, head_split, ulysses_attention, ulysses_stats
 from .torch_compat import assume_constant_result, torch_context_parallel_active
 
 __all__ = ["attend", "attend_layer", "LayerDocs", "layer_mask_batch", "compiling_outside_cp", "check_inputs",
@@ -134,7 +136,8 @@ def check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend, same_length:
 
 def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None, sinks=None, group=None,
            layout=None, backend: str | None = None, batch: BatchRecord | None = None,
-           local_error: Exception | None = None, layer: int | None = None, model_crc: int = -1) -> torch.Tensor:
+           local_error: Exception | None = None, layer: int | None = None, model_crc: int = -1,
+           strategy: str | None = None) -> torch.Tensor:
     """The engine entry behind :func:`~cp_attention.attention` (same arguments and result).
 
     ``mask``: a MaskSpec or a dict of its keywords (checked on every rank together). ``batch``: the
@@ -143,7 +146,7 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
     check that failed on this rank, raised on every rank of the group together (before any K/V
     moves). ``layer``: the model layer index, for :func:`~cp_attention.forward_plan_stats` (a
     model's layers only). ``model_crc``: a checksum of the calling model's configuration, agreed with
-    ``batch``'s first call.
+    ``batch``'s first call. ``strategy``: "ring" or "ulysses" (None: the context's).
 
     Agreement (see :mod:`cp_attention.agreement`): a call without ``batch`` all-gathers its header
     every time; with ``batch``, only the batch's first call with each signature does."""
@@ -157,12 +160,15 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
     comm = res.comm
     if backend is None:
         backend = res.cp.backend if res.cp is not None else "auto"
+    if strategy is None:
+        strategy = res.cp.strategy if res.cp is not None else "ring"
     spec = impl = None
     try:  # every check that can fail on one rank only runs before the first collective
         if error is not None:
             raise error
         if local_error is not None:
             raise local_error
+        check_strategy(strategy)
         spec = mask if isinstance(mask, MaskSpec) else MaskSpec(**mask)
         check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend)
         impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec,
@@ -177,10 +183,11 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
                                    position_ids=position_ids, cu_seqlens=cu_seqlens,
                                    label=f"{res.layout} layout")
     else:
-        plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc)
+        plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc,
+                            strategy if strategy in STRATEGIES else "ring")
     stats.note_stats(plan.stats, layer, in_model=layer is not None or batch is not None)
-    return ring_attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]),
-                          softcap=spec.softcap)
+    run = ulysses_attention if isinstance(plan, UlyssesPlan) else ring_attention
+    return run(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap)
 
 
 def _global_meta(comm: Comm, layout, seq_len: int, B: int, position_ids, cu_seqlens,
@@ -201,7 +208,7 @@ def _global_meta(comm: Comm, layout, seq_len: int, B: int, position_ids, cu_seql
     return SequenceMeta.from_inputs(B, seq_len, position_ids=layout_mod.unshard(parts, 1, layout))
 
 
-def _cache_keys(cp, layout, q, k, v, spec: MaskSpec, position_ids, cu_seqlens, batch):
+def _cache_keys(cp, layout, q, k, v, spec: MaskSpec, position_ids, cu_seqlens, batch, strategy: str = "ring"):
     """(metadata key, plan key) in the context's cache. Keys hold this rank's view only (local length,
     the documents' content); the global length is checked against the entry."""
     B, L_local = q.shape[:2]
@@ -209,11 +216,22 @@ def _cache_keys(cp, layout, q, k, v, spec: MaskSpec, position_ids, cu_seqlens, b
         meta_key = ("batch", batch.digest, layout, B, L_local)
     else:
         meta_key = ("documents", layout, B, L_local, cp.plans.digest(position_ids), cp.plans.digest(cu_seqlens))
-    return meta_key, ("plan", meta_key, spec.for_planning(), k.shape[2], k.shape[3], v.shape[3], k.element_size())
+    heads = (q.shape[2], k.shape[2], k.shape[3], v.shape[3], k.element_size())
+    return meta_key, ("plan", meta_key, spec.for_planning(), strategy, heads)
 
 
-def _build(comm: Comm, layout, meta: SequenceMeta, spec: MaskSpec, k, v) -> RankPlan:
+def _build(comm: Comm, layout, meta: SequenceMeta, spec: MaskSpec, q, k, v, strategy: str = "ring"):
+    """This rank's plan: a :class:`RankPlan` (the ring) or a :class:`UlyssesPlan`."""
     start = time.perf_counter()
+    if strategy == "ulysses":
+        split = head_split(q.shape[2], k.shape[2], comm.world_size)
+        local = build_plan(meta, spec.for_planning(), world_size=1, layout="contiguous", rank=0,
+                           head_kv=split.kv_per_rank, head_dim=k.shape[3], head_dim_v=v.shape[3],
+                           itemsize=k.element_size())
+        return UlyssesPlan(rank=comm.rank, world_size=comm.world_size, split=split, local=local, layout=layout,
+                           seq_len=meta.seq_len,
+                           stats=ulysses_stats(split, local, comm.rank, meta.seq_len, layout, meta.batch, k.shape[3],
+                                               v.shape[3], k.element_size()))
     plan = build_plan(meta, spec.for_planning(), world_size=comm.world_size, layout=layout, rank=comm.rank,
                       head_kv=k.shape[2], head_dim=k.shape[3], head_dim_v=v.shape[3], itemsize=k.element_size())
     if log.isEnabledFor(logging.DEBUG):
@@ -223,13 +241,13 @@ def _build(comm: Comm, layout, meta: SequenceMeta, spec: MaskSpec, k, v) -> Rank
     return plan
 
 
-def _reused(plan: RankPlan) -> RankPlan:
+def _reused(plan):
     log.debug("plan reused from the context's cache (rank %d of %d)", plan.rank, plan.world_size)
     return plan
 
 
 def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error,
-                 model_crc: int = -1) -> RankPlan:
+                 model_crc: int = -1, strategy: str = "ring"):
     """Several ranks: one header all-gather before any K/V moves, then this rank's plan; with a
     ``batch`` whose group already agreed on this call's signature, that plan and no collective.
 
@@ -241,7 +259,7 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
     comm, layout, cp = res.comm, res.layout, res.cp
     header = None
     if error is None:
-        meta_key, plan_key = _cache_keys(cp, layout, q, k, v, spec, position_ids, cu_seqlens, batch)
+        meta_key, plan_key = _cache_keys(cp, layout, q, k, v, spec, position_ids, cu_seqlens, batch, strategy)
         plan_entry = cp.plans.get(plan_key)
         meta_entry = cp.plans.get(meta_key)
         if batch is not None:
@@ -249,7 +267,8 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
         known = plan_entry or meta_entry
         cached = (int(plan_entry is not None), int(meta_entry is not None),
                   -1 if known is None else known[2], -1 if known is None else known[1])
-        header = make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached, model_crc)
+        header = make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached, model_crc,
+                             strategy)
         if batch is not None:
             agreed = batch.agreed.get(signature(header))
             if agreed is not None:
@@ -262,6 +281,8 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
     headers = exchange_headers(comm, header, error)
     try:
         seq_len = layout_mod.infer_seq_len([h.local_len for h in headers], comm.world_size, layout)
+        if strategy == "ulysses":  # the agreed head counts: every rank raises it together
+            head_split(q.shape[2], k.shape[2], comm.world_size)
     except ValueError as exc:
         raise collective_error(exc) from None
 
@@ -282,7 +303,7 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
         crc = meta_crc(meta)
         if batch is None:
             cp.plans.put(meta_key, (meta, crc, seq_len))
-    plan = cp.plans.put(plan_key, (_build(comm, layout, meta, spec, k, v), crc, seq_len))[0]
+    plan = cp.plans.put(plan_key, (_build(comm, layout, meta, spec, q, k, v, strategy), crc, seq_len))[0]
     return _remember(batch, header, plan)
 
 

@@ -119,6 +119,7 @@ class PlanStats:
     flash kernel's 2-D blocks compute slightly more on diagonals)."""
     entries_visible: int
     """(query, key) pairs the kernels keep; equals the pairs the mask keeps (verified)."""
+    strategy: str = "ring"  # "ring" (K/V moves between token shards) or "ulysses" (cp_attention.ulysses)
 
 
 @dataclass(frozen=True, eq=False)

@@ -170,9 +170,11 @@ def run_plain(case: dict, model, use_context: bool) -> tuple[torch.Tensor, torch
     return logits, flat_grads(model)
 
 
-def run_cp_cases(rank: int, world_size: int, cases: list[dict], refs: dict, layouts: tuple[str, ...]) -> list[dict]:
-    """Rank worker: every case under cp_flash in each layout; gathered logits and gradients summed
-    over ranks are compared with refs[case name] on every rank. Returns the compare() dicts."""
+def run_cp_cases(rank: int, world_size: int, cases: list[dict], refs: dict, layouts: tuple[str, ...],
+                 strategy: str = "ring") -> list[dict]:
+    """Rank worker: every case under cp_flash in each layout (and ``strategy``); gathered logits
+    and gradients summed over ranks are compared with refs[case name] on every rank. Returns the
+    compare() dicts."""
     import torch.distributed as dist
 
     results = []
@@ -185,12 +187,13 @@ def run_cp_cases(rank: int, world_size: int, cases: list[dict], refs: dict, layo
         ids, pos, R = inputs(case, model.config.vocab_size)
         kwargs = dict(use_cache=False) if is_causal_lm(case["family"]) else {}
         for layout in layouts:
-            where = f"world={world_size} {layout} rank={rank}"
+            where = f"world={world_size} {layout} {strategy} rank={rank}"
             model.zero_grad(set_to_none=True)
             try:  # an error every rank raises alike is reported per case; a lone one times out
-                with cp_attention.context_parallel(layout=layout) as cp:
+                with cp_attention.context_parallel(layout=layout, strategy=strategy) as cp:
                     batch = cp.shard_batch(input_ids=ids, position_ids=pos)
                     out = model(**batch, **kwargs)
+                    used = {stats.strategy for _, stats in cp_attention.forward_plan_stats()}
                     (out.logits * cp.shard(R, dim=1)).sum().backward()
                     logits = cp.gather(out.logits.detach(), dim=1)
                 grads = flat_grads(model)
@@ -200,4 +203,7 @@ def run_cp_cases(rank: int, world_size: int, cases: list[dict], refs: dict, layo
                                     error=f"{type(exc).__name__}: {exc}"))
                 continue
             results.append(compare(case, model, logits, grads, refs[case["name"]], where=where))
+            if used != {strategy}:  # every layer ran the strategy asked for
+                results.append(dict(name=case["name"], family=case["family"], where=where,
+                                    error=f"layers ran {sorted(used)}, not {strategy!r}"))
     return results

@@ -92,3 +92,13 @@ def test_cp_flash_matches_docs_alone_eager(world_size: int, refs):
     for results in per_rank:
         assert len(results) == len(CASES) * len(layouts)
     _assert_ok([r for results in per_rank for r in results])
+
+
+@pytest.mark.parametrize("world_size, layout", [(2, "contiguous"), (4, "zigzag")])
+def test_cp_flash_under_ulysses_matches_docs_alone_eager(world_size: int, layout: str, refs):
+    """Every family under strategy="ulysses" (all-to-all head parallelism: 4 query heads, 2 K/V
+    heads, so K/V heads are replicated at world size 4) against each document alone under eager."""
+    per_rank = run_ranks(world_size, hf_cases.run_cp_cases, CASES, refs, (layout,), "ulysses", timeout=600)
+    for results in per_rank:
+        assert len(results) == len(CASES)
+    _assert_ok([r for results in per_rank for r in results])

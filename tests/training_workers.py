@@ -95,11 +95,14 @@ def errors(loss: float, grads: dict, ref_loss: float, ref_grads: dict) -> dict:
                 grad_ratio=sum(ratios) / len(ratios))
 
 
-def train_step(model, batch_full: dict, cp_group, *, backward: str, layout: str = "zigzag") -> float:
+def train_step(model, batch_full: dict, cp_group, *, backward: str, layout: str = "zigzag",
+               strategy: str = "ring") -> float:
     """One forward under the context, backward inside or after it; returns the CP-mean loss."""
-    with cp_attention.context_parallel(cp_group, layout=layout) as cp:
+    with cp_attention.context_parallel(cp_group, layout=layout, strategy=strategy) as cp:
         batch = cp.shard_batch(**batch_full)
         out = model(**batch, use_cache=False)
+        used = {stats.strategy for _, stats in cp_attention.forward_plan_stats()}
+        assert used == {strategy}, f"layers ran {sorted(used)}, not {strategy!r}"
         if backward == "inside":
             out.loss.backward()
     if backward == "after":
@@ -169,9 +172,10 @@ DPCP_SETUPS = (
 )
 
 
-def run_setups(rank: int, world_size: int, setups, dp: int) -> dict:
+def run_setups(rank: int, world_size: int, setups, dp: int, strategy: str = "ring") -> dict:
     """Every setup on a (dp, cp = world_size / dp) mesh: DDP / FSDP2 over all ranks (the flattened
-    dp x cp group), CP over the mesh's "cp" dimension. Returns name -> errors on this rank."""
+    dp x cp group), CP over the mesh's "cp" dimension (with ``strategy``). Returns name -> errors
+    on this rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     cp_size = world_size // dp
@@ -187,7 +191,7 @@ def run_setups(rank: int, world_size: int, setups, dp: int) -> dict:
         wrapped = _wrap(model, wrapper, flat.get_group(), mesh=flat)
         replicas = [documents(seed) for seed in range(dp)]
         make = flattened if collator == "flatten" else rows
-        loss = train_step(wrapped, make(replicas[dp_rank]), mesh["cp"], backward=backward)
+        loss = train_step(wrapped, make(replicas[dp_rank]), mesh["cp"], backward=backward, strategy=strategy)
         if isinstance(wrapped, _CheckpointWholeModel):
             wrapped.average_grads()
         ref_losses, ref_grads = ground_truth(ref, replicas)

@@ -39,7 +39,7 @@ __all__ = ["CPSFTTrainer"]
 class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
     """TRL's :class:`trl.SFTTrainer` whose training steps run under context parallelism.
 
-    Takes SFTTrainer's arguments and ``cp_group``, ``cp_mesh_dim``, ``cp_layout``, ``cp_timeout``
-    (see :class:`~cp_attention.integrations.trainer.CPTrainerMixin`). The model must use
+    Takes SFTTrainer's arguments and ``cp_group``, ``cp_mesh_dim``, ``cp_layout``, ``cp_timeout``,
+    ``cp_strategy`` (see :class:`~cp_attention.integrations.trainer.CPTrainerMixin`). The model must use
     ``attn_implementation="cp_flash"``; ``padding_free=True`` is recommended (module docstring).
     """

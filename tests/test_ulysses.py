@@ -1,0 +1,215 @@
+"""All-to-all head parallelism (strategy="ulysses") against the float64 dense oracle.
+
+* The head split: every query head attends with the K/V head of its GQA group (h // (H / K)), each
+  rank receives the fewest K/V heads that keep one per ``gcd`` group of its query heads, H not
+  divisible by P raises on every rank together.
+* Exactness at world sizes 2, 3 and 4 (one spawned group each runs every case): causal and
+  bidirectional, windows below, at and above a shard, chunks with documents not starting at 0,
+  packed documents (position_ids and cu_seqlens), softcap, sinks, GQA with K = 1 and K = 2 at
+  P = 4 (replication), B = 2, odd L, zigzag / contiguous / balanced layouts; forward and backward
+  (dq, dk, dv and the sinks' gradient summed over ranks) <= 1e-9 in float64, one float32 case
+  <= 1e-5.
+* The exchanges per call: the agreement once, then two all-to-alls forward and two backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_attention
+from cp_attention.comm import Comm
+from cp_attention.tools.launch import run_ranks
+from cp_attention.ulysses import head_split
+from oracle import oracle_attention, oracle_mask
+
+
+@pytest.mark.parametrize("H, K, P", [(4, 2, 2), (8, 2, 4), (4, 1, 4), (12, 6, 4), (24, 6, 4), (6, 3, 3), (8, 8, 2),
+                                     (16, 4, 8), (6, 2, 3)])
+def test_head_split_follows_the_gqa_groups(H, K, P):
+    split = head_split(H, K, P)
+    G, h = H // K, H // P
+    assert split.q_per_rank == h and [split.q_range(r) for r in range(P)] == [(r * h, (r + 1) * h) for r in range(P)]
+    for r in range(P):
+        lo, _ = split.q_range(r)
+        for local in range(h):  # query head lo + local uses K/V head (lo + local) // G, by definition of GQA
+            assert split.kv_index[r][local // split.group] == (lo + local) // G
+    # the fewest K/V heads per rank with a constant number of query heads per K/V head
+    runs = math.gcd(G, h)
+    assert split.kv_per_rank == h // runs
+    assert split.kv_sent >= K and (split.kv_sent == K) == (h % G == 0)
+
+
+def test_head_split_needs_heads_divisible_by_ranks():
+    with pytest.raises(ValueError, match="6 heads are not a multiple of 4 ranks; use strategy='ring'"):
+        head_split(6, 2, 4)
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        cp_attention.context_parallel(strategy="usp").__enter__()
+
+
+# -- exactness on several ranks ------------------------------------------------------------------
+
+def _cases(world_size: int) -> list[dict]:
+    """Every mask kind; windows relative to a shard of L / P tokens."""
+    L = 61 if world_size != 2 else 48
+    shard = L // world_size
+    docs = [[7, 20, L - 27], [L - 30, 30]]
+    cases = [
+        dict(name="causal", L=L, heads=(4 if world_size != 3 else 6, 2)),
+        dict(name="bidirectional-softcap", L=L, causal=False, softcap=2.5, heads=(6 if world_size == 3 else 4, 2)),
+        dict(name="window-below-shard", L=L, window=max(2, shard // 2), docs=docs),
+        dict(name="window-at-shard", L=L, window=shard, docs=docs, sinks=True),
+        dict(name="window-above-shard-bidir", L=L, window=shard + 5, causal=False, docs=docs),
+        dict(name="chunks-docs-not-at-0", L=L, chunk_size=6, docs=docs, offset=3),
+        dict(name="cu-seqlens-sinks-softcap", L=L, cu=[11, L - 25, 14], sinks=True, softcap=3.0),
+        dict(name="mqa-K1", L=L, heads=(world_size * 2, 1), window=9, docs=docs),
+        dict(name="gqa-K2-replicated", L=L, heads=(world_size * 3, 2) if world_size == 4 else (world_size * 2, 2),
+             sinks=True, docs=docs),
+        dict(name="float32", L=L, window=shard, docs=docs, dtype=torch.float32),
+    ]
+    for c in cases:
+        c.setdefault("heads", (world_size * 2, 2) if world_size != 3 else (6, 3))
+    return cases
+
+
+def _inputs(case: dict):
+    B = 1 if "cu" in case else 2
+    L, (H, K) = case["L"], case["heads"]
+    gen = torch.Generator().manual_seed(len(case["name"]))
+    dtype = case.get("dtype", torch.float64)
+    q, k, v = (torch.randn(B, L, n, 8, generator=gen, dtype=torch.float64) for n in (H, K, K))
+    dout = torch.randn(B, L, H, 8, generator=gen, dtype=torch.float64)
+    sinks = torch.randn(H, generator=gen, dtype=torch.float64) if case.get("sinks") else None
+    position_ids = cu_seqlens = None
+    if "docs" in case:
+        position_ids = torch.tensor([[p + case.get("offset", 0) * (i == 1) for i, n in enumerate(row)
+                                      for p in range(n)] for row in case["docs"]])
+    if "cu" in case:
+        cu_seqlens = torch.tensor([0] + case["cu"]).cumsum(0).to(torch.int32)
+    return [t.to(dtype) for t in (q, k, v, dout)], None if sinks is None else sinks.to(dtype), position_ids, cu_seqlens
+
+
+def _want(case: dict):
+    (q, k, v, dout), sinks, position_ids, cu_seqlens = _inputs(case)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    s = None if sinks is None else sinks.double().requires_grad_()
+    mask = oracle_mask(q.shape[0], q.shape[1], position_ids=position_ids, cu_seqlens=cu_seqlens,
+                       causal=case.get("causal", True), window=case.get("window"), chunk_size=case.get("chunk_size"))
+    out = oracle_attention(*leaves, mask, softcap=case.get("softcap"), sinks=s)
+    out.backward(dout.double())
+    return [out.detach(), *(x.grad for x in leaves)] + ([s.grad] if s is not None else [])
+
+
+def _layout_for(name: str, world_size: int, case: dict, position_ids, cu_seqlens):
+    if name != "balanced":
+        return name
+    mask = dict(causal=case.get("causal", True), window=case.get("window"), chunk_size=case.get("chunk_size"))
+    seq_len = case["L"] if position_ids is None and cu_seqlens is None else None
+    return cp_attention.balanced_layout(world_size, position_ids=position_ids, cu_seqlens=cu_seqlens, seq_len=seq_len,
+                                        masks=[mask])
+
+
+def _exactness_worker(rank: int, world_size: int) -> dict:
+    errors = {}
+    for case in _cases(world_size):
+        (q, k, v, dout), sinks, position_ids, cu_seqlens = _inputs(case)
+        for layout_name in ("zigzag", "contiguous", "balanced"):
+            layout = _layout_for(layout_name, world_size, case, position_ids, cu_seqlens)
+            with cp_attention.context_parallel(layout=layout, strategy="ulysses") as cp:
+                leaves = [cp.shard(t).requires_grad_() for t in (q, k, v)]
+                s = None if sinks is None else sinks.clone().requires_grad_()
+                out = cp_attention.attention(
+                    *leaves, position_ids=None if position_ids is None else cp.shard(position_ids),
+                    cu_seqlens=cu_seqlens, causal=case.get("causal", True), window=case.get("window"),
+                    chunk_size=case.get("chunk_size"), softcap=case.get("softcap"), sinks=s)
+                out.backward(cp.shard(dout))
+                got = [cp.gather(t) for t in (out.detach(), *(x.grad for x in leaves))]
+                if s is not None:
+                    dist.all_reduce(s.grad)  # each rank holds its heads' share of the sinks' gradient
+                    got.append(s.grad)
+                stats = cp_attention.last_plan_stats()
+            errors[(case["name"], layout_name)] = ([float((a.double() - b).abs().max()) for a, b in zip(got, _want(case))],
+                                                   stats.strategy)
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ulysses_exact_against_the_oracle(world_size):
+    per_rank = run_ranks(world_size, _exactness_worker, timeout=900)
+    cases = {c["name"]: c for c in _cases(world_size)}
+    assert len(per_rank[0]) == 3 * len(cases)
+    for errors in per_rank:
+        for (name, layout), (errs, strategy) in errors.items():
+            bound = 1e-5 if cases[name].get("dtype") == torch.float32 else 1e-9
+            assert strategy == "ulysses"
+            assert max(errs) <= bound, (world_size, name, layout, errs)
+
+
+# -- exchanges per call ---------------------------------------------------------------------------
+
+def _count(name: str) -> list[int]:
+    counter = [0]
+    original = getattr(Comm, name)
+
+    def counted(self, *args, **kwargs):
+        counter[0] += 1
+        return original(self, *args, **kwargs)
+
+    setattr(Comm, name, counted)
+    return counter
+
+
+def _sent_bytes() -> list[int]:
+    """Count the bytes of every point-to-point send posted (the traffic, measured)."""
+    sent = [0]
+    original = Comm._post
+
+    def post(self, ops, what):
+        sent[0] += sum(t.numel() * t.element_size() for kind, t, _, _ in ops if kind == "send")
+        return original(self, ops, what)
+
+    Comm._post = post
+    return sent
+
+
+def _exchanges_worker(rank: int, world_size: int) -> dict:
+    a2a, gathers, posts = _count("all_to_all"), _count("all_gather"), _count("_post")
+    sent = _sent_bytes()
+    q, k, v = (torch.randn(1, 24, n, 8, generator=torch.Generator().manual_seed(n)) for n in (4, 2, 2))
+    found = {}
+    with cp_attention.context_parallel(strategy="ulysses") as cp:
+        leaves = [cp.shard(t).requires_grad_() for t in (q, k, v)]
+        cp_attention.attention(*leaves, window=5)  # the agreement's header, once
+        sent[0] = 0
+        out = cp_attention.attention(*leaves, window=5, layout="zigzag")
+        stats = cp_attention.last_plan_stats()
+        found["sent"] = (sent[0], stats.kv_bytes_sent, stats.grad_bytes_sent)
+        sent[0] = a2a[0] = gathers[0] = posts[0] = 0
+        out = cp_attention.attention(*leaves, window=5)
+        found["forward"] = (a2a[0], gathers[0], posts[0])
+        sent[0] = a2a[0] = gathers[0] = posts[0] = 0
+        out.sum().backward()
+        found["backward"] = (a2a[0], gathers[0], posts[0], sent[0])
+        # H = 6 over 4 ranks: raised on every rank together, after the agreement; the group stays usable
+        try:
+            cp_attention.attention(*(cp.shard(torch.randn(1, 24, 6, 8)) for _ in range(3)))
+            found["indivisible"] = "no error"
+        except ValueError as exc:
+            found["indivisible"] = str(exc)
+        found["after"] = tuple(cp_attention.attention(*leaves).shape)
+    return found
+
+
+def test_exchanges_per_call_and_indivisible_heads():
+    header = 25 * 8 * 3  # the agreement's header (25 int64) to each of the 3 other ranks
+    for found in run_ranks(4, _exchanges_worker, timeout=300):
+        measured, forward, backward = found["sent"]
+        assert measured - header == forward, found  # the statistics are the bytes actually sent
+        assert found["forward"] == (2, 1, 3), found  # agreement (one all-gather), then two all-to-alls
+        assert found["backward"][:3] == (2, 0, 2), found  # the reverse all-to-alls, nothing else
+        assert found["backward"][3] == backward, found
+        assert "6 heads are not a multiple of 4 ranks" in found["indivisible"], found
+        assert found["after"] == (1, 6, 4, 8)
