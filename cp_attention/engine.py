@@ -226,7 +226,7 @@ def _build(comm: Comm, layout, meta: SequenceMeta, spec: MaskSpec, q, k, v, stra
     if strategy == "ulysses":
         split = head_split(q.shape[2], k.shape[2], comm.world_size)
         local = build_plan(meta, spec.for_planning(), world_size=1, layout="contiguous", rank=0,
-                           head_kv=split.kv_per_rank, head_dim=k.shape[3], head_dim_v=v.shape[3],
+                           head_kv=split.q_per_rank // split.group, head_dim=k.shape[3], head_dim_v=v.shape[3],
                            itemsize=k.element_size())
         return UlyssesPlan(rank=comm.rank, world_size=comm.world_size, split=split, local=local, layout=layout,
                            seq_len=meta.seq_len,

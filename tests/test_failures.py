@@ -130,16 +130,16 @@ class _Injected(RuntimeError):
     pass
 
 
-def _inject(rank_to_fail: int, rank: int, phase: str, action: str) -> None:
+def _inject(rank_to_fail: int, rank: int, phase: str, action: str, at: int = 2) -> None:
     """Make the reference backend's ``phase`` ("forward"/"backward") misbehave on one rank, on its
-    second kernel call (so the ring is mid-flight): raise, or stall silently."""
+    ``at``-th kernel call (the second: the ring is mid-flight): raise, or stall silently."""
     backend = BACKENDS["reference"]
     original = getattr(backend, phase)
     calls = [0]
 
     def wrapped(*args, **kwargs):
         calls[0] += 1
-        if rank == rank_to_fail and calls[0] == 2:
+        if rank == rank_to_fail and calls[0] == at:
             if action == "raise":
                 raise _Injected(f"injected {phase} failure")
             time.sleep(12)  # a hung rank: no report, no progress
@@ -151,11 +151,11 @@ def _inject(rank_to_fail: int, rank: int, phase: str, action: str) -> None:
 NOTICED = 30.0  # seconds: half the 60 s timeout of these tests; a loaded CI machine stays well below
 
 
-def _failure_worker(rank, world_size, phase, action, timeout):
-    _inject(1, rank, phase, action)
+def _failure_worker(rank, world_size, phase, action, timeout, strategy="ring"):
+    _inject(1, rank, phase, action, at=2 if strategy == "ring" else 1)
     q, k, v = _full(requires_grad=True)
     with_block = []
-    with cp_attention.context_parallel(layout="zigzag", timeout=timeout) as cp:
+    with cp_attention.context_parallel(layout="zigzag", timeout=timeout, strategy=strategy) as cp:
         ql, kl, vl = (cp.shard(t.detach()).requires_grad_() for t in (q, k, v))
 
         def step():
@@ -170,13 +170,14 @@ def _failure_worker(rank, world_size, phase, action, timeout):
     return with_block
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_rank_raising_inside_attention_is_named_by_the_others(phase):
-    per_rank = run_ranks(3, _failure_worker, phase, "raise", 60.0, timeout=120)
+@pytest.mark.parametrize("phase, strategy", [("forward", "ring"), ("backward", "ring"), ("backward", "ulysses")])
+def test_rank_raising_inside_attention_is_named_by_the_others(phase, strategy):
+    world_size = 3 if strategy == "ring" else 2  # ulysses: 4 heads over 2 ranks
+    per_rank = run_ranks(world_size, _failure_worker, phase, "raise", 60.0, strategy, timeout=120)
     assert not multiprocessing.active_children()
     (name1, msg1, _), _ = per_rank[1]
     assert name1 == "_Injected" and f"injected {phase} failure" in msg1
-    for rank in (0, 2):
+    for rank in [r for r in range(world_size) if r != 1]:
         (name, msg, took), (name2, msg2, took2) = per_rank[rank]
         assert name == "RankFailedError", per_rank[rank]
         assert f"rank 1 failed in context-parallel attention {phase}" in msg and "_Injected" in msg, msg

@@ -27,27 +27,31 @@ from cp_attention.ulysses import head_split
 from oracle import oracle_attention, oracle_mask
 
 
-@pytest.mark.parametrize("H, K, P", [(4, 2, 2), (8, 2, 4), (4, 1, 4), (12, 6, 4), (24, 6, 4), (6, 3, 3), (8, 8, 2),
-                                     (16, 4, 8), (6, 2, 3)])
+@pytest.mark.parametrize("H, K, P", [(4, 2, 2), (8, 2, 4), (4, 1, 4), (12, 6, 4), (24, 6, 4), (12, 3, 4), (6, 3, 3),
+                                     (8, 8, 2), (16, 4, 8), (6, 2, 3)])
 def test_head_split_follows_the_gqa_groups(H, K, P):
     split = head_split(H, K, P)
     G, h = H // K, H // P
     assert split.q_per_rank == h and [split.q_range(r) for r in range(P)] == [(r * h, (r + 1) * h) for r in range(P)]
     for r in range(P):
-        lo, _ = split.q_range(r)
-        for local in range(h):  # query head lo + local uses K/V head (lo + local) // G, by definition of GQA
-            assert split.kv_index[r][local // split.group] == (lo + local) // G
-    # the fewest K/V heads per rank with a constant number of query heads per K/V head
-    runs = math.gcd(G, h)
-    assert split.kv_per_rank == h // runs
-    assert split.kv_sent >= K and (split.kv_sent == K) == (h % G == 0)
+        lo, hi = split.q_range(r)
+        # the K/V heads received are exactly the distinct ones its query heads use (GQA: q // G)
+        needed = sorted({q // G for q in range(lo, hi)})
+        assert list(range(*split.kv_range(r))) == needed
+        for local in range(h):  # and the kernel's head for local query head i is i // group
+            assert split.kv_slots[r][local // split.group] == (lo + local) // G
+        repeats = split.repeats(r) or (1,) * len(needed)
+        assert sum(repeats) == h // split.group and len(repeats) == len(needed)
+    # every K/V head reaches each rank that uses it, and only those
+    assert split.kv_sent == sum(len({q // G for q in range(*split.q_range(r))}) for r in range(P))
 
 
 def test_head_split_needs_heads_divisible_by_ranks():
     with pytest.raises(ValueError, match="6 heads are not a multiple of 4 ranks; use strategy='ring'"):
         head_split(6, 2, 4)
     with pytest.raises(ValueError, match="strategy must be one of"):
-        cp_attention.context_parallel(strategy="usp").__enter__()
+        with cp_attention.context_parallel(strategy="usp"):
+            pass
 
 
 # -- exactness on several ranks ------------------------------------------------------------------
@@ -70,6 +74,8 @@ def _cases(world_size: int) -> list[dict]:
              sinks=True, docs=docs),
         dict(name="float32", L=L, window=shard, docs=docs, dtype=torch.float32),
     ]
+    if world_size == 4:  # GQA groups of 4 over ranks of 3 query heads: ranks receive 1, 2, 2, 1 K/V heads
+        cases.append(dict(name="gqa-K3-uneven", L=L, heads=(12, 3), window=shard + 1, docs=docs, sinks=True))
     for c in cases:
         c.setdefault("heads", (world_size * 2, 2) if world_size != 3 else (6, 3))
     return cases
@@ -200,6 +206,16 @@ def _exchanges_worker(rank: int, world_size: int) -> dict:
         except ValueError as exc:
             found["indivisible"] = str(exc)
         found["after"] = tuple(cp_attention.attention(*leaves).shape)
+        # the strategy of a call is its own: ring, then ulysses, on the same inputs and cached plans
+        ring = cp_attention.attention(*leaves, window=5, strategy="ring")
+        found["switch"] = (cp_attention.last_plan_stats().strategy,
+                           float((cp_attention.attention(*leaves, window=5) - ring).abs().max()),
+                           cp_attention.last_plan_stats().strategy)
+        try:  # ranks that disagree on the strategy raise together
+            cp_attention.attention(*leaves, strategy="ring" if rank == 2 else "ulysses")
+            found["disagree"] = "no error"
+        except ValueError as exc:
+            found["disagree"] = str(exc)
     return found
 
 
@@ -213,3 +229,5 @@ def test_exchanges_per_call_and_indivisible_heads():
         assert found["backward"][3] == backward, found
         assert "6 heads are not a multiple of 4 ranks" in found["indivisible"], found
         assert found["after"] == (1, 6, 4, 8)
+        assert found["switch"][0] == "ring" and found["switch"][2] == "ulysses" and found["switch"][1] < 1e-6, found
+        assert "ranks disagree on strategy: [1, 1, 0, 1]" in found["disagree"], found
