@@ -50,9 +50,10 @@ def note_stats(stats: PlanStats, layer: int | None = None, in_model: bool = Fals
         state.FORWARD.calls.append((layer, stats))
         state.FORWARD.layer_ran = True
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("attention call%s (%s): %d kernel calls, sent %d B / received %d B in %d rounds, backward %d B",
+        log.debug("attention call%s (%s): %d kernel calls, %s sent %d B / received %d B in %d rounds, backward %d B",
                   "" if layer is None else f" (layer {layer})", stats.strategy, stats.kernel_calls,
-                  stats.kv_bytes_sent, stats.kv_bytes_recv, stats.rounds, stats.grad_bytes_sent)
+                  "K/V" if stats.strategy == "ring" else "q/k/v and outputs", stats.kv_bytes_sent,
+                  stats.kv_bytes_recv, stats.rounds, stats.grad_bytes_sent)
 
 
 def plan_stats(layout, rank: int, *, world_size: int | None = None, position_ids=None, cu_seqlens=None,
