@@ -385,11 +385,7 @@ def main(argv=None) -> int:
         plan_seconds=plan_s, ranks=dict(rank_cfg, world_sizes=rank_sizes), rank_seconds=time.perf_counter() - started -
         plan_s, compute_time=("CUDA events around kernel calls" if device.type == "cuda"
                               else "CPU time of the rank's thread inside kernel calls"))
-    name = "cp_layouts" + (f"_{args.tag}" if args.tag else "") + ".json"
-    path = harness.write_results(os.path.join(args.out, name), benchmark="cp_layouts",
-                                 machine=harness.machine_info(device, args.note), config=config, results=results)
-    print(f"\nwrote {path} ({time.perf_counter() - started:.0f}s)\n")
-    print("\n".join(layouts_tables(results)))
+    harness.finish_run(args, "cp_layouts", device, config, results, layouts_tables(results), started)
     return 0
 
 

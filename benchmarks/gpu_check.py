@@ -33,6 +33,14 @@
    4 * pairs * D * H for the forward, 3.5x that for forward+backward. Timing, dense masks and FLOPs
    come from the benchmarks' shared harness, :mod:`cp_attention.tools.harness`.
 
+3. Strategies (:func:`strategy_timing`): ring, each usp split and ulysses side by side for a
+   Qwen3-8B-shaped layer (H 32, K 8, D 128, bfloat16, L 32k) at simulated world sizes 4 and 8, one
+   document and a packed batch, full and windowed masks: every candidate's busiest rank's
+   forward+backward compute measured on this device (the other ranks simulated), the cost model's
+   modeled layer time with its default constants and with the throughput calibrated on the ring's
+   measured compute, and what auto picks under each. Exchanges are modeled (one device); real
+   ranks: ``bench_strategies.py`` on a machine with several GPUs.
+
 Meant to finish well within 8 minutes on one H200.
 """
 
@@ -448,6 +456,93 @@ def timing(backends, L, D, device, repeats) -> tuple[list[str], list[str]]:
     return rows, failures
 
 
+def _rank_timer(plan, q, k, v, dout, layout, backend, device, repeats):
+    """Seconds of one rank's forward+backward of ``plan`` (a ring plan over ``layout``) on ``device``,
+    every other rank simulated (:class:`harness.SimComm` hands it the K/V spans its plan receives)."""
+    from cp_attention import layout as layout_mod
+    from cp_attention.ring import ring_attention
+
+    P, r = plan.world_size, plan.rank
+    shards = [[layout_mod.shard(t, 1, P, layout, s).contiguous() for s in range(P)] for t in (q, k, v, dout)]
+    comm = harness.SimComm(plan, shards[1], shards[2])
+    leaves = [shards[i][r].detach().requires_grad_() for i in range(3)]
+    scale = q.shape[3] ** -0.5
+
+    def run():
+        ring_attention(*leaves, None, plan, comm, backend, scale=scale, softcap=None).backward(shards[3][r])
+
+    return harness.median_time(run, device=device, warmup=2, repeats=repeats)
+
+
+def strategy_timing(device, *, smoke: bool, repeats: int) -> tuple[list[str], list[str]]:
+    """The strategies side by side on this one device (a Qwen3-8B-shaped layer: H 32, K 8, D 128,
+    bfloat16, L 32k, simulated world sizes 4 and 8; --smoke: tiny): per world size, mask and batch,
+    every candidate's busiest rank's forward+backward compute, measured (each rank's plan run in
+    turn; under head parallelism one member per head group, with its heads), next to the cost
+    model's: its modeled layer time with the default constants and with the throughput calibrated
+    on the ring's measured busiest rank, and the candidate auto picks under each. The exchanges
+    cannot be timed on one device: they stay modeled. Returns the rows and what raised."""
+    import dataclasses as dc
+
+    from cp_attention.backends import select_backend
+    from cp_attention.strategy import CostModel, candidates, layer_time, rank_plans
+
+    H, K, D, L = (4, 2, 16, 256) if smoke else (32, 8, 128, 32768)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, L, H, D, generator=gen).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(1, L, K, D, generator=gen).to(device, dtype) for _ in range(2))
+    backend = select_backend("auto", device=device, dtype=dtype, head_dim=D, spec=MaskSpec())
+    rows, failures = [], []
+    batches = {"single": SequenceMeta.from_inputs(1, L),
+               "packed": SequenceMeta.from_inputs(1, L, cu_seqlens=_cu(_document_lengths(
+                   [0.4, 0.25, 0.15, 0.1, 0.06, 0.04], L), "cpu"))}
+    dims = dict(heads=H, head_dim=D, head_dim_v=D)
+    for P in ((2, 4) if smoke else (4, 8)):
+        for data, meta in batches.items():
+            for spec in (MaskSpec(), MaskSpec(window=max(L // 32, 8))):
+                label = f"P={P} {data:6s} {'full' if spec.window is None else f'window {spec.window}'}"
+                try:
+                    measured, plans_of = {}, {}
+                    for cand in candidates(P, H):
+                        plans = rank_plans(meta, spec, cand, "zigzag", kv_heads=K, itemsize=q.element_size(), **dims)
+                        plans_of[cand.name] = plans
+                        if cand.ulysses == 1:
+                            times = [_rank_timer(p, q, k, v, dout, "zigzag", backend, device, repeats)
+                                     for p in plans.values()]
+                        else:  # one member per head group: its heads, the ring over the head groups' tokens
+                            times = []
+                            for g in range(cand.world_size // cand.ulysses):
+                                plan = plans[g * cand.ulysses]
+                                h, kk = plan.split.q_per_rank, plan.split.q_per_rank // plan.split.group
+                                ring_layout = ("contiguous" if plan.grid.ring == 1 else
+                                               plan.grid.ring_layout(L, "zigzag"))
+                                times.append(_rank_timer(plan.ring, q[:, :, :h].contiguous(), k[:, :, :kk].contiguous(),
+                                                         v[:, :, :kk].contiguous(), dout[:, :, :h].contiguous(),
+                                                         ring_layout, backend, device, repeats))
+                        measured[cand.name] = max(times)
+                    default = CostModel()
+                    ring_stats = max((p.stats for p in plans_of["ring"].values()), key=lambda s: s.entries_computed)
+                    flops = ring_stats.entries_computed * H * 2 * 2 * D * (1 + default.backward)
+                    calibrated = dc.replace(default, throughput=flops / measured["ring"])
+                    modeled = {n: layer_time(default, p, **dims) for n, p in plans_of.items()}
+                    tuned = {n: layer_time(calibrated, p, **dims) for n, p in plans_of.items()}
+                    base = measured["ring"]
+                    for name in measured:
+                        timing_cell = (f"{measured[name] * 1e3:8.2f} ms" if device.type == "cuda"
+                                       else f"x{measured[name] / base:5.2f} of ring")
+                        rows.append(f"{label:22s} {name:9s} busiest compute {timing_cell}   modeled layer "
+                                    f"{modeled[name] * 1e3:8.3f} ms (calibrated {tuned[name] * 1e3:8.3f} ms)")
+                    rows.append(f"{label:22s} auto picks {min(modeled, key=modeled.get)} (default model), "
+                                f"{min(tuned, key=tuned.get)} (calibrated: "
+                                f"{calibrated.throughput / 1e12:.3g} TFLOP/s); "
+                                f"fastest measured compute: {min(measured, key=measured.get)}")
+                except Exception as exc:  # noqa: BLE001 - a row saying so; the others still run
+                    failures.append(label)
+                    rows.append(f"{label:22s} {_raised(exc)}")
+    return rows, failures
+
+
 def main(argv=None, backends=None, capability=None) -> int:
     """Run the check; ``backends`` (name -> backend) replaces the backends under test and
     ``capability`` the device's compute capability (tests run both on CPU)."""
@@ -491,6 +586,12 @@ def main(argv=None, backends=None, capability=None) -> int:
     print("\n".join(rows))
     if failures:
         print(f"timing: FAIL ({len(failures)} rows raised: {', '.join(failures)})")
+        status = 1
+    print("== strategies (one device; other ranks simulated; exchanges modeled) ==")
+    rows, failures = strategy_timing(device, smoke=args.smoke, repeats=max(2, repeats // 4))
+    print("\n".join(rows))
+    if failures:
+        print(f"strategies: FAIL ({len(failures)} rows raised: {', '.join(failures)})")
         status = 1
     print(f"exit status {status}: " + ("correctness and timing ran clean" if status == 0 else
                                       "see the verdict and the timing lines above"))

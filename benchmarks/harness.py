@@ -57,15 +57,16 @@ from cp_attention.comm import Comm
 from cp_attention.masks import MaskSpec, SequenceMeta
 from cp_attention.plan import PlanStats, RankPlan, Round, Step, build_local_plan, build_plan
 from cp_attention.ring import ring_attention
-from cp_attention.tools.harness import (MaskCase, Timing, dtype_of, flops, key_intervals, measure, pick_device,
-                                        synchronize, visible_pairs)
+from cp_attention.tools.harness import (MaskCase, SimComm, Timing, dtype_of, flops, key_intervals, measure,
+                                        pick_device, synchronize, visible_pairs)
 
 __all__ = [
     "MaskCase", "parse_mask", "document_lengths", "flops", "visible_pairs",
     "Timing", "measure", "peak_memory", "Workload",
     "traffic", "needed_halo_tokens", "full_ring_plan", "all_gather_plan", "TimedBackend", "SimComm",
     "rank_device", "timed_backend", "attention_inputs", "ring_step", "timed_step",
-    "machine_info", "memory_budget", "write_results", "load_results", "latest_results", "pick_device", "dtype_of",
+    "machine_info", "memory_budget", "write_results", "finish_run", "load_results", "latest_results", "pick_device",
+    "dtype_of",
     "add_run_arguments", "add_shape_arguments",
 ]
 
@@ -403,44 +404,6 @@ class TimedBackend:
         return self._timed(self.inner.backward, *args, **kw)
 
 
-class SimComm(Comm):
-    """Stands in for the process group when one process runs every rank's plan in turn (a single
-    GPU simulating world size P). A receive of K/V copies the spans the plan names out of the
-    sender's shard, as the network would deliver them; dK/dV partial sums coming back are received
-    as zeros and sent ones are dropped (their cost is traffic, counted from the plan). The rank's
-    compute is therefore exactly what it would do in a real job. Everything else is a
-    single-process :class:`~cp_attention.comm.Comm`.
-
-    ``k_shards``/``v_shards``: every rank's (B, S_r, K, D) shard, in rank order.
-    """
-
-    def __init__(self, plan: RankPlan, k_shards: list[torch.Tensor], v_shards: list[torch.Tensor]):
-        super().__init__(single=True)
-        self.rank, self.world_size = plan.rank, plan.world_size
-        self._rounds = {r.offset: r for r in plan.schedule()}
-        self._k, self._v = k_shards, v_shards
-        self._sim_ops: list = []
-
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        pass
-
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
-        self._sim_ops.append((tensor, src, tag))
-
-    def commit(self, *args, **kwargs):
-        ops, self._sim_ops = self._sim_ops, []
-        for buf, src, tag in ops:
-            if tag >= self.world_size:  # dK/dV partial sums of my spans
-                buf.zero_()
-                continue
-            at = 0
-            for a, b in self._rounds[tag].recv.spans:
-                buf[0, :, at:at + b - a].copy_(self._k[src][:, a:b])
-                buf[1, :, at:at + b - a].copy_(self._v[src][:, a:b])
-                at += b - a
-        return super().commit(*args, **kwargs)  # nothing queued there: a completed exchange
-
-
 def rank_device(rank: int, cfg: dict) -> tuple[torch.device, Comm]:
     """A spawned rank's device and comm: its own GPU and an NCCL group when ``cfg["device"]`` is
     ``"cuda"``, else the CPU (``cfg["threads"]`` torch threads) and the gloo WORLD."""
@@ -508,6 +471,18 @@ def write_results(path: str, *, benchmark: str, machine: dict, config: dict, res
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, sort_keys=False)
         f.write("\n")
+    return path
+
+
+def finish_run(args, benchmark: str, device: torch.device, config: dict, results: list[dict], tables: list[str],
+               started: float) -> str:
+    """Write a script's run to ``{args.out}/{benchmark}[_{args.tag}].json`` and print its tables;
+    returns the path."""
+    name = benchmark + (f"_{args.tag}" if args.tag else "") + ".json"
+    path = write_results(os.path.join(args.out, name), benchmark=benchmark, machine=machine_info(device, args.note),
+                         config=config, results=results)
+    print(f"\nwrote {path} ({time.perf_counter() - started:.0f}s)\n")
+    print("\n".join(tables))
     return path
 
 

@@ -11,6 +11,9 @@
   ring, an all-gather, and the halo the mask needs.
 * ``cp_speedup.png`` (from ``cp*.json``): compute speedup of the slowest rank over world size 1,
   per mask, for ours, the full ring and the all-gather.
+* ``strategies.png`` (from ``strategies*.json``, ``bench_strategies.py``): per model mix, the modeled
+  attention step time of ulysses-only, the best usp-only and auto against ring-only, over the world
+  size, packed batches at the shortest and longest length.
 * ``model_speedup.png`` (from ``model*.json``): cp_flash's training tokens/s over sdpa and eager.
 * ``cp_layouts*.png`` (one per ``cp_layouts*.json``, ``bench_cp_layouts.py``): per world size, the
   busiest rank's work over the mean, the predicted speedup of balanced over zigzag and the busiest
@@ -246,6 +249,38 @@ def plot_layouts(payload: dict, path: str) -> str:
                                  f"drawn batches ({_machine_title(payload)})")
 
 
+def plot_strategies(payload: dict, path: str) -> str:
+    """Per model, the modeled attention step time of each strategy used for every layer, and of
+    auto, as a ratio to ring-only, against the world size; packed batches, one line style per length."""
+    plt = _pyplot()
+    summary = [r for r in payload["results"] if r["kind"] == "summary" and r["data"] == "packed"]
+    models = list(dict.fromkeys(r["model"] for r in summary))
+    fig, axes = _panels(plt, models)
+    lengths = sorted({r["seq_len"] for r in summary})
+    shown = [lengths[0], lengths[-1]] if len(lengths) > 1 else lengths
+    for ax, model in zip(axes, models):
+        for L, style in zip(shown, ("-", "--")):
+            rows = sorted((r for r in summary if r["model"] == model and r["seq_len"] == L),
+                          key=lambda r: r["world_size"])
+            P = [r["world_size"] for r in rows]
+            nan = float("nan")
+            series = {"ulysses only": [r["step_s"].get("ulysses", nan) / r["step_s"]["ring"] for r in rows],
+                      "best usp only": [min([v for k, v in r["step_s"].items() if k.startswith("usp")] or [nan])
+                                        / r["step_s"]["ring"] for r in rows],
+                      "auto (per layer)": [r["auto_over_ring"] for r in rows]}
+            for (name, ys), color in zip(series.items(), ("C1", "C2", "C0")):
+                ax.plot(P, ys, style, color=color, marker="o", label=f"{name}, L={L // 1024}k")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r for r in sorted({r["world_size"] for r in summary})])
+        ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("world size P")
+        ax.set_ylabel("modeled step time / ring-only")
+        ax.legend(fontsize=6)
+    return _save(plt, fig, path, "strategies, packed batches (cost model defaults; below 1: faster than the ring)")
+
+
 def main(argv=None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("folder", help="folder holding attention*.json, cp*.json, model*.json")
@@ -272,6 +307,9 @@ def main(argv=None) -> list[str]:
         if layouts.get("benchmark") == "cp_layouts":
             name = os.path.splitext(os.path.basename(path))[0] + ".png"
             written.append(plot_layouts(layouts, os.path.join(out, name)))
+    strategies = harness.latest_results(args.folder, "strategies")
+    if strategies is not None:
+        written.append(plot_strategies(strategies, os.path.join(out, "strategies.png")))
     model = harness.latest_results(args.folder, "model")
     if model is not None:
         written.append(plot_model(model, os.path.join(out, "model_speedup.png")))

@@ -16,10 +16,11 @@ from .layout import Balanced, Contiguous, Layout, Zigzag
 from .masks import MaskSpec, SequenceMeta
 from .plan import PlanStats, RankPlan, build_plan
 from .stats import forward_plan_stats, last_plan_stats, plan_stats
+from .strategy import CostModel
 
 __all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats", "forward_plan_stats", "MaskSpec",
            "RankFailedError", "SequenceMeta", "PlanStats", "RankPlan", "build_plan", "layout", "Layout", "Zigzag",
-           "Contiguous", "Balanced", "balanced_layout", "plan_stats"]
+           "Contiguous", "Balanced", "balanced_layout", "plan_stats", "CostModel"]
 __version__ = "0.1.0"
 
 from .integrations import install as _install_integrations

@@ -28,14 +28,19 @@ __all__ = ["DTYPES", "STRATEGIES", "check_strategy", "Header", "make_header", "s
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """The dtypes attention accepts, in the order of the header's ``dtype`` field."""
 
-STRATEGIES = ("ring", "ulysses")
+STRATEGIES = ("ring", "ulysses", "usp", "auto")
 """How a multi-rank call runs, in the order of the header's ``strategy`` field."""
 
 
-def check_strategy(strategy) -> str:
-    """``strategy`` if it is one of :data:`STRATEGIES`, else ValueError."""
+def check_strategy(strategy, ulysses_size=None) -> str:
+    """``strategy`` if it is one of :data:`STRATEGIES` and ``ulysses_size`` fits it (a positive int
+    for "usp", None for the others), else ValueError."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+        raise ValueError(f"strategy must be one of {list(STRATEGIES)} (see cp_attention.strategy), got {strategy!r}")
+    if ulysses_size is not None and (strategy != "usp" or isinstance(ulysses_size, bool)
+                                     or not isinstance(ulysses_size, int) or ulysses_size < 1):
+        raise ValueError(f"ulysses_size is the head-group size of strategy='usp' (a positive int dividing the world "
+                         f"size), got ulysses_size={ulysses_size!r} with strategy={strategy!r}")
     return strategy
 
 
@@ -87,6 +92,8 @@ class Header:
     cached_meta_crc: int = -1      # the metadata checksum of the cached entry
     model_crc: int = -1            # checksum of the model's configuration (cp_flash), -1: none
     strategy: int = -1             # index in STRATEGIES
+    ulysses_size: int = -1         # strategy "usp": ranks per head group
+    cost_model_crc: int = -1       # strategy "auto": the cost model's checksum
 
     PER_RANK: ClassVar[frozenset] = frozenset({"error", "local_len", "plan_cached", "meta_cached",
                                                "cached_seq_len", "cached_meta_crc"})
@@ -104,7 +111,7 @@ class Header:
 
 
 def make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached, model_crc: int = -1,
-                strategy: str = "ring") -> Header:
+                strategy: str = "ring", ulysses_size: int | None = None, cost_model_crc: int = -1) -> Header:
     """This rank's header. ``cached``: (plan cached, metadata cached, their global length, their
     metadata checksum)."""
     crc = -1
@@ -121,7 +128,8 @@ def make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cach
         batch_documents_crc=-1 if batch is None else batch.crc,
         batch_tokens_crc=-1 if batch is None else batch.tokens_crc, plan_cached=plan_cached, meta_cached=meta_cached,
         cached_seq_len=cached_seq_len, cached_meta_crc=cached_meta_crc, model_crc=model_crc,
-        strategy=STRATEGIES.index(strategy))
+        strategy=STRATEGIES.index(strategy), ulysses_size=-1 if ulysses_size is None else ulysses_size,
+        cost_model_crc=cost_model_crc)
 
 
 def signature(header: Header) -> tuple:

@@ -27,7 +27,7 @@ def attention(
     causal: bool = True, window: int | None = None, chunk_size: int | None = None,
     softcap: float | None = None, sinks: torch.Tensor | None = None, scale: float | None = None,
     group=None, layout=None, backend: str | None = None, mask: MaskSpec | None = None,
-    strategy: str | None = None,
+    strategy: str | None = None, ulysses_size: int | None = None,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across a process group, honouring every mask.
 
@@ -68,10 +68,13 @@ def attention(
             context's backend (``context_parallel(backend=...)``), else "auto".
         mask: a :class:`~cp_attention.MaskSpec` instead of the keywords ``causal``, ``window``,
             ``chunk_size``, ``softcap`` and ``scale`` (which must then keep their defaults).
-        strategy: how a multi-rank call runs: "ring" or "ulysses" (all-to-all head parallelism;
-            ``H`` must be a multiple of the world size); None: the active context's
-            (``context_parallel(strategy=...)``), else "ring". Every strategy computes the same
-            attention; they differ in traffic and balance.
+        strategy: how a multi-rank call runs: "ring", "ulysses" (all-to-all head parallelism;
+            ``H`` must be a multiple of the world size), "usp" (all-to-all within head groups of
+            ``ulysses_size`` ranks, the ring across them) or "auto" (the cheapest by the context's
+            cost model); None: the active context's (``context_parallel(strategy=...)``, with its
+            ``ulysses_size``), else "ring". Every strategy computes the same attention; they differ
+            in traffic and balance (:mod:`cp_attention.strategy`).
+        ulysses_size: strategy "usp"'s head-group size (must divide the world size and ``H``).
 
     Returns:
         (B, L_local, H, Dv) in q's dtype (accumulation in float32), differentiable w.r.t. q, k, v
@@ -93,4 +96,4 @@ def attention(
                                      "chunk_size, softcap and scale, not both")
     return engine.attend(q, k, v, mask if mask is not None and local_error is None else keywords,
                   position_ids=position_ids, cu_seqlens=cu_seqlens, sinks=sinks, group=group, layout=layout,
-                  backend=backend, local_error=local_error, strategy=strategy)
+                  backend=backend, local_error=local_error, strategy=strategy, ulysses_size=ulysses_size)

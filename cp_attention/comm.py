@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from . import state
 
-__all__ = ["Comm", "Pending", "RankFailedError", "DEFAULT_TIMEOUT", "process_count", "is_transport_error"]
+__all__ = ["Comm", "SubComm", "Pending", "RankFailedError", "DEFAULT_TIMEOUT", "process_count", "is_transport_error"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a rank waits for its peers before it gives up (well under the process groups' own
@@ -468,6 +468,40 @@ class Comm:
                         raise
                     raise self._peer_died(peer, what, exc) from exc
         return Pending(self, works, [t for _, t, _, _ in ops], what)
+
+
+class SubComm:
+    """A sub-group of a :class:`Comm`'s ranks (``members``, parent ranks in sub-group order) for
+    the exchanges of a 2-D split (strategy "usp"): ``rank`` / ``world_size`` are the sub-group's, and
+    every message is posted by the parent on its own process group (no new process group is made:
+    distinct sub-groups of a split share no pair of ranks, so their messages never meet). Failures
+    are recorded and named with the parent's ranks."""
+
+    def __init__(self, parent: Comm, members: tuple[int, ...]):
+        if parent.rank not in members:
+            raise ValueError(f"SubComm: rank {parent.rank} is not one of the members {members}")
+        self.parent, self.members = parent, tuple(members)
+        self.rank, self.world_size = self.members.index(parent.rank), len(self.members)
+        self.backend, self.timeout = parent.backend, parent.timeout
+        self._ops: list[tuple[str, torch.Tensor, int, int]] = []
+
+    def __repr__(self) -> str:
+        return f"SubComm(rank={self.rank}, members={self.members}, of {self.parent!r})"
+
+    @property
+    def device(self) -> torch.device:
+        return self.parent.device
+
+    def report_failure(self, where: str, exc: BaseException) -> None:
+        self.parent.report_failure(where, exc)
+
+    def raise_if_failed(self) -> None:
+        self.parent.raise_if_failed()
+
+    def _post(self, ops: list, what: str) -> Pending:
+        return self.parent._post([(kind, t, self.members[peer], tag) for kind, t, peer, tag in ops], what)
+
+    send, recv, commit, all_to_all = Comm.send, Comm.recv, Comm.commit, Comm.all_to_all
 
 
 def _drain_at_exit() -> None:

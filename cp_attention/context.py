@@ -20,6 +20,7 @@ from .batch import BatchRecord, LiveRecords, bind, tokens_checksum
 from .comm import Comm
 from .masks import SequenceMeta
 from .plan_cache import PlanCache
+from .strategy import CostModel
 
 __all__ = ["ContextParallel", "context_parallel", "active_context", "as_group", "PLAN_CACHE_SIZE"]
 
@@ -64,11 +65,15 @@ class ContextParallel:
     """
 
     def __init__(self, group=None, layout="zigzag", timeout: float | None = None, backend: str = "auto",
-                 strategy: str = "ring"):
+                 strategy: str = "ring", ulysses_size: int | None = None, cost_model: CostModel | None = None):
         group = as_group(group)
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-        self.strategy = check_strategy(strategy)
+        self.strategy = check_strategy(strategy, ulysses_size)
+        self.ulysses_size = ulysses_size
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise TypeError(f"cost_model must be a cp_attention.CostModel, got {type(cost_model).__name__}")
+        self.cost_model = cost_model or CostModel()
         # a layout object, or the Balanced policy (shard_batch lays out each batch); parsed before the
         # comm opens its failure scope, so a bad layout opens none (the ranks' scope counts stay equal)
         self.layout = layout_mod.as_layout(layout, policy=True)
@@ -227,7 +232,8 @@ class ContextParallel:
 
 @contextlib.contextmanager
 def context_parallel(group=None, layout="zigzag", timeout: float | None = None, *,
-                     mesh_dim: str | None = None, backend: str = "auto", strategy: str = "ring"):
+                     mesh_dim: str | None = None, backend: str = "auto", strategy: str = "ring",
+                     ulysses_size: int | None = None, cost_model: CostModel | None = None):
     """Make ``group`` (None: the default WORLD group) the context-parallel group of the block.
 
     ``group``: a ProcessGroup, a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]`` of a (dp, cp) mesh), or a
@@ -237,9 +243,12 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
     of the block's attention calls that do not name one, ``cp_flash`` layers included ("auto", or a
     name in ``cp_attention.backends.BACKENDS``). ``strategy``: how the block's multi-rank calls run
     (those that do not name one, ``cp_flash`` layers included): ``"ring"`` (K/V moves between the
-    ranks' token shards: only the halo a window or chunk needs) or ``"ulysses"`` (all-to-all head
+    ranks' token shards: only the halo a window or chunk needs), ``"ulysses"`` (all-to-all head
     parallelism, :mod:`cp_attention.ulysses`: every rank attends over the whole sequence for
-    ``H / P`` heads; needs ``H`` divisible by ``P``).
+    ``H / P`` heads; needs ``H`` divisible by ``P``), ``"usp"`` (all-to-all within head groups of
+    ``ulysses_size`` consecutive ranks, the ring across the groups) or ``"auto"`` (per layer mask,
+    the cheapest of these by ``cost_model``, a :class:`~cp_attention.CostModel`; None: its
+    defaults). See :mod:`cp_attention.strategy`.
 
     Inside, :func:`~cp_attention.attention` with ``group=None`` shards over this group with this layout::
 
@@ -255,7 +264,7 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
     exception escaping the block (or raised inside attention) is recorded for the group, so ranks
     waiting on this one raise at once, naming it, instead of waiting for the timeout.
     """
-    cp = ContextParallel(as_group(group, mesh_dim), layout, timeout, backend, strategy)
+    cp = ContextParallel(as_group(group, mesh_dim), layout, timeout, backend, strategy, ulysses_size, cost_model)
     # the integrations' guards of the block (the model check of cp_flash models)
     leave = [guard(cp) for guard in list(state.CONTEXT_GUARDS)]
     token = state.ACTIVE_CONTEXT.set(cp)

@@ -24,16 +24,17 @@ import torch
 
 from . import compiled, context, stats
 from . import layout as layout_mod
-from .agreement import DTYPES, STRATEGIES, check_strategy, collective_error, exchange_headers, make_header, meta_crc, \
+from .agreement import DTYPES, check_strategy, collective_error, exchange_headers, make_header, meta_crc, \
     signature
 from .backends import BACKENDS, select_backend
 from .batch import NO_MASK, BatchRecord, batch_of, resolve, resolve_for_mask
 from .comm import Comm, process_count
 from .layout import global_index
 from .masks import MaskSpec, SequenceMeta
-from .plan import RankPlan, build_plan
+from .plan import RankPlan
 from .ring import ring_attention
-from .ulysses import UlyssesPlan, head_split, ulysses_attention, ulysses_stats
+from .strategy import CostModel, choose, fixed_candidate, rank_plans
+from .ulysses import UlyssesPlan, ulysses_attention
 from .torch_compat import assume_constant_result, torch_context_parallel_active
 
 __all__ = ["attend", "attend_layer", "LayerDocs", "layer_mask_batch", "compiling_outside_cp", "check_inputs",
@@ -137,7 +138,7 @@ def check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend, same_length:
 def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None, sinks=None, group=None,
            layout=None, backend: str | None = None, batch: BatchRecord | None = None,
            local_error: Exception | None = None, layer: int | None = None, model_crc: int = -1,
-           strategy: str | None = None) -> torch.Tensor:
+           strategy: str | None = None, ulysses_size: int | None = None) -> torch.Tensor:
     """The engine entry behind :func:`~cp_attention.attention` (same arguments and result).
 
     ``mask``: a MaskSpec or a dict of its keywords (checked on every rank together). ``batch``: the
@@ -146,7 +147,8 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
     check that failed on this rank, raised on every rank of the group together (before any K/V
     moves). ``layer``: the model layer index, for :func:`~cp_attention.forward_plan_stats` (a
     model's layers only). ``model_crc``: a checksum of the calling model's configuration, agreed with
-    ``batch``'s first call. ``strategy``: "ring" or "ulysses" (None: the context's).
+    ``batch``'s first call. ``strategy``: "ring", "ulysses", "usp" (with ``ulysses_size``) or "auto"
+    (None: the context's, with its ``ulysses_size`` and cost model; :mod:`cp_attention.strategy`).
 
     Agreement (see :mod:`cp_attention.agreement`): a call without ``batch`` all-gathers its header
     every time; with ``batch``, only the batch's first call with each signature does."""
@@ -162,13 +164,16 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
         backend = res.cp.backend if res.cp is not None else "auto"
     if strategy is None:
         strategy = res.cp.strategy if res.cp is not None else "ring"
+        if ulysses_size is None and res.cp is not None:
+            ulysses_size = res.cp.ulysses_size
+    cost_model = res.cp.cost_model if res.cp is not None else CostModel()
     spec = impl = None
     try:  # every check that can fail on one rank only runs before the first collective
         if error is not None:
             raise error
         if local_error is not None:
             raise local_error
-        check_strategy(strategy)
+        check_strategy(strategy, ulysses_size)
         spec = mask if isinstance(mask, MaskSpec) else MaskSpec(**mask)
         check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend)
         impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec,
@@ -183,8 +188,9 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
                                    position_ids=position_ids, cu_seqlens=cu_seqlens,
                                    label=f"{res.layout} layout")
     else:
-        plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc,
-                            strategy if strategy in STRATEGIES else "ring")
+        how = (strategy, ulysses_size, cost_model if strategy == "auto" else None) if error is None else \
+            ("ring", None, None)
+        plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc, how)
     stats.note_stats(plan.stats, layer, in_model=layer is not None or batch is not None)
     run = ulysses_attention if isinstance(plan, UlyssesPlan) else ring_attention
     return run(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap)
@@ -208,7 +214,7 @@ def _global_meta(comm: Comm, layout, seq_len: int, B: int, position_ids, cu_seql
     return SequenceMeta.from_inputs(B, seq_len, position_ids=layout_mod.unshard(parts, 1, layout))
 
 
-def _cache_keys(cp, layout, q, k, v, spec: MaskSpec, position_ids, cu_seqlens, batch, strategy: str = "ring"):
+def _cache_keys(cp, layout, q, k, v, spec: MaskSpec, position_ids, cu_seqlens, batch, how):
     """(metadata key, plan key) in the context's cache. Keys hold this rank's view only (local length,
     the documents' content); the global length is checked against the entry."""
     B, L_local = q.shape[:2]
@@ -217,27 +223,27 @@ def _cache_keys(cp, layout, q, k, v, spec: MaskSpec, position_ids, cu_seqlens, b
     else:
         meta_key = ("documents", layout, B, L_local, cp.plans.digest(position_ids), cp.plans.digest(cu_seqlens))
     heads = (q.shape[2], k.shape[2], k.shape[3], v.shape[3], k.element_size())
-    return meta_key, ("plan", meta_key, spec.for_planning(), strategy, heads)
+    return meta_key, ("plan", meta_key, spec.for_planning(), how, heads)
 
 
-def _build(comm: Comm, layout, meta: SequenceMeta, spec: MaskSpec, q, k, v, strategy: str = "ring"):
-    """This rank's plan: a :class:`RankPlan` (the ring) or a :class:`UlyssesPlan`."""
+def _build(comm: Comm, layout, meta: SequenceMeta, spec: MaskSpec, q, k, v, how=("ring", None, None)):
+    """This rank's plan under ``how`` = (strategy, ulysses_size, cost model): a :class:`RankPlan`
+    (the ring) or a :class:`UlyssesPlan` (head parallelism, with or without a ring across head
+    groups); "auto" chooses by the cost model (:func:`cp_attention.strategy.choose`)."""
     start = time.perf_counter()
-    if strategy == "ulysses":
-        split = head_split(q.shape[2], k.shape[2], comm.world_size)
-        local = build_plan(meta, spec.for_planning(), world_size=1, layout="contiguous", rank=0,
-                           head_kv=split.q_per_rank // split.group, head_dim=k.shape[3], head_dim_v=v.shape[3],
-                           itemsize=k.element_size())
-        return UlyssesPlan(rank=comm.rank, world_size=comm.world_size, split=split, local=local, layout=layout,
-                           seq_len=meta.seq_len,
-                           stats=ulysses_stats(split, local, comm.rank, meta.seq_len, layout, meta.batch, k.shape[3],
-                                               v.shape[3], k.element_size()))
-    plan = build_plan(meta, spec.for_planning(), world_size=comm.world_size, layout=layout, rank=comm.rank,
-                      head_kv=k.shape[2], head_dim=k.shape[3], head_dim_v=v.shape[3], itemsize=k.element_size())
+    strategy, ulysses_size, cost_model = how
+    dims = dict(heads=q.shape[2], kv_heads=k.shape[2], head_dim=k.shape[3], head_dim_v=v.shape[3],
+                itemsize=k.element_size())
+    P = comm.world_size
+    cand = fixed_candidate(strategy, ulysses_size, P, q.shape[2])
+    if cand is None:
+        plan = choose(meta, spec, layout, comm.rank, P, cost_model, **dims)
+    else:
+        plan = rank_plans(meta, spec, cand, layout, ranks=[comm.rank], **dims)[comm.rank]
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("plan built in %.1f ms: rank %d of %d, %s layout, %d x %d tokens, %s",
-                  1e3 * (time.perf_counter() - start), comm.rank, comm.world_size, layout, meta.batch, meta.seq_len,
-                  spec.for_planning())
+        log.debug("plan built in %.1f ms: rank %d of %d, %s layout, %d x %d tokens, %s, strategy %s%s",
+                  1e3 * (time.perf_counter() - start), comm.rank, P, layout, meta.batch, meta.seq_len,
+                  spec.for_planning(), stats.strategy_label(plan.stats), stats.predicted_label(plan.stats))
     return plan
 
 
@@ -247,7 +253,7 @@ def _reused(plan):
 
 
 def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error,
-                 model_crc: int = -1, strategy: str = "ring"):
+                 model_crc: int = -1, how=("ring", None, None)):
     """Several ranks: one header all-gather before any K/V moves, then this rank's plan; with a
     ``batch`` whose group already agreed on this call's signature, that plan and no collective.
 
@@ -259,7 +265,7 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
     comm, layout, cp = res.comm, res.layout, res.cp
     header = None
     if error is None:
-        meta_key, plan_key = _cache_keys(cp, layout, q, k, v, spec, position_ids, cu_seqlens, batch, strategy)
+        meta_key, plan_key = _cache_keys(cp, layout, q, k, v, spec, position_ids, cu_seqlens, batch, how)
         plan_entry = cp.plans.get(plan_key)
         meta_entry = cp.plans.get(meta_key)
         if batch is not None:
@@ -268,7 +274,7 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
         cached = (int(plan_entry is not None), int(meta_entry is not None),
                   -1 if known is None else known[2], -1 if known is None else known[1])
         header = make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached, model_crc,
-                             strategy)
+                             how[0], how[1], -1 if how[2] is None else how[2].crc)
         if batch is not None:
             agreed = batch.agreed.get(signature(header))
             if agreed is not None:
@@ -281,8 +287,8 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
     headers = exchange_headers(comm, header, error)
     try:
         seq_len = layout_mod.infer_seq_len([h.local_len for h in headers], comm.world_size, layout)
-        if strategy == "ulysses":  # the agreed head counts: every rank raises it together
-            head_split(q.shape[2], k.shape[2], comm.world_size)
+        # the agreed strategy and head counts: every rank raises it together
+        fixed_candidate(how[0], how[1], comm.world_size, q.shape[2])
     except ValueError as exc:
         raise collective_error(exc) from None
 
@@ -303,7 +309,7 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
         crc = meta_crc(meta)
         if batch is None:
             cp.plans.put(meta_key, (meta, crc, seq_len))
-    plan = cp.plans.put(plan_key, (_build(comm, layout, meta, spec, q, k, v, strategy), crc, seq_len))[0]
+    plan = cp.plans.put(plan_key, (_build(comm, layout, meta, spec, q, k, v, how), crc, seq_len))[0]
     return _remember(batch, header, plan)
 
 

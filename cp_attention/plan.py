@@ -119,7 +119,9 @@ class PlanStats:
     flash kernel's 2-D blocks compute slightly more on diagonals)."""
     entries_visible: int
     """(query, key) pairs the kernels keep; equals the pairs the mask keeps (verified)."""
-    strategy: str = "ring"  # "ring" (K/V moves between token shards) or "ulysses" (cp_attention.ulysses)
+    strategy: str = "ring"  # "ring" (K/V moves between token shards), "ulysses" or "usp" (cp_attention.ulysses)
+    ulysses_size: int = 1  # ranks exchanging heads: 1 for the ring, P for "ulysses", the head group for "usp"
+    predicted: tuple = ()  # strategy="auto": ((candidate, modeled seconds), ...) it weighed (cp_attention.strategy)
 
 
 @dataclass(frozen=True, eq=False)
@@ -616,10 +618,9 @@ def _intervals(q_idx: torch.Tensor, k_idx: torch.Tensor, seg_start: torch.Tensor
     seg_s_BR, seg_e_BR = seg_start[:, q_idx], seg_end[:, q_idx]
     low_BR = torch.maximum(seg_s_BR, q_idx + lo_i)
     up_BR = torch.minimum(seg_e_BR, q_idx + hi_i + 1)
-    B, Ls = seg_s_BR.shape[0], k_idx.numel()
     tlo_BR = torch.searchsorted(k_idx, low_BR.contiguous())
     thi_BR = torch.maximum(torch.searchsorted(k_idx, up_BR.contiguous()), tlo_BR)
-    base_B1 = (torch.arange(B) * Ls).unsqueeze(1)
+    base_B1 = (torch.arange(seg_s_BR.shape[0]) * k_idx.numel()).unsqueeze(1)
     return (tlo_BR + base_B1).reshape(-1), (thi_BR + base_B1).reshape(-1)
 
 
@@ -642,8 +643,7 @@ def _verify_step(step: Step | None, q_idx: torch.Tensor, k_idx: torch.Tensor, me
         los.append(lo_T[keep] + c.k_start)
         his.append(hi_T[keep] + c.k_start)
     row_X = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
-    lo_X = torch.cat(los) if los else row_X.clone()
-    hi_X = torch.cat(his) if his else row_X.clone()
+    lo_X, hi_X = (torch.cat(xs) if xs else row_X.clone() for xs in (los, his))
     order = torch.argsort(row_X * (int(hi_R.max()) + 2 if hi_R.numel() else 1) + lo_X, stable=True)
     row_X, lo_X, hi_X = row_X[order], lo_X[order], hi_X[order]
     R = lo_R.numel()

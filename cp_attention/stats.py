@@ -12,7 +12,8 @@ from .masks import MaskSpec, SequenceMeta
 from .plan import PlanStats, build_plan
 from .torch_compat import in_backward
 
-__all__ = ["last_plan_stats", "forward_plan_stats", "begin_forward", "note_stats", "plan_stats"]
+__all__ = ["last_plan_stats", "forward_plan_stats", "begin_forward", "note_stats", "plan_stats", "strategy_label",
+           "predicted_label"]
 
 log = logging.getLogger("cp_attention.api")
 
@@ -50,10 +51,23 @@ def note_stats(stats: PlanStats, layer: int | None = None, in_model: bool = Fals
         state.FORWARD.calls.append((layer, stats))
         state.FORWARD.layer_ran = True
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("attention call%s (%s): %d kernel calls, %s sent %d B / received %d B in %d rounds, backward %d B",
-                  "" if layer is None else f" (layer {layer})", stats.strategy, stats.kernel_calls,
-                  "K/V" if stats.strategy == "ring" else "q/k/v and outputs", stats.kv_bytes_sent,
+        log.debug("attention call%s (%s%s): %d kernel calls, %s sent %d B / received %d B in %d rounds, backward %d B",
+                  "" if layer is None else f" (layer {layer})", strategy_label(stats), predicted_label(stats),
+                  stats.kernel_calls, {"ring": "K/V", "ulysses": "q/k/v and outputs"}.get(
+                      stats.strategy, "q/k/v, outputs and the ring's K/V"), stats.kv_bytes_sent,
                   stats.kv_bytes_recv, stats.rounds, stats.grad_bytes_sent)
+
+
+def strategy_label(stats: PlanStats) -> str:
+    """How the log names the strategy a plan runs."""
+    return f"usp, head groups of {stats.ulysses_size}" if stats.strategy == "usp" else stats.strategy
+
+
+def predicted_label(stats: PlanStats) -> str:
+    """strategy="auto": every candidate's modeled forward+backward time ("" otherwise)."""
+    if not stats.predicted:
+        return ""
+    return ", chosen by auto: modeled " + ", ".join(f"{name} {1e3 * t:.3g} ms" for name, t in stats.predicted)
 
 
 def plan_stats(layout, rank: int, *, world_size: int | None = None, position_ids=None, cu_seqlens=None,

@@ -20,8 +20,16 @@ Bytes rank ``r`` sends per layer, forward: ``L_r (h D + k_j (D + Dv))`` to each 
 backward moves the same bytes the other way): independent of the mask, and every rank computes
 the same share of the work whatever the layout (:func:`ulysses_stats`).
 
+The 2-D split (strategy "usp", :class:`Grid`): the same exchanges within head groups of ``u``
+consecutive ranks (``h = H / u``), each member then holding its head group's tokens (every member's
+shard, in global order: :class:`_TokenMap`) of its heads; instead of attending alone, the members
+with the same index in their head groups run the ring over those tokens (the ring's layout:
+:meth:`Grid.ring_layout`), moving only the K/V the mask needs, with the received K/V heads
+repeated to the kernel's before the ring. ``u = P``: plain head parallelism (one head group, the
+ring of one rank is single-device attention).
+
 Legend: ``B`` batch, ``L`` global length, ``L_r`` rank r's tokens, ``H``/``K`` query/KV heads,
-``h`` query heads per rank, ``D``/``Dv`` head dims.
+``h`` query heads per rank, ``D``/``Dv`` head dims, ``u`` ranks per head group.
 """
 
 from __future__ import annotations
@@ -32,12 +40,13 @@ from dataclasses import dataclass
 import torch
 
 from . import layout as layout_mod
-from .comm import Comm
+from .comm import Comm, SubComm
 from .backends.base import accumulation_dtype
-from .plan import PlanStats, RankPlan
+from .plan import PlanStats, RankPlan, build_plan
 from .ring import ring_attention
 
-__all__ = ["HeadSplit", "head_split", "UlyssesPlan", "ulysses_attention", "ulysses_stats"]
+__all__ = ["Grid", "HeadSplit", "head_split", "UlyssesPlan", "build_ulysses_plan", "ulysses_attention",
+           "ulysses_stats"]
 
 
 @dataclass(frozen=True)
@@ -90,8 +99,9 @@ def head_split(heads: int, kv_heads: int, world_size: int) -> HeadSplit:
     Raises ValueError when ``heads`` is not a multiple of ``world_size``."""
     if heads % world_size:
         raise ValueError(
-            f"strategy='ulysses' splits the query heads over the ranks: {heads} heads are not a multiple of "
-            f"{world_size} ranks; use strategy='ring' (any head count) or a world size that divides {heads}")
+            f"head parallelism splits the query heads over {world_size} ranks (strategy 'ulysses': the world; "
+            f"'usp': a head group), but {heads} heads are not a multiple of {world_size}; use strategy='ring' (any "
+            f"head count), 'auto', or a (head-group) size that divides {heads}")
     h = heads // world_size
     gqa = heads // kv_heads
     group = math.gcd(gqa, h)  # query heads per kernel K/V head on every rank (a divisor of both)
@@ -99,120 +109,214 @@ def head_split(heads: int, kv_heads: int, world_size: int) -> HeadSplit:
     return HeadSplit(world_size=world_size, heads=heads, kv_heads=kv_heads, group=group, kv_slots=kv_slots)
 
 
+@dataclass(frozen=True)
+class Grid:
+    """The 2-D split of ``world_size`` ranks used by strategy "usp": ``ulysses`` consecutive ranks
+    form a head group (ranks ``g u .. g u + u - 1``: consecutive, so on one node under torchrun when
+    ``u`` divides the ranks per node, as USP and Transformer Engine's ``a2a+p2p`` place the
+    all-to-all), and the ``ring = P / u`` ranks with the same index in their head group form a ring
+    group (ranks ``i, i + u, i + 2 u, ..``). ``ulysses = P``: plain head parallelism (one head
+    group, rings of one rank); ``ulysses = 1``: the ring alone."""
+
+    world_size: int
+    ulysses: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ulysses <= self.world_size or self.world_size % self.ulysses:
+            raise ValueError(
+                f"ulysses_size={self.ulysses} must divide the world size {self.world_size} (the head-parallel "
+                f"sub-group size; the rest of the ranks run the ring); valid: "
+                f"{[u for u in range(1, self.world_size + 1) if self.world_size % u == 0]}")
+
+    @property
+    def ring(self) -> int:
+        return self.world_size // self.ulysses
+
+    def head_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks ``rank`` exchanges heads with (itself included), in head-group order."""
+        g = rank // self.ulysses
+        return tuple(range(g * self.ulysses, (g + 1) * self.ulysses))
+
+    def ring_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks ``rank`` runs the ring with (itself included), in ring order."""
+        return tuple(range(rank % self.ulysses, self.world_size, self.ulysses))
+
+    def ring_layout(self, seq_len: int, layout) -> layout_mod.Layout:
+        """The ring's layout: ring rank ``g`` holds every token of head group ``g`` (in increasing
+        global order)."""
+        runs = tuple(tuple(layout_mod.merge_ranges(
+            [run for r in self.head_group(g * self.ulysses) for run in layout_mod.rank_ranges(
+                seq_len, self.world_size, layout, r)])) for g in range(self.ring))
+        return layout_mod.Layout(seq_len, runs, name=f"{layout} in head groups of {self.ulysses}")
+
+
+class _TokenMap:
+    """Where each member of a head group's tokens sit among the group's tokens (increasing global
+    order): ``pieces`` are ``(member, offset in the member's shard, offset in the group's, count)``."""
+
+    def __init__(self, seq_len: int, world_size: int, layout, members: tuple[int, ...]):
+        runs = []
+        for m, r in enumerate(members):
+            at = 0
+            for a, b in layout_mod.rank_ranges(seq_len, world_size, layout, r):
+                runs.append((a, m, at, b - a))
+                at += b - a
+        runs.sort()
+        self.pieces, at = [], 0
+        for _, m, off, n in runs:
+            self.pieces.append((m, off, at, n))
+            at += n
+        self.sizes = [sum(n for mm, _, _, n in self.pieces if mm == m) for m in range(len(members))]
+        self.length = at
+
+    def gather(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Every member's shard (B, L_m, ...) -> the group's tokens (B, L_g, ...)."""
+        return torch.cat([parts[m].narrow(1, off, n) for m, off, _, n in self.pieces], dim=1)
+
+    def scatter(self, x: torch.Tensor, member: int) -> torch.Tensor:
+        """The group's tokens (B, L_g, ...) -> ``member``'s shard (B, L_m, ...)."""
+        parts = [x.narrow(1, at, n) for m, _, at, n in self.pieces if m == member]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 @dataclass(frozen=True, eq=False)
 class UlyssesPlan:
-    """One rank's head-parallel call: the split, the single-device plan over the whole sequence
-    (``local``, the same on every rank), the layout and global length, and the call's statistics."""
+    """One rank's head-parallel call (strategy "ulysses", or "usp": a :class:`Grid`): the split of
+    the heads over the rank's head group, the token map of that group, the ring plan over the ring
+    group (``ring``: of the head groups' tokens; with one head group, the single-device plan of the
+    whole sequence, the same on every rank), and the call's statistics."""
 
     rank: int
     world_size: int
+    grid: Grid
     split: HeadSplit
-    local: RankPlan
-    layout: object
-    seq_len: int
+    tokens: _TokenMap
+    ring: RankPlan
     stats: PlanStats
 
 
-def ulysses_stats(split: HeadSplit, local: RankPlan, rank: int, seq_len: int, layout, batch: int, head_dim: int,
-                  head_dim_v: int, itemsize: int) -> PlanStats:
-    """This rank's traffic (the forward's two exchanges; the backward moves the same bytes back)
-    and its share of the work: the whole sequence's entries (``local``, one set of heads) split
-    evenly over the ranks (each computes ``h`` of the ``H`` heads), the shares adding up exactly."""
-    P = split.world_size
-    sizes = layout_mod.local_lengths(seq_len, P, layout)
+def ulysses_stats(grid: Grid, split: HeadSplit, tokens: _TokenMap, ring: RankPlan, rank: int, batch: int,
+                  head_dim: int, head_dim_v: int, itemsize: int) -> PlanStats:
+    """This rank's traffic (the two exchanges with its head group, then its ring's K/V; the
+    backward moves the exchanges' bytes back and the ring's as the ring does) and its share of the
+    work: its ring rank's entries (one set of heads) split evenly over the head group (each member
+    computes ``h`` of the ``H`` heads), the shares adding up exactly."""
+    u, me = grid.ulysses, rank % grid.ulysses
+    sizes = tokens.sizes
     h = split.q_per_rank
-    others = [j for j in range(P) if j != rank]
+    others = [j for j in range(u) if j != me]
 
-    def qkv(tokens: int, j: int) -> int:  # rank j's query heads and the K/V heads they use
-        return tokens * batch * (h * head_dim + split.kv_count(j) * (head_dim + head_dim_v)) * itemsize
+    def qkv(n: int, j: int) -> int:  # n tokens of member j's query heads and the K/V heads they use
+        return n * batch * (h * head_dim + split.kv_count(j) * (head_dim + head_dim_v)) * itemsize
 
-    sent_in = sum(qkv(sizes[rank], j) for j in others)
-    recv_in = sum(qkv(sizes[j], rank) for j in others)
-    sent_out = sum(sizes[j] for j in others) * batch * h * head_dim_v * itemsize
-    recv_out = len(others) * sizes[rank] * batch * h * head_dim_v * itemsize
+    sent = sum(qkv(sizes[me], j) for j in others) + sum(sizes[j] for j in others) * batch * h * head_dim_v * itemsize
+    recv = sum(qkv(sizes[j], me) for j in others) + len(others) * sizes[me] * batch * h * head_dim_v * itemsize
+    rs = ring.stats
 
     def share(total: int) -> int:
-        return total * (rank + 1) // P - total * rank // P
+        return total * (me + 1) // u - total * me // u
 
+    head_group, ring_group = grid.head_group(rank), grid.ring_group(rank)
     return PlanStats(
-        rank=rank, world_size=P, kernel_calls=local.stats.kernel_calls, rounds=2 if P > 1 else 0,
-        peers_recv=tuple(others), peers_send=tuple(others), kv_bytes_recv=recv_in + recv_out,
-        kv_bytes_sent=sent_in + sent_out, grad_bytes_recv=sent_in + sent_out, grad_bytes_sent=recv_in + recv_out,
-        ring_kv_bytes_recv=0, entries_computed=share(local.stats.entries_computed),
-        entries_visible=share(local.stats.entries_visible), strategy="ulysses")
+        rank=rank, world_size=grid.world_size, kernel_calls=rs.kernel_calls,
+        rounds=(2 if u > 1 else 0) + rs.rounds,
+        peers_recv=tuple(head_group[j] for j in others) + tuple(ring_group[p] for p in rs.peers_recv),
+        peers_send=tuple(head_group[j] for j in others) + tuple(ring_group[p] for p in rs.peers_send),
+        kv_bytes_recv=recv + rs.kv_bytes_recv, kv_bytes_sent=sent + rs.kv_bytes_sent,
+        grad_bytes_recv=sent + rs.grad_bytes_recv, grad_bytes_sent=recv + rs.grad_bytes_sent,
+        ring_kv_bytes_recv=rs.ring_kv_bytes_recv, entries_computed=share(rs.entries_computed),
+        entries_visible=share(rs.entries_visible), strategy="ulysses" if grid.ring == 1 else "usp",
+        ulysses_size=u)
+
+
+def build_ulysses_plan(meta, spec, *, grid: Grid, layout, rank: int, heads: int, kv_heads: int, head_dim: int,
+                       head_dim_v: int, itemsize: int) -> UlyssesPlan:
+    """``rank``'s head-parallel plan (a pure function of global metadata, like :func:`build_plan`):
+    the head split over its head group, and the ring plan of its ring group over the head groups'
+    tokens, with the kernel's K/V heads (each serving ``split.group`` query heads)."""
+    split = head_split(heads, kv_heads, grid.ulysses)
+    tokens = _TokenMap(meta.seq_len, grid.world_size, layout, grid.head_group(rank))
+    ring_layout = "contiguous" if grid.ring == 1 else grid.ring_layout(meta.seq_len, layout)
+    ring = build_plan(meta, spec.for_planning(), world_size=grid.ring, layout=ring_layout,
+                      rank=rank // grid.ulysses, head_kv=split.q_per_rank // split.group, head_dim=head_dim,
+                      head_dim_v=head_dim_v, itemsize=itemsize)
+    return UlyssesPlan(rank=rank, world_size=grid.world_size, grid=grid, split=split, tokens=tokens, ring=ring,
+                       stats=ulysses_stats(grid, split, tokens, ring, rank, meta.batch, head_dim, head_dim_v,
+                                           itemsize))
 
 
 # ----------------------------------------------------------------------------------------------
 # the two exchanges
 
 
-def _to_heads(comm: Comm, layout, seq_len: int, xs: list[torch.Tensor], pick) -> list[torch.Tensor]:
-    """Every rank's tokens of this rank's heads: ``xs`` are this rank's (B, L_r, N, D) tensors,
-    ``pick(x_index, j)`` the heads (a slice or an index tensor) rank ``j`` takes of ``xs[x_index]``;
-    returns, per x, the whole sequence (B, L, n, D) of the heads this rank picks, in token order."""
+def _to_heads(comm, tokens: _TokenMap, xs: list[torch.Tensor], pick) -> list[torch.Tensor]:
+    """Every head-group member's tokens of this rank's heads: ``xs`` are this rank's (B, L_r, N, D)
+    tensors, ``pick(x_index, j)`` the heads (a slice) member ``j`` takes of ``xs[x_index]``; returns,
+    per x, the group's tokens (B, L_g, n, D) of the heads this rank picks, in global token order."""
     P, me = comm.world_size, comm.rank
-    sizes = layout_mod.local_lengths(seq_len, P, layout)
+    sizes = tokens.sizes
     B = xs[0].shape[0]
     dtype, device = xs[0].dtype, xs[0].device
 
     def message(j: int) -> torch.Tensor:
-        return torch.cat([_heads(x, pick(i, j)).reshape(-1) for i, x in enumerate(xs)])
+        return torch.cat([x[:, :, pick(i, j)].reshape(-1) for i, x in enumerate(xs)])
 
-    shapes = [(_heads(x, pick(i, me)).shape[2], x.shape[3]) for i, x in enumerate(xs)]
+    shapes = [(x[:, :, pick(i, me)].shape[2], x.shape[3]) for i, x in enumerate(xs)]
     per_token = sum(n * d for n, d in shapes)
     sends = [message(j) if j != me else None for j in range(P)]
-    recvs = [torch.empty(B * sizes[j] * per_token, dtype=dtype, device=device) if j != me else message(me)
+    recvs = [torch.empty(B * sizes[j] * per_token, dtype=dtype, device=device) if j != me else None
              for j in range(P)]
     comm.all_to_all(sends, recvs, "an all-to-all of q, k, v (head parallelism)")
     full = []
     offsets = [0] * P
-    for n, d in shapes:
+    for i, (n, d) in enumerate(shapes):
         parts = []
         for j in range(P):
+            if j == me:  # this rank's own share: a view of its input, no copy
+                parts.append(xs[i][:, :, pick(i, me)])
+                continue
             count = B * sizes[j] * n * d
             parts.append(recvs[j][offsets[j]:offsets[j] + count].view(B, sizes[j], n, d))
             offsets[j] += count
-        full.append(layout_mod.unshard(parts, 1, layout))
+        full.append(tokens.gather(parts))
     return full
 
 
-def _to_tokens(comm: Comm, layout, xs: list[torch.Tensor], widths) -> list[list[torch.Tensor]]:
-    """The reverse: ``xs`` are whole sequences (B, L, n, D) of this rank's heads; ``widths(i, j)``
-    the heads rank ``j`` holds of ``xs[i]``; returns, per x, the list over ranks ``j`` of this
-    rank's tokens (B, L_me, widths(i, j), D) of rank ``j``'s heads."""
+def _to_tokens(comm, tokens: _TokenMap, xs: list[torch.Tensor], widths) -> list[list[torch.Tensor]]:
+    """The reverse: ``xs`` are the group's tokens (B, L_g, n, D) of this rank's heads; ``widths(i,
+    j)`` the heads member ``j`` holds of ``xs[i]``; returns, per x, the list over members ``j`` of
+    this rank's tokens (B, L_me, widths(i, j), D) of member ``j``'s heads."""
     P, me = comm.world_size, comm.rank
-    seq_len = xs[0].shape[1]
-    sizes = layout_mod.local_lengths(seq_len, P, layout)
+    sizes = tokens.sizes
     B = xs[0].shape[0]
 
     def message(j: int) -> torch.Tensor:
-        return torch.cat([layout_mod.shard(x, 1, P, layout, j).reshape(-1) for x in xs])
+        return torch.cat([tokens.scatter(x, j).reshape(-1) for x in xs])
 
     def count(i: int, j: int) -> int:
         return B * sizes[me] * widths(i, j) * xs[i].shape[3]
 
     sends = [message(j) if j != me else None for j in range(P)]
     recvs = [torch.empty(sum(count(i, j) for i in range(len(xs))), dtype=xs[0].dtype, device=xs[0].device)
-             if j != me else message(me) for j in range(P)]
+             if j != me else None for j in range(P)]
     comm.all_to_all(sends, recvs, "an all-to-all of attention outputs (head parallelism)")
     out: list[list[torch.Tensor]] = [[] for _ in xs]
     for j in range(P):
         at = 0
         for i, x in enumerate(xs):
+            if j == me:  # this rank's own share: a view, no copy
+                out[i].append(tokens.scatter(x, me))
+                continue
             out[i].append(recvs[j][at:at + count(i, j)].view(B, sizes[me], widths(i, j), x.shape[3]))
             at += count(i, j)
     return out
 
 
-def _heads(x: torch.Tensor, pick) -> torch.Tensor:
-    return x[:, :, pick] if isinstance(pick, slice) else x.index_select(2, pick)
-
-
 class _Exchange:
     """What both exchanges of one call need (bound to that call): slices only, no device tensor."""
 
-    def __init__(self, plan: UlyssesPlan, comm: Comm):
-        self.plan, self.comm = plan, comm
+    def __init__(self, plan: UlyssesPlan, comm):
+        self.plan, self.comm = plan, comm  # comm: the rank's head group
         split = plan.split
         self.q_pick = [slice(*split.q_range(j)) for j in range(split.world_size)]
         self.kv_pick = [slice(*split.kv_range(j)) for j in range(split.world_size)]
@@ -223,15 +327,14 @@ class _Exchange:
 
 
 class _ToHeads(torch.autograd.Function):
-    """(q, k, v) of this rank's tokens, all heads -> the whole sequence of this rank's heads (its
-    query heads and the distinct K/V heads they use)."""
+    """(q, k, v) of this rank's tokens, all heads -> its head group's tokens of this rank's heads
+    (its query heads and the distinct K/V heads they use)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ex: _Exchange):
         try:
             ctx.ex, ctx.kv_heads = ex, k.shape[2]
-            plan = ex.plan
-            return tuple(_to_heads(ex.comm, plan.layout, plan.seq_len, [q, k, v],
+            return tuple(_to_heads(ex.comm, ex.plan.tokens, [q, k, v],
                                    lambda i, j: ex.q_pick[j] if i == 0 else ex.kv_pick[j]))
         except BaseException as exc:
             ex.comm.report_failure("head-parallel attention forward", exc)
@@ -242,7 +345,7 @@ class _ToHeads(torch.autograd.Function):
         ex = ctx.ex
         try:
             grads = [g.contiguous() for g in (dq_full, dk_full, dv_full)]
-            dq_parts, dk_parts, dv_parts = _to_tokens(ex.comm, ex.plan.layout, grads, ex.width)
+            dq_parts, dk_parts, dv_parts = _to_tokens(ex.comm, ex.plan.tokens, grads, ex.width)
             dq = torch.cat(dq_parts, dim=2)
             acc = accumulation_dtype(dk_full.dtype)
             B, L_me = dq.shape[:2]
@@ -258,13 +361,13 @@ class _ToHeads(torch.autograd.Function):
 
 
 class _ToTokens(torch.autograd.Function):
-    """The whole sequence of this rank's heads -> this rank's tokens, all heads."""
+    """The head group's tokens of this rank's heads -> this rank's tokens, all heads."""
 
     @staticmethod
     def forward(ctx, out_full, ex: _Exchange):
         try:
             ctx.ex = ex
-            return torch.cat(_to_tokens(ex.comm, ex.plan.layout, [out_full.contiguous()], ex.width)[0], dim=2)
+            return torch.cat(_to_tokens(ex.comm, ex.plan.tokens, [out_full.contiguous()], ex.width)[0], dim=2)
         except BaseException as exc:
             ex.comm.report_failure("head-parallel attention forward", exc)
             raise
@@ -273,8 +376,7 @@ class _ToTokens(torch.autograd.Function):
     def backward(ctx, dout):
         ex = ctx.ex
         try:
-            plan = ex.plan
-            full = _to_heads(ex.comm, plan.layout, plan.seq_len, [dout.contiguous()], lambda i, j: ex.q_pick[j])
+            full = _to_heads(ex.comm, ex.plan.tokens, [dout.contiguous()], lambda i, j: ex.q_pick[j])
             return full[0], None
         except BaseException as exc:
             ex.comm.report_failure("head-parallel attention backward", exc)
@@ -292,15 +394,21 @@ def _expand(x: torch.Tensor, repeats: tuple[int, ...] | None) -> torch.Tensor:
 
 def ulysses_attention(q, k, v, sinks, plan: UlyssesPlan, comm: Comm, backend, *, scale: float,
                       softcap: float | None) -> torch.Tensor:
-    """Head-parallel attention of this rank's shard: q (B, L_r, H, D), k (B, L_r, K, D), v (B, L_r, K,
-    Dv), sinks (H,) or None -> out (B, L_r, H, Dv). Differentiable w.r.t. q, k, v and sinks."""
-    ex = _Exchange(plan, comm)
-    q_full, k_full, v_full = _ToHeads.apply(q, k, v, ex)
-    repeats = plan.split.repeats(comm.rank)
-    lo, hi = plan.split.q_range(comm.rank)
-    # the whole sequence on this rank: a plan of one rank, run with the group's comm (no exchange;
-    # a failure is reported to the group, so the peers waiting in an exchange name this rank)
-    out_full = ring_attention(q_full, _expand(k_full, repeats), _expand(v_full, repeats),
-                              None if sinks is None else sinks[lo:hi], plan.local, comm, backend, scale=scale,
-                              softcap=softcap)
-    return _ToTokens.apply(out_full, ex)
+    """Head-parallel attention of this rank's shard (strategy "ulysses", or "usp" with the ring over
+    the head groups): q (B, L_r, H, D), k (B, L_r, K, D), v (B, L_r, K, Dv), sinks (H,) or None ->
+    out (B, L_r, H, Dv). Differentiable w.r.t. q, k, v and sinks."""
+    grid = plan.grid
+    one_group = grid.ring == 1
+    heads = comm if one_group else SubComm(comm, grid.head_group(comm.rank))
+    ex = _Exchange(plan, heads)
+    q_g, k_g, v_g = _ToHeads.apply(q, k, v, ex)
+    repeats = plan.split.repeats(heads.rank)
+    lo, hi = plan.split.q_range(heads.rank)
+    # one head group: the whole sequence on this rank, a plan of one rank run with the group's comm
+    # (no exchange; a failure is reported to the group, so the peers waiting in an exchange name
+    # this rank); several: the ring over the rank's ring group, of the head groups' tokens
+    out_g = ring_attention(q_g, _expand(k_g, repeats), _expand(v_g, repeats),
+                           None if sinks is None else sinks[lo:hi], plan.ring,
+                           comm if one_group else SubComm(comm, grid.ring_group(comm.rank)), backend, scale=scale,
+                           softcap=softcap)
+    return _ToTokens.apply(out_g, ex)

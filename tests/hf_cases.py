@@ -17,6 +17,7 @@ import torch
 
 import cp_attention
 from cp_attention.tools.tiny_models import FAMILIES, is_causal_lm, tiny_config, tiny_model
+from planutil import chosen, strategy_error, strategy_options
 
 # Window (and Llama 4 chunk) sizes, in tokens. With L = 67 at world size 4 a contiguous shard holds
 # 16-17 tokens and a zigzag slice 8-9: SMALL fits inside one. With L = 90 a contiguous shard holds
@@ -190,10 +191,10 @@ def run_cp_cases(rank: int, world_size: int, cases: list[dict], refs: dict, layo
             where = f"world={world_size} {layout} {strategy} rank={rank}"
             model.zero_grad(set_to_none=True)
             try:  # an error every rank raises alike is reported per case; a lone one times out
-                with cp_attention.context_parallel(layout=layout, strategy=strategy) as cp:
+                with cp_attention.context_parallel(layout=layout, **strategy_options(strategy)) as cp:
                     batch = cp.shard_batch(input_ids=ids, position_ids=pos)
                     out = model(**batch, **kwargs)
-                    used = {stats.strategy for _, stats in cp_attention.forward_plan_stats()}
+                    calls = cp_attention.forward_plan_stats()
                     (out.logits * cp.shard(R, dim=1)).sum().backward()
                     logits = cp.gather(out.logits.detach(), dim=1)
                 grads = flat_grads(model)
@@ -203,7 +204,10 @@ def run_cp_cases(rank: int, world_size: int, cases: list[dict], refs: dict, layo
                                     error=f"{type(exc).__name__}: {exc}"))
                 continue
             results.append(compare(case, model, logits, grads, refs[case["name"]], where=where))
-            if used != {strategy}:  # every layer ran the strategy asked for
+            wrong = strategy_error(strategy, calls) if world_size > 1 else None
+            if wrong is not None or (world_size > 1 and not calls):  # every layer ran the strategy asked for
                 results.append(dict(name=case["name"], family=case["family"], where=where,
-                                    error=f"layers ran {sorted(used)}, not {strategy!r}"))
+                                    error=wrong or "no layer ran under context parallelism"))
+            elif strategy == "auto":
+                results[-1]["chosen"] = chosen(calls)
     return results

@@ -120,6 +120,13 @@ MUTANTS = (
            "    if bound is not None:\n        cp = bound\n",
            "    if False:\n        cp = bound\n",
            ("tests/test_training.py::test_ddp_fsdp2_checkpointing_collator_cp2",)),
+    Mutant("usp: a head group's tokens in member order, not global order", "strategies", "cp_attention/ulysses.py",
+           "        runs.sort()\n", "", ("tests/test_ulysses.py::test_strategies_exact_against_the_oracle",)),
+    Mutant("auto: picks the most expensive candidate", "strategies", "cp_attention/strategy.py",
+           "if best is None or t < best[0]:", "if best is None or t > best[0]:", ("tests/test_strategy.py",)),
+    Mutant("cost model: the all-to-alls' backward bytes not counted", "strategies", "cp_attention/strategy.py",
+           "a2a = 2 * a2a_fwd / model.group_bandwidth", "a2a = a2a_fwd / model.group_bandwidth",
+           ("tests/test_strategy.py",)),
 )
 
 

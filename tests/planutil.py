@@ -38,3 +38,38 @@ def covered_pairs(meta, spec, world_size, layout, **kw):
                         assert bk == bq, "a sequence crosses batch rows"
                         count[bq, q_idx[i], k_idx[local[jj]]] += 1
     return count, plans
+
+
+# strategy="auto" in the model tests: a model where only bytes count (compute free, no latency), so
+# that a model's window layers (small halo) and full layers choose differently
+BYTES_ONLY = dict(latency=0.0, throughput=1e30, bandwidth=1e9, inter_node_bandwidth=1e9)
+
+
+def strategy_options(strategy: str) -> dict:
+    """context_parallel's keywords for a test run under ``strategy``."""
+    import cp_attention
+
+    return dict(strategy=strategy, cost_model=cp_attention.CostModel(**BYTES_ONLY) if strategy == "auto" else None)
+
+
+def strategy_error(strategy: str, calls) -> str | None:
+    """Whether every layer of a forward (``forward_plan_stats()``) ran ``strategy``: for "auto", the
+    candidate its model rated cheapest (recorded in ``predicted``). None when so, else the error."""
+    for layer, stats in calls:
+        if strategy != "auto":
+            if stats.strategy != strategy:
+                return f"layer {layer} ran {stats.strategy!r}, not {strategy!r}"
+            continue
+        if not stats.predicted:
+            return f"layer {layer} ran {stats.strategy!r} without auto's choice"
+        best = min(stats.predicted, key=lambda item: item[1])[0]
+        label = stats.strategy if stats.strategy != "usp" else \
+            f"usp{stats.ulysses_size}x{stats.world_size // stats.ulysses_size}"
+        if label != best:
+            return f"layer {layer}: auto ran {label}, its model rated {best} cheapest ({stats.predicted})"
+    return None
+
+
+def chosen(calls) -> list[str]:
+    """Each layer's strategy, in call order."""
+    return [stats.strategy if stats.strategy != "usp" else f"usp{stats.ulysses_size}" for _, stats in calls]

@@ -420,3 +420,54 @@ def test_planning_benchmark_smoke(tmp_path):
         assert (r["layout_ms"] > 0) == (r["layout"] == "balanced") or r["layout_ms"] < 1
     pos = bench_planning.packed_positions(4096, 50, seed=0)
     assert pos.shape == (1, 4096) and int((pos == 0).sum()) == 50  # 50 documents fill the row
+
+
+# ----------------------------------------------------------------------------------------------
+# bench_strategies.py: ring, ulysses, usp and auto per layer
+
+
+def test_strategies_smoke(tmp_path):
+    """``bench_strategies.py --smoke``: each configuration's step time per strategy is the sum over
+    its layers of that strategy's modeled layer time; auto's pick per mask is the engine's choice and
+    the cheapest candidate of that mask (auto never above the cheapest by more than 2%: here
+    exactly it); the real ranks ran what they were asked, with outputs equal to the ring's."""
+    bench_strategies = importlib.import_module("bench_strategies")
+    threads = torch.get_num_threads()
+    try:
+        assert bench_strategies.main(["--smoke", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    results = harness.load_results(os.path.join(tmp_path, "strategies.json"))["results"]
+    layers = [r for r in results if r["kind"] == "layer"]
+    summaries = [r for r in results if r["kind"] == "summary"]
+    assert len(summaries) == len(bench_strategies.MODELS) * 2 * 2  # models x data x world sizes (4, 8)
+    for s in summaries:
+        rows = [r for r in layers if all(r[k] == s[k] for k in ("model", "seq_len", "world_size", "data"))]
+        for name, step in s["step_s"].items():
+            assert step == pytest.approx(sum(r["layers"] * r["modeled_s"] for r in rows if r["strategy"] == name))
+        auto = 0.0
+        for mask, pick in s["auto_picks"].items():
+            per = {r["strategy"]: r for r in rows if r["mask"] == mask}
+            assert per[pick]["modeled_s"] <= 1.02 * min(r["modeled_s"] for r in per.values()), (s, mask)
+            assert pick == min(per, key=lambda n: per[n]["modeled_s"])
+            auto += per[pick]["layers"] * per[pick]["modeled_s"]
+        assert s["auto_s"] == pytest.approx(auto) and s["auto_over_cheapest_per_layer"] <= 1.02
+        assert s["auto_s"] <= min(s["step_s"].values()) * (1 + 1e-12)
+        assert s["auto_over_ring"] == pytest.approx(auto / s["step_s"]["ring"])
+    ranks = [r for r in results if r["kind"] == "ranks"]
+    assert {r["strategy"] for r in ranks} == {"ring", "ulysses", "auto"}  # P = 2
+    for r in ranks:
+        assert r["max_abs_diff_vs_ring"] < 1e-4, r
+        if r["strategy"] != "auto":
+            assert set(r["picks"]) == {r["strategy"]} and len(r["picks"]) == 4, r
+        assert r["measured_over_ring"] > 0 and r["predicted_over_ring"] > 0 and r["compute_over_ring"] > 0
+        assert r["compute_s_max"] <= r["wall_s_max"] and r["layout"] in ("zigzag", "contiguous")
+        if r["strategy"] == "ring":
+            assert r["predicted_compute_over_ring"] == 1.0 == r["compute_over_ring"]
+    # contiguous shards of one causal document: the ring's last rank does 3/4 of the pairs at P = 2,
+    # head parallelism half: the model's compute ratio follows from that (tiles round it up a little)
+    uly = next(r for r in ranks if r["layout"] == "contiguous" and r["strategy"] == "ulysses")
+    assert 0.6 < uly["predicted_compute_over_ring"] < 0.9, uly
+    written = importlib.import_module("plot").plot_strategies(harness.load_results(
+        os.path.join(tmp_path, "strategies.json")), os.path.join(tmp_path, "strategies.png"))
+    assert os.path.getsize(written) > 5000

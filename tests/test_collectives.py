@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import cp_attention
@@ -40,13 +41,13 @@ def _batch(seed: int = 0) -> dict:
     return dict(input_ids=ids, position_ids=pos, labels=ids.clone())
 
 
-def _depth_worker(rank, world_size):
+def _depth_worker(rank, world_size, strategy="ring"):
     counter = _count_collectives()
     torch.manual_seed(0)
     result = {}
     for layers in (2, 6):
         model = tiny_model("qwen3", "cp_flash", layers=layers, window=8)  # sliding + full layers
-        with cp_attention.context_parallel() as cp:
+        with cp_attention.context_parallel(strategy=strategy) as cp:
             batch = cp.shard_batch(**_batch())
             counts = []
             for _ in range(2):  # the batch's first step, then a second one on the same batch
@@ -61,8 +62,9 @@ def _depth_worker(rank, world_size):
     return result
 
 
-def test_collectives_per_forward_backward_do_not_depend_on_depth():
-    per_rank = run_ranks(2, _depth_worker, timeout=240)
+@pytest.mark.parametrize("strategy", ["ring", "ulysses", "auto"])
+def test_collectives_per_forward_backward_do_not_depend_on_depth(strategy):
+    per_rank = run_ranks(2, _depth_worker, strategy, timeout=240)
     for counts in per_rank:
         # qwen3's layers alternate sliding and full attention: two signatures, one agreement each
         assert counts[2] == counts[6] == [2, 0, 2], counts

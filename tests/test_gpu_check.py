@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -106,6 +107,13 @@ def test_gpu_check_smoke(capsys):
     assert len(rows) == N_CASES and all(line.endswith("OK") for line in rows)
     assert out.index("verdict:") < out.index("== timing"), "the verdict comes before any timing"
     assert out.rstrip().splitlines()[-1].startswith("exit status 0")
+    # the strategies side by side: every candidate of P = 2 and 4 (4 heads) in each of the 8 settings
+    strategies = out.split("== strategies")[1]
+    for P, names in ((2, ["ring", "ulysses"]), (4, ["ring", "usp2x2", "ulysses"])):
+        for name in names:
+            assert len([line for line in strategies.splitlines()
+                        if line.startswith(f"P={P} ") and re.search(rf"\s{name}\s+busiest compute", line)]) == 4
+    assert strategies.count("auto picks") == 8 and "raised" not in strategies
 
 
 class NoisyGradients:

@@ -46,14 +46,16 @@ def test_ddp_fsdp2_over_dp_x_cp_mesh():
     _assert_exact(run_ranks(4, tw.run_setups, tw.DPCP_SETUPS, 2, timeout=900))
 
 
-def test_ddp_fsdp2_checkpointing_under_ulysses_cp2():
+@pytest.mark.parametrize("strategy", ["ulysses", "auto"])
+def test_ddp_fsdp2_checkpointing_under_ulysses_and_auto_cp2(strategy):
     """The training stack (DDP and FSDP2 mean convention, gradient checkpointing inside the block,
-    checkpointing of the whole model with its backward after the block) under strategy="ulysses"."""
+    checkpointing of the whole model with its backward after the block) under strategy="ulysses"
+    and "auto" (each layer's choice checked against its cost model)."""
     setups = [s for s in tw.CP2_SETUPS if s[0] in ("ddp/qwen3/rows/gc-reentrant/inside", "ddp/mistral/flatten/gc-nonreentrant/after",
                                                    "fsdp2/mistral/flatten/gc-nonreentrant/after",
                                                    "checkpoint-whole/qwen3/flatten/after")]
     assert len(setups) == 4
-    _assert_exact(run_ranks(2, tw.run_setups, setups, 1, "ulysses", timeout=600))
+    _assert_exact(run_ranks(2, tw.run_setups, setups, 1, strategy, timeout=600))
 
 
 def test_ddp_cp4():

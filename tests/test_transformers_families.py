@@ -94,11 +94,17 @@ def test_cp_flash_matches_docs_alone_eager(world_size: int, refs):
     _assert_ok([r for results in per_rank for r in results])
 
 
-@pytest.mark.parametrize("world_size, layout", [(2, "contiguous"), (4, "zigzag")])
-def test_cp_flash_under_ulysses_matches_docs_alone_eager(world_size: int, layout: str, refs):
+@pytest.mark.parametrize("world_size, layout, strategy", [(2, "contiguous", "ulysses"), (4, "zigzag", "ulysses"),
+                                                          (2, "zigzag", "auto"), (4, "contiguous", "auto")])
+def test_cp_flash_under_ulysses_and_auto_matches_docs_alone_eager(world_size: int, layout: str, strategy: str, refs):
     """Every family under strategy="ulysses" (all-to-all head parallelism: 4 query heads, 2 K/V
-    heads, so K/V heads are replicated at world size 4) against each document alone under eager."""
-    per_rank = run_ranks(world_size, hf_cases.run_cp_cases, CASES, refs, (layout,), "ulysses", timeout=600)
+    heads, so K/V heads are replicated at world size 4) and "auto" (per layer, the cheapest of ring,
+    usp and ulysses by a bytes-only cost model; each layer's choice checked against its model)
+    against each document alone under eager."""
+    per_rank = run_ranks(world_size, hf_cases.run_cp_cases, CASES, refs, (layout,), strategy, timeout=900)
     for results in per_rank:
         assert len(results) == len(CASES)
     _assert_ok([r for results in per_rank for r in results])
+    if strategy == "auto":  # auto chose per layer: the families' window and full layers do not all agree
+        choices = {c for results in per_rank for r in results for c in r.get("chosen", ())}
+        assert len(choices) >= 2, choices

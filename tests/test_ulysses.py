@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -47,10 +46,13 @@ def test_head_split_follows_the_gqa_groups(H, K, P):
 
 
 def test_head_split_needs_heads_divisible_by_ranks():
-    with pytest.raises(ValueError, match="6 heads are not a multiple of 4 ranks; use strategy='ring'"):
+    with pytest.raises(ValueError, match="6 heads are not a multiple of 4; use strategy='ring'"):
         head_split(6, 2, 4)
     with pytest.raises(ValueError, match="strategy must be one of"):
-        with cp_attention.context_parallel(strategy="usp"):
+        with cp_attention.context_parallel(strategy="zigzag"):
+            pass
+    with pytest.raises(ValueError, match="ulysses_size is the head-group size of strategy='usp'"):
+        with cp_attention.context_parallel(strategy="ring", ulysses_size=2):
             pass
 
 
@@ -118,13 +120,14 @@ def _layout_for(name: str, world_size: int, case: dict, position_ids, cu_seqlens
                                         masks=[mask])
 
 
-def _exactness_worker(rank: int, world_size: int) -> dict:
+def _exactness_worker(rank: int, world_size: int, strategy: str, ulysses_size) -> dict:
     errors = {}
     for case in _cases(world_size):
         (q, k, v, dout), sinks, position_ids, cu_seqlens = _inputs(case)
         for layout_name in ("zigzag", "contiguous", "balanced"):
             layout = _layout_for(layout_name, world_size, case, position_ids, cu_seqlens)
-            with cp_attention.context_parallel(layout=layout, strategy="ulysses") as cp:
+            with cp_attention.context_parallel(layout=layout, strategy=strategy, ulysses_size=ulysses_size,
+                                               cost_model=WORK_ONLY if strategy == "auto" else None) as cp:
                 leaves = [cp.shard(t).requires_grad_() for t in (q, k, v)]
                 s = None if sinks is None else sinks.clone().requires_grad_()
                 out = cp_attention.attention(
@@ -138,20 +141,42 @@ def _exactness_worker(rank: int, world_size: int) -> dict:
                     got.append(s.grad)
                 stats = cp_attention.last_plan_stats()
             errors[(case["name"], layout_name)] = ([float((a.double() - b).abs().max()) for a, b in zip(got, _want(case))],
-                                                   stats.strategy)
+                                                   (stats.strategy, stats.ulysses_size, stats.predicted))
     return errors
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ulysses_exact_against_the_oracle(world_size):
-    per_rank = run_ranks(world_size, _exactness_worker, timeout=900)
+# auto under a model where only the busiest rank's work counts: it takes head parallelism where the
+# layout leaves the ring's work unbalanced (contiguous shards of a causal mask), the ring where it ties
+WORK_ONLY = cp_attention.CostModel(latency=0.0, bandwidth=1e18, inter_node_bandwidth=1e18, throughput=1e9)
+
+# (world size, strategy, ulysses_size): every valid usp split (1: the ring's code path; P: ulysses') and auto
+GRID = [(2, "ulysses", None), (2, "usp", 1), (2, "auto", None), (3, "ulysses", None), (3, "usp", 1),
+        (3, "auto", None), (4, "ulysses", None), (4, "usp", 2), (4, "auto", None)]
+
+
+@pytest.mark.parametrize("world_size, strategy, ulysses_size", GRID)
+def test_strategies_exact_against_the_oracle(world_size, strategy, ulysses_size):
+    per_rank = run_ranks(world_size, _exactness_worker, strategy, ulysses_size, timeout=900)
     cases = {c["name"]: c for c in _cases(world_size)}
     assert len(per_rank[0]) == 3 * len(cases)
+    want = {"ulysses": ("ulysses", world_size), "usp": ("ring", 1) if ulysses_size == 1 else ("usp", ulysses_size)}
+    chosen = set()
     for errors in per_rank:
-        for (name, layout), (errs, strategy) in errors.items():
+        for (name, layout), (errs, (ran, size, predicted)) in errors.items():
             bound = 1e-5 if cases[name].get("dtype") == torch.float32 else 1e-9
-            assert strategy == "ulysses"
-            assert max(errs) <= bound, (world_size, name, layout, errs)
+            assert max(errs) <= bound, (world_size, strategy, name, layout, errs)
+            if strategy != "auto":
+                assert (ran, size) == want[strategy] and predicted == (), (ran, size, predicted)
+                continue
+            # auto ran the candidate its model rated cheapest (the first of the cheapest), and weighed every valid one
+            names = [n for n, _ in predicted]
+            assert names[0] == "ring" and len(names) == len(set(names)) >= 2, predicted
+            best = min(predicted, key=lambda item: item[1])[0]
+            label = {"ring": "ring", "ulysses": "ulysses"}.get(ran, f"usp{size}x{world_size // size}")
+            assert label == best, (name, layout, ran, size, predicted)
+            chosen.add(label)
+    if strategy == "auto":  # the small cases' costs differ enough that auto switches between strategies
+        assert len(chosen) >= 2, chosen
 
 
 # -- exchanges per call ---------------------------------------------------------------------------
@@ -220,14 +245,62 @@ def _exchanges_worker(rank: int, world_size: int) -> dict:
 
 
 def test_exchanges_per_call_and_indivisible_heads():
-    header = 25 * 8 * 3  # the agreement's header (25 int64) to each of the 3 other ranks
+    header = 27 * 8 * 3  # the agreement's header (27 int64) to each of the 3 other ranks
     for found in run_ranks(4, _exchanges_worker, timeout=300):
         measured, forward, backward = found["sent"]
         assert measured - header == forward, found  # the statistics are the bytes actually sent
         assert found["forward"] == (2, 1, 3), found  # agreement (one all-gather), then two all-to-alls
         assert found["backward"][:3] == (2, 0, 2), found  # the reverse all-to-alls, nothing else
         assert found["backward"][3] == backward, found
-        assert "6 heads are not a multiple of 4 ranks" in found["indivisible"], found
+        assert "6 query heads over head groups of 4 ranks, but 6 is not a multiple of 4" in found["indivisible"], found
         assert found["after"] == (1, 6, 4, 8)
         assert found["switch"][0] == "ring" and found["switch"][2] == "ulysses" and found["switch"][1] < 1e-6, found
         assert "ranks disagree on strategy: [1, 1, 0, 1]" in found["disagree"], found
+
+
+def _usp_exchanges_worker(rank: int, world_size: int) -> dict:
+    posts = _count("_post")
+    sent = _sent_bytes()
+    q, k, v = (torch.randn(2, 40, n, 8, generator=torch.Generator().manual_seed(n)) for n in (4, 2, 2))
+    found = {}
+    with cp_attention.context_parallel(strategy="usp", ulysses_size=2) as cp:
+        leaves = [cp.shard(t).requires_grad_() for t in (q, k, v)]
+        for window in (None, 6):
+            cp_attention.attention(*leaves, window=window)  # the plan, built and cached
+            sent[0] = posts[0] = 0
+            out = cp_attention.attention(*leaves, window=window)
+            stats = cp_attention.last_plan_stats()
+            forward = (posts[0], sent[0])
+            sent[0] = posts[0] = 0
+            out.sum().backward()
+            found[window] = dict(forward=forward, backward=(posts[0], sent[0]), stats=stats)
+    # auto with a different cost model on rank 1: every rank raises, before anything moves
+    model = cp_attention.CostModel(latency=1e-5 if rank == 1 else 2e-5)
+    with cp_attention.context_parallel(strategy="auto", cost_model=model) as cp:
+        try:
+            cp_attention.attention(*(cp.shard(t) for t in (q, k, v)))
+            found["models"] = "no error"
+        except ValueError as exc:
+            found["models"] = str(exc)
+        found["after"] = cp_attention.attention(*(cp.shard(t) for t in (q, k, v)), strategy="ring").shape
+    return found
+
+
+def test_usp_exchanges_are_its_own():
+    """usp at P = 4 in head groups of 2: per call the agreement's header (one post), the two
+    all-to-alls within the head group and the ring's rounds over the two head groups, nothing else;
+    the bytes posted are the statistics' (the ring's backward sends its K/V again)."""
+    header = 27 * 8 * 3
+    for rank, found in enumerate(run_ranks(4, _usp_exchanges_worker, timeout=300)):
+        assert "ranks disagree on cost_model_crc" in found.pop("models"), found
+        assert tuple(found.pop("after")) == (2, 10, 4, 8)
+        for window, got in found.items():
+            stats = got["stats"]
+            assert (stats.strategy, stats.ulysses_size) == ("usp", 2), stats
+            ring_rounds = stats.rounds - 2
+            assert ring_rounds == 1, stats  # two head groups: one ring round
+            head_peer, ring_peer = rank ^ 1, (rank + 2) % 4  # head groups {0, 1}, {2, 3}; rings {0, 2}, {1, 3}
+            assert set(stats.peers_send) == {head_peer, ring_peer}, stats
+            assert got["forward"] == (1 + 2 + ring_rounds, header + stats.kv_bytes_sent), (window, got)
+            assert got["backward"][0] == 2 + 2 * ring_rounds, got  # per ring round: K/V again, then dK/dV
+            assert got["backward"][1] > stats.grad_bytes_sent, got

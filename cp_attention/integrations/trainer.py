@@ -145,8 +145,10 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
         cp_layout: "zigzag" (default), "contiguous" or "balanced" (each batch gets a layout that
             balances the model's cost over the ranks, see :func:`cp_attention.balanced_layout`).
         cp_timeout: seconds a rank waits for its peers (see :func:`~cp_attention.context_parallel`).
-        cp_strategy: "ring" (default) or "ulysses" (all-to-all head parallelism; the model's query
-            heads must be a multiple of the CP size), see :func:`~cp_attention.context_parallel`.
+        cp_strategy: "ring" (default), "ulysses" (all-to-all head parallelism; the model's query
+            heads must be a multiple of the CP size), "usp" (with ``cp_ulysses_size``) or "auto"
+            (per layer mask, the cheapest by ``cp_cost_model``, a :class:`~cp_attention.CostModel`),
+            see :func:`~cp_attention.context_parallel` and :mod:`cp_attention.strategy`.
 
     The model must use ``attn_implementation="cp_flash"``. Gradient checkpointing
     (``gradient_checkpointing=True``, reentrant or not), gradient accumulation and DDP/FSDP2 as set
@@ -161,8 +163,9 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
     _cp_trainer_mixin = True
 
     def __init__(self, *args, cp_group=None, cp_mesh_dim: str | None = None, cp_layout: str = "zigzag",
-                 cp_timeout: float | None = None, cp_strategy: str = "ring", **kwargs):
-        check_strategy(cp_strategy)
+                 cp_timeout: float | None = None, cp_strategy: str = "ring", cp_ulysses_size: int | None = None,
+                 cp_cost_model=None, **kwargs):
+        check_strategy(cp_strategy, cp_ulysses_size)
         super().__init__(*args, **kwargs)
         name = type(self).__name__
         if self.label_smoother is not None or self.compute_loss_func is not None:
@@ -184,12 +187,13 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
                              f"under context parallelism each rank would take it over its shard alone: set the "
                              f"config's output_router_logits=False (TRL: router_aux_loss_coef=0.0)")
         self.cp_group, self.cp_mesh_dim, self.cp_layout, self.cp_timeout = cp_group, cp_mesh_dim, cp_layout, cp_timeout
-        self.cp_strategy = cp_strategy
+        self.cp_strategy, self.cp_ulysses_size, self.cp_cost_model = cp_strategy, cp_ulysses_size, cp_cost_model
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Join the CP group's micro-batches, shard them, then the Trainer's own step on this shard."""
         with context_parallel(self.cp_group, self.cp_layout, self.cp_timeout, mesh_dim=self.cp_mesh_dim,
-                              strategy=self.cp_strategy) as cp:
+                              strategy=self.cp_strategy, ulysses_size=self.cp_ulysses_size,
+                              cost_model=self.cp_cost_model) as cp:
             parts = [inputs] if cp.world_size == 1 else cp.comm.all_gather_object(_to_cpu(inputs))
             joined, starts = join_micro_batches([inputs if r == cp.rank else p for r, p in enumerate(parts)])
             local = cp.shard_batch(**joined, document_starts=starts, model=self.accelerator.unwrap_model(model))

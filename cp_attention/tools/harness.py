@@ -26,13 +26,15 @@ from typing import Callable
 
 import torch
 
+from cp_attention.comm import Comm
 from cp_attention.masks import MaskSpec, SequenceMeta, segment_bounds
+from cp_attention.plan import RankPlan
 
 __all__ = [
     "DTYPES", "dtype_of", "pick_device", "synchronize",
     "Timing", "time_once", "median_time", "measure",
     "key_intervals", "interval_mask", "interval_pairs", "dense_mask", "visible_pairs", "pair_flops", "flops",
-    "MaskCase",
+    "MaskCase", "SimComm",
 ]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -219,3 +221,45 @@ class MaskCase:
     def _check(self, seq_len: int) -> None:
         if self.documents is not None and sum(self.documents) != seq_len:
             raise ValueError(f"mask {self.name!r}: documents sum to {sum(self.documents)}, not L = {seq_len}")
+
+
+# ----------------------------------------------------------------------------------------------
+# one process standing in for every rank
+
+
+class SimComm(Comm):
+    """Stands in for the process group when one process runs every rank's plan in turn (a single
+    GPU simulating world size P). A receive of K/V copies the spans the plan names out of the
+    sender's shard, as the network would deliver them; dK/dV partial sums coming back are received
+    as zeros and sent ones are dropped (their cost is traffic, counted from the plan). The rank's
+    compute is therefore exactly what it would do in a real job. Everything else is a
+    single-process :class:`~cp_attention.comm.Comm`.
+
+    ``k_shards``/``v_shards``: every rank's (B, S_r, K, D) shard, in rank order.
+    """
+
+    def __init__(self, plan: RankPlan, k_shards: list[torch.Tensor], v_shards: list[torch.Tensor]):
+        super().__init__(single=True)
+        self.rank, self.world_size = plan.rank, plan.world_size
+        self._rounds = {r.offset: r for r in plan.schedule()}
+        self._k, self._v = k_shards, v_shards
+        self._sim_ops: list = []
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        pass
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self._sim_ops.append((tensor, src, tag))
+
+    def commit(self, *args, **kwargs):
+        ops, self._sim_ops = self._sim_ops, []
+        for buf, src, tag in ops:
+            if tag >= self.world_size:  # dK/dV partial sums of my spans
+                buf.zero_()
+                continue
+            at = 0
+            for a, b in self._rounds[tag].recv.spans:
+                buf[0, :, at:at + b - a].copy_(self._k[src][:, a:b])
+                buf[1, :, at:at + b - a].copy_(self._v[src][:, a:b])
+                at += b - a
+        return super().commit(*args, **kwargs)  # nothing queued there: a completed exchange

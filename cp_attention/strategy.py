@@ -1,0 +1,186 @@
+"""Which strategy runs a multi-rank attention call, and the cost model behind ``strategy="auto"``.
+
+The strategies (every one computes exactly what one device computes; they differ in what moves):
+
+* ``"ring"``: K/V move between the ranks' token shards, only the spans the mask needs (the halo of
+  a window); the work per rank follows the layout.
+* ``"ulysses"``: two all-to-alls over the heads around single-device attention over the whole
+  sequence; bytes independent of the mask, work balanced whatever the layout. Needs ``H % P == 0``.
+* ``"usp"`` with ``ulysses_size=u``: all-to-all in head groups of ``u`` consecutive ranks, the ring
+  over the ``P / u`` head groups (:class:`cp_attention.ulysses.Grid`). Needs ``P % u == 0`` and
+  ``H % u == 0``.
+* ``"auto"``: per attention call (each distinct layer mask of a batch: the choice is cached with the
+  plan), the candidate of :func:`candidates` with the lowest modeled time (:class:`CostModel`).
+
+The model, per layer, forward plus backward, of rank ``r`` (the layer takes its slowest rank's time):
+
+    compute_r  = entries_r x H x 2 (D + Dv) x (1 + backward) / throughput
+    a2a_r      = head-exchange bytes_r / bandwidth of the head group      (blocking)
+    ring_r     = ring bytes_r / bandwidth of the ring group               (overlapped with compute_r)
+    time_r     = a2a_r + max(compute_r, ring_r) + rounds_r x 2 x latency
+
+``entries_r``: the score entries rank ``r``'s kernels compute for one head, normalised to all ``H``
+heads (:attr:`PlanStats.entries_computed`; under head parallelism the rank computes its head group's
+tokens for ``H / u`` heads). Bytes: per exchange the larger of what the rank sends and receives
+(links are full duplex); the ring's backward moves its K/V again and returns float32 dK/dV, the
+all-to-alls move their forward bytes back. A group moves its bytes at ``bandwidth`` when its ranks
+share a node (``ranks_per_node`` consecutive ranks, torchrun's placement) and at
+``inter_node_bandwidth`` when it spans nodes. ``auto`` is exact by construction (whatever it picks
+computes the same numbers); the model only decides speed. Override it per context:
+``context_parallel(strategy="auto", cost_model=CostModel(bandwidth=..., ...))``; every rank must use
+the same model (the agreement checks it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass
+
+from .masks import MaskSpec, SequenceMeta
+from .plan import PlanStats, RankPlan, build_plan
+from .ulysses import Grid, UlyssesPlan, build_ulysses_plan
+
+__all__ = ["CostModel", "Candidate", "candidates", "fixed_candidate", "rank_plans", "exchange_parts", "layer_time",
+           "choose"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The constants of ``strategy="auto"``'s model (see the module's docstring). The defaults
+    describe one node of 8 H100/H200-class GPUs on NVLink with InfiniBand between nodes:
+
+    ``bandwidth``: bytes per second one rank moves in each direction to peers on its node;
+    ``inter_node_bandwidth``: the same to peers on other nodes; ``latency``: seconds per exchange
+    round (posting and synchronisation); ``throughput``: attention FLOP/s of one device (forward,
+    visible entries); ``backward``: the backward's work as a multiple of the forward's;
+    ``ranks_per_node``: consecutive ranks that share a node; ``overlap``: the ring's exchanges run
+    under its compute (False: they add to it)."""
+
+    bandwidth: float = 150e9
+    inter_node_bandwidth: float = 25e9
+    latency: float = 20e-6
+    throughput: float = 400e12
+    backward: float = 2.5
+    ranks_per_node: int = 8
+    overlap: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth", "inter_node_bandwidth", "throughput"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CostModel.{name} must be positive, got {getattr(self, name)!r}")
+        if not (self.latency >= 0 and self.backward >= 0 and self.ranks_per_node >= 1):
+            raise ValueError(f"CostModel: latency and backward must be >= 0 and ranks_per_node >= 1, got {self}")
+
+    @property
+    def crc(self) -> int:
+        """A checksum of the constants (the agreement header's field: every rank must use one model)."""
+        return zlib.crc32(repr(dataclasses.astuple(self)).encode()) & 0x7FFFFFFF
+
+    def group_bandwidth(self, members) -> float:
+        """The bandwidth of a group of ranks: intra-node when they share a node."""
+        nodes = {m // self.ranks_per_node for m in members}
+        return self.bandwidth if len(nodes) <= 1 else self.inter_node_bandwidth
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One strategy for P ranks: ``ulysses`` ranks per head group (1: the ring; P: ulysses)."""
+
+    world_size: int
+    ulysses: int
+
+    @property
+    def name(self) -> str:
+        if self.ulysses == 1:
+            return "ring"
+        return "ulysses" if self.ulysses == self.world_size else f"usp{self.ulysses}x{self.world_size // self.ulysses}"
+
+
+def candidates(world_size: int, heads: int) -> list[Candidate]:
+    """The strategies valid for ``heads`` query heads over ``world_size`` ranks: the ring, then
+    every head-group size ``u`` dividing both (``u = P``: ulysses), smallest first."""
+    return [Candidate(world_size, u) for u in range(1, world_size + 1) if world_size % u == 0 and heads % u == 0]
+
+
+def rank_plans(meta: SequenceMeta, spec: MaskSpec, cand: Candidate, layout, *, heads: int, kv_heads: int,
+               head_dim: int, head_dim_v: int, itemsize: int, ranks=None) -> dict:
+    """``{rank: plan}`` of ``cand`` for ``ranks`` (None: every rank); a head group shares one ring plan."""
+    P = cand.world_size
+    ranks = range(P) if ranks is None else ranks
+    if cand.ulysses == 1:
+        return {r: build_plan(meta, spec.for_planning(), world_size=P, layout=layout, rank=r, head_kv=kv_heads,
+                              head_dim=head_dim, head_dim_v=head_dim_v, itemsize=itemsize) for r in ranks}
+    grid = Grid(P, cand.ulysses)
+    return {r: build_ulysses_plan(meta, spec, grid=grid, layout=layout, rank=r, heads=heads, kv_heads=kv_heads,
+                                  head_dim=head_dim, head_dim_v=head_dim_v, itemsize=itemsize) for r in ranks}
+
+
+def exchange_parts(plan) -> tuple[PlanStats | None, PlanStats]:
+    """(the head exchanges' stats, the ring's stats) of a plan: the exchanges' bytes are the plan's
+    less its ring's."""
+    if isinstance(plan, RankPlan):
+        return None, plan.stats
+    return plan.stats, plan.ring.stats
+
+
+def layer_time(model: CostModel, plans: dict, *, heads: int, head_dim: int, head_dim_v: int) -> float:
+    """The modeled forward+backward seconds of one layer: its slowest rank's (module docstring)."""
+    worst = 0.0
+    for r, plan in plans.items():
+        whole, ring = exchange_parts(plan)
+        compute = ((whole or ring).entries_computed * heads * 2 * (head_dim + head_dim_v) * (1 + model.backward)
+                   / model.throughput)
+        if isinstance(plan, UlyssesPlan):
+            grid = plan.grid
+            a2a_fwd = max(whole.kv_bytes_sent - ring.kv_bytes_sent, whole.kv_bytes_recv - ring.kv_bytes_recv)
+            a2a = 2 * a2a_fwd / model.group_bandwidth(grid.head_group(r))
+            ring_bw = model.group_bandwidth(grid.ring_group(r))
+            rounds = whole.rounds
+        else:
+            a2a, ring_bw, rounds = 0.0, model.group_bandwidth(range(ring.world_size)), ring.rounds
+        ring_bytes = (2 * max(ring.kv_bytes_sent, ring.kv_bytes_recv)
+                      + max(ring.grad_bytes_sent, ring.grad_bytes_recv))
+        moving = ring_bytes / ring_bw
+        body = max(compute, moving) if model.overlap else compute + moving
+        worst = max(worst, a2a + body + 2 * rounds * model.latency)
+    return worst
+
+
+def choose(meta: SequenceMeta, spec: MaskSpec, layout, rank: int, world_size: int, model: CostModel, *, heads: int,
+           kv_heads: int, head_dim: int, head_dim_v: int, itemsize: int):
+    """``strategy="auto"``: ``rank``'s plan of the candidate with the lowest :func:`layer_time`
+    (ties: the first of :func:`candidates`), its stats carrying every candidate's modeled time
+    (``predicted``). A pure function of global metadata: every rank chooses the same."""
+    dims = dict(heads=heads, head_dim=head_dim, head_dim_v=head_dim_v)
+    best, times = None, []
+    for cand in candidates(world_size, heads):
+        plans = rank_plans(meta, spec, cand, layout, kv_heads=kv_heads, itemsize=itemsize, **dims)
+        t = layer_time(model, plans, **dims)
+        times.append((cand.name, t))
+        if best is None or t < best[0]:
+            best = (t, plans[rank])
+    plan = best[1]
+    return dataclasses.replace(plan, stats=dataclasses.replace(plan.stats, predicted=tuple(times)))
+
+
+def fixed_candidate(strategy: str, ulysses_size: int | None, world_size: int, heads: int) -> Candidate | None:
+    """The candidate a fixed strategy names (None for "auto"); ValueError when it does not fit
+    ``heads`` query heads over ``world_size`` ranks."""
+    if strategy == "auto":
+        return None
+    if strategy == "ring":
+        return Candidate(world_size, 1)
+    u = world_size if strategy == "ulysses" else ulysses_size
+    if u is None:
+        raise ValueError(f"strategy='usp' needs ulysses_size (the ranks of each head group), one of "
+                         f"{[c.ulysses for c in candidates(world_size, heads)]} for {heads} heads over "
+                         f"{world_size} ranks; or use strategy='auto'")
+    Grid(world_size, u)  # ulysses_size must divide the world size
+    if heads % u:
+        raise ValueError(
+            f"strategy={strategy!r} splits the {heads} query heads over head groups of {u} ranks, but {heads} is not a "
+            f"multiple of {u}; valid ulysses_size for these heads: "
+            f"{[c.ulysses for c in candidates(world_size, heads)]} "
+            f"(1: the ring, any head count), or strategy='auto', which picks only valid ones")
+    return Candidate(world_size, u)
