@@ -70,6 +70,9 @@ class ContextParallel:
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
         self.strategy = check_strategy(strategy, ulysses_size)
+        if strategy == "usp" and ulysses_size is None:
+            raise ValueError("context_parallel(strategy='usp') needs ulysses_size: the ranks of each head group (a "
+                             "divisor of the world size and of the query heads); or use strategy='auto'")
         self.ulysses_size = ulysses_size
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a cp_attention.CostModel, got {type(cost_model).__name__}")

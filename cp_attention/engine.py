@@ -164,8 +164,8 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
         backend = res.cp.backend if res.cp is not None else "auto"
     if strategy is None:
         strategy = res.cp.strategy if res.cp is not None else "ring"
-        if ulysses_size is None and res.cp is not None:
-            ulysses_size = res.cp.ulysses_size
+    if ulysses_size is None and strategy == "usp" and res.cp is not None:  # the context's head-group size
+        ulysses_size = res.cp.ulysses_size
     cost_model = res.cp.cost_model if res.cp is not None else CostModel()
     spec = impl = None
     try:  # every check that can fail on one rank only runs before the first collective

@@ -15,17 +15,23 @@ The strategies (every one computes exactly what one device computes; they differ
 The model, per layer, forward plus backward, of rank ``r`` (the layer takes its slowest rank's time):
 
     compute_r  = entries_r x H x 2 (D + Dv) x (1 + backward) / throughput
-    a2a_r      = head-exchange bytes_r / bandwidth of the head group      (blocking)
-    ring_r     = ring bytes_r / bandwidth of the ring group               (overlapped with compute_r)
+    a2a_r      = sum over the 2 all-to-alls, forward and backward, of move_r(exchange)     (blocking)
+    ring_r     = sum over the ring's rounds of move_r(K/V) twice + move_r(dK/dV back)     (overlapped)
     time_r     = a2a_r + max(compute_r, ring_r) + rounds_r x 2 x latency
 
-``entries_r``: the score entries rank ``r``'s kernels compute for one head, normalised to all ``H``
-heads (:attr:`PlanStats.entries_computed`; under head parallelism the rank computes its head group's
-tokens for ``H / u`` heads). Bytes: per exchange the larger of what the rank sends and receives
-(links are full duplex); the ring's backward moves its K/V again and returns float32 dK/dV, the
-all-to-alls move their forward bytes back. A group moves its bytes at ``bandwidth`` when its ranks
-share a node (``ranks_per_node`` consecutive ranks, torchrun's placement) and at
-``inter_node_bandwidth`` when it spans nodes. ``auto`` is exact by construction (whatever it picks
+    move_r(exchange) = max over sending and receiving (full duplex) of
+                       max(bytes with peers on r's node / bandwidth,
+                           bytes with peers on other nodes / inter_node_bandwidth)
+
+``entries_r``: the score entries rank ``r``'s kernels compute (tiles of rows x the keys they see,
+:attr:`PlanStats.entries_computed`) for one head, normalised to all ``H`` heads (under head
+parallelism the rank computes its head group's tokens for ``H / u`` heads), so the layout's balance
+is in it. Bytes are counted per exchange and per peer: in each all-to-all what the rank sends to and
+receives from each member of its head group (replicated K/V heads included); in each ring round the
+K/V it sends and receives (twice: the backward moves them again) and the float32 dK/dV partial sums
+going back. Nodes: ``ranks_per_node`` consecutive ranks of the context-parallel group share one
+(torchrun's placement when the group is the innermost dimension of the job; for a group that
+strides across nodes, describe it with ``ranks_per_node=1``). ``auto`` is exact by construction (whatever it picks
 computes the same numbers); the model only decides speed. Override it per context:
 ``context_parallel(strategy="auto", cost_model=CostModel(bandwidth=..., ...))``; every rank must use
 the same model (the agreement checks it).
@@ -52,10 +58,11 @@ class CostModel:
 
     ``bandwidth``: bytes per second one rank moves in each direction to peers on its node;
     ``inter_node_bandwidth``: the same to peers on other nodes; ``latency``: seconds per exchange
-    round (posting and synchronisation); ``throughput``: attention FLOP/s of one device (forward,
-    visible entries); ``backward``: the backward's work as a multiple of the forward's;
-    ``ranks_per_node``: consecutive ranks that share a node; ``overlap``: the ring's exchanges run
-    under its compute (False: they add to it)."""
+    round (posting and synchronisation); ``throughput``: attention FLOP/s of one device, counted on
+    the computed score entries (:attr:`PlanStats.entries_computed`) of the forward;
+    ``backward``: the backward's work as a multiple of the forward's; ``ranks_per_node``:
+    consecutive ranks of the context-parallel group that share a node; ``overlap``: the ring's
+    exchanges run under its compute (False: they add to it)."""
 
     bandwidth: float = 150e9
     inter_node_bandwidth: float = 25e9
@@ -77,10 +84,9 @@ class CostModel:
         """A checksum of the constants (the agreement header's field: every rank must use one model)."""
         return zlib.crc32(repr(dataclasses.astuple(self)).encode()) & 0x7FFFFFFF
 
-    def group_bandwidth(self, members) -> float:
-        """The bandwidth of a group of ranks: intra-node when they share a node."""
-        nodes = {m // self.ranks_per_node for m in members}
-        return self.bandwidth if len(nodes) <= 1 else self.inter_node_bandwidth
+    def same_node(self, a: int, b: int) -> bool:
+        """Whether ranks ``a`` and ``b`` of the context-parallel group share a node."""
+        return a // self.ranks_per_node == b // self.ranks_per_node
 
 
 @dataclass(frozen=True)
@@ -112,8 +118,13 @@ def rank_plans(meta: SequenceMeta, spec: MaskSpec, cand: Candidate, layout, *, h
         return {r: build_plan(meta, spec.for_planning(), world_size=P, layout=layout, rank=r, head_kv=kv_heads,
                               head_dim=head_dim, head_dim_v=head_dim_v, itemsize=itemsize) for r in ranks}
     grid = Grid(P, cand.ulysses)
-    return {r: build_ulysses_plan(meta, spec, grid=grid, layout=layout, rank=r, heads=heads, kv_heads=kv_heads,
-                                  head_dim=head_dim, head_dim_v=head_dim_v, itemsize=itemsize) for r in ranks}
+    plans, rings = {}, {}
+    for r in ranks:
+        plans[r] = build_ulysses_plan(meta, spec, grid=grid, layout=layout, rank=r, heads=heads, kv_heads=kv_heads,
+                                      head_dim=head_dim, head_dim_v=head_dim_v, itemsize=itemsize,
+                                      ring=rings.get(r // cand.ulysses))
+        rings[r // cand.ulysses] = plans[r].ring
+    return plans
 
 
 def exchange_parts(plan) -> tuple[PlanStats | None, PlanStats]:
@@ -124,26 +135,57 @@ def exchange_parts(plan) -> tuple[PlanStats | None, PlanStats]:
     return plan.stats, plan.ring.stats
 
 
+def _moving(model: CostModel, me: int, sends, recvs) -> float:
+    """Seconds of one exchange for rank ``me``: ``sends`` / ``recvs`` are (peer, bytes); the bytes to
+    (from) peers on its node share ``bandwidth``, to (from) other nodes ``inter_node_bandwidth``,
+    both at once; sending and receiving at once (full duplex)."""
+    def side(pairs) -> float:
+        near = sum(n for peer, n in pairs if model.same_node(me, peer))
+        far = sum(n for peer, n in pairs if not model.same_node(me, peer))
+        return max(near / model.bandwidth, far / model.inter_node_bandwidth)
+
+    return max(side(sends), side(recvs))
+
+
+def _ring_seconds(model: CostModel, ring: RankPlan, members, me: int) -> float:
+    """The ring's exchanges, forward and backward, round by round: K/V forward, K/V again and the
+    dK/dV partial sums back in the backward (``members``: the ring ranks' ranks in the group)."""
+    rounds = [(rnd.recv.width if rnd.recv else 0, members[rnd.recv.source] if rnd.recv else None,
+               sum(b - a for a, b in rnd.send_spans) if rnd.send_spans else 0,
+               members[rnd.send_to] if rnd.send_to is not None else None) for rnd in ring.rounds]
+    tokens = sum(n_in + n_out for n_in, _, n_out, _ in rounds)
+    if not tokens:
+        return 0.0
+    st = ring.stats
+    kv = (st.kv_bytes_recv + st.kv_bytes_sent) / tokens  # bytes per token: K and V, then their gradients
+    grad = (st.grad_bytes_recv + st.grad_bytes_sent) / tokens
+    total = 0.0
+    for n_in, src, n_out, dst in rounds:
+        sends = [(dst, n_out)] if dst is not None else []
+        recvs = [(src, n_in)] if src is not None else []
+        total += 2 * _moving(model, me, [(p, n * kv) for p, n in sends], [(p, n * kv) for p, n in recvs])
+        total += _moving(model, me, [(p, n * grad) for p, n in recvs], [(p, n * grad) for p, n in sends])
+    return total
+
+
 def layer_time(model: CostModel, plans: dict, *, heads: int, head_dim: int, head_dim_v: int) -> float:
     """The modeled forward+backward seconds of one layer: its slowest rank's (module docstring)."""
     worst = 0.0
     for r, plan in plans.items():
-        whole, ring = exchange_parts(plan)
-        compute = ((whole or ring).entries_computed * heads * 2 * (head_dim + head_dim_v) * (1 + model.backward)
+        compute = (plan.stats.entries_computed * heads * 2 * (head_dim + head_dim_v) * (1 + model.backward)
                    / model.throughput)
         if isinstance(plan, UlyssesPlan):
-            grid = plan.grid
-            a2a_fwd = max(whole.kv_bytes_sent - ring.kv_bytes_sent, whole.kv_bytes_recv - ring.kv_bytes_recv)
-            a2a = 2 * a2a_fwd / model.group_bandwidth(grid.head_group(r))
-            ring_bw = model.group_bandwidth(grid.ring_group(r))
-            rounds = whole.rounds
+            group = plan.grid.head_group(r)
+            a2a = 0.0
+            for first in (0, 2):  # the exchange of q, k, v, then of outputs; the backward moves each back
+                a2a += 2 * _moving(model, r, [(group[j], x[first]) for j, x in enumerate(plan.exchanges)],
+                                   [(group[j], x[first + 1]) for j, x in enumerate(plan.exchanges)])
+            ring, members = plan.ring, plan.grid.ring_group(r)
         else:
-            a2a, ring_bw, rounds = 0.0, model.group_bandwidth(range(ring.world_size)), ring.rounds
-        ring_bytes = (2 * max(ring.kv_bytes_sent, ring.kv_bytes_recv)
-                      + max(ring.grad_bytes_sent, ring.grad_bytes_recv))
-        moving = ring_bytes / ring_bw
+            a2a, ring, members = 0.0, plan, range(plan.world_size)
+        moving = _ring_seconds(model, ring, members, r)
         body = max(compute, moving) if model.overlap else compute + moving
-        worst = max(worst, a2a + body + 2 * rounds * model.latency)
+        worst = max(worst, a2a + body + 2 * plan.stats.rounds * model.latency)
     return worst
 
 

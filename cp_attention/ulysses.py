@@ -46,7 +46,7 @@ from .plan import PlanStats, RankPlan, build_plan
 from .ring import ring_attention
 
 __all__ = ["Grid", "HeadSplit", "head_split", "UlyssesPlan", "build_ulysses_plan", "ulysses_attention",
-           "ulysses_stats"]
+           "ulysses_stats", "exchange_bytes"]
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,26 @@ class UlyssesPlan:
     tokens: _TokenMap
     ring: RankPlan
     stats: PlanStats
+    exchanges: tuple = ()
+    """Per head-group member ``j``: the bytes this rank sends to and receives from ``j`` in the
+    exchange of q, k, v, then in the exchange of outputs (:func:`exchange_bytes`)."""
+
+
+def exchange_bytes(split: HeadSplit, tokens: _TokenMap, me: int, batch: int, head_dim: int, head_dim_v: int,
+                   itemsize: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Per member ``j`` of the head group: (sent, received) in the forward's exchange of q, k, v,
+    then (sent, received) in its exchange of outputs, for member ``me`` (zeros for itself; the
+    backward moves each the other way)."""
+    sizes, h = tokens.sizes, split.q_per_rank
+
+    def qkv(n: int, j: int) -> int:  # n tokens of member j's query heads and the K/V heads they use
+        return n * batch * (h * head_dim + split.kv_count(j) * (head_dim + head_dim_v)) * itemsize
+
+    def out(n: int) -> int:
+        return n * batch * h * head_dim_v * itemsize
+
+    return tuple((0, 0, 0, 0) if j == me else (qkv(sizes[me], j), qkv(sizes[j], me), out(sizes[j]), out(sizes[me]))
+                 for j in range(len(sizes)))
 
 
 def ulysses_stats(grid: Grid, split: HeadSplit, tokens: _TokenMap, ring: RankPlan, rank: int, batch: int,
@@ -202,15 +222,10 @@ def ulysses_stats(grid: Grid, split: HeadSplit, tokens: _TokenMap, ring: RankPla
     work: its ring rank's entries (one set of heads) split evenly over the head group (each member
     computes ``h`` of the ``H`` heads), the shares adding up exactly."""
     u, me = grid.ulysses, rank % grid.ulysses
-    sizes = tokens.sizes
-    h = split.q_per_rank
     others = [j for j in range(u) if j != me]
-
-    def qkv(n: int, j: int) -> int:  # n tokens of member j's query heads and the K/V heads they use
-        return n * batch * (h * head_dim + split.kv_count(j) * (head_dim + head_dim_v)) * itemsize
-
-    sent = sum(qkv(sizes[me], j) for j in others) + sum(sizes[j] for j in others) * batch * h * head_dim_v * itemsize
-    recv = sum(qkv(sizes[j], me) for j in others) + len(others) * sizes[me] * batch * h * head_dim_v * itemsize
+    per_peer = exchange_bytes(split, tokens, me, batch, head_dim, head_dim_v, itemsize)
+    sent = sum(x[0] + x[2] for x in per_peer)
+    recv = sum(x[1] + x[3] for x in per_peer)
     rs = ring.stats
 
     def share(total: int) -> int:
@@ -230,19 +245,22 @@ def ulysses_stats(grid: Grid, split: HeadSplit, tokens: _TokenMap, ring: RankPla
 
 
 def build_ulysses_plan(meta, spec, *, grid: Grid, layout, rank: int, heads: int, kv_heads: int, head_dim: int,
-                       head_dim_v: int, itemsize: int) -> UlyssesPlan:
+                       head_dim_v: int, itemsize: int, ring: RankPlan | None = None) -> UlyssesPlan:
     """``rank``'s head-parallel plan (a pure function of global metadata, like :func:`build_plan`):
     the head split over its head group, and the ring plan of its ring group over the head groups'
-    tokens, with the kernel's K/V heads (each serving ``split.group`` query heads)."""
+    tokens, with the kernel's K/V heads (each serving ``split.group`` query heads). ``ring``: that
+    ring plan when already built for another member of the head group (it is the same for all)."""
     split = head_split(heads, kv_heads, grid.ulysses)
     tokens = _TokenMap(meta.seq_len, grid.world_size, layout, grid.head_group(rank))
-    ring_layout = "contiguous" if grid.ring == 1 else grid.ring_layout(meta.seq_len, layout)
-    ring = build_plan(meta, spec.for_planning(), world_size=grid.ring, layout=ring_layout,
-                      rank=rank // grid.ulysses, head_kv=split.q_per_rank // split.group, head_dim=head_dim,
-                      head_dim_v=head_dim_v, itemsize=itemsize)
+    if ring is None:
+        ring_layout = "contiguous" if grid.ring == 1 else grid.ring_layout(meta.seq_len, layout)
+        ring = build_plan(meta, spec.for_planning(), world_size=grid.ring, layout=ring_layout,
+                          rank=rank // grid.ulysses, head_kv=split.q_per_rank // split.group, head_dim=head_dim,
+                          head_dim_v=head_dim_v, itemsize=itemsize)
+    dims = (meta.batch, head_dim, head_dim_v, itemsize)
     return UlyssesPlan(rank=rank, world_size=grid.world_size, grid=grid, split=split, tokens=tokens, ring=ring,
-                       stats=ulysses_stats(grid, split, tokens, ring, rank, meta.batch, head_dim, head_dim_v,
-                                           itemsize))
+                       stats=ulysses_stats(grid, split, tokens, ring, rank, *dims),
+                       exchanges=exchange_bytes(split, tokens, rank % grid.ulysses, *dims))
 
 
 # ----------------------------------------------------------------------------------------------

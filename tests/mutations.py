@@ -122,10 +122,14 @@ MUTANTS = (
            ("tests/test_training.py::test_ddp_fsdp2_checkpointing_collator_cp2",)),
     Mutant("usp: a head group's tokens in member order, not global order", "strategies", "cp_attention/ulysses.py",
            "        runs.sort()\n", "", ("tests/test_ulysses.py::test_strategies_exact_against_the_oracle",)),
+    Mutant("usp: a failure in a sub-group recorded under its rank in the sub-group", "strategies",
+           "cp_attention/comm.py", "        self.parent.report_failure(where, exc)",
+           "        self.parent._record(self.rank, f\"rank {self.rank} failed in {where}: {exc}\")",
+           ("tests/test_failures.py::test_rank_raising_inside_attention_is_named_by_the_others",)),
     Mutant("auto: picks the most expensive candidate", "strategies", "cp_attention/strategy.py",
            "if best is None or t < best[0]:", "if best is None or t > best[0]:", ("tests/test_strategy.py",)),
     Mutant("cost model: the all-to-alls' backward bytes not counted", "strategies", "cp_attention/strategy.py",
-           "a2a = 2 * a2a_fwd / model.group_bandwidth", "a2a = a2a_fwd / model.group_bandwidth",
+           "a2a += 2 * _moving(", "a2a += _moving(",
            ("tests/test_strategy.py",)),
 )
 

@@ -151,11 +151,12 @@ def _inject(rank_to_fail: int, rank: int, phase: str, action: str, at: int = 2) 
 NOTICED = 30.0  # seconds: half the 60 s timeout of these tests; a loaded CI machine stays well below
 
 
-def _failure_worker(rank, world_size, phase, action, timeout, strategy="ring"):
-    _inject(1, rank, phase, action, at=2 if strategy == "ring" else 1)
+def _failure_worker(rank, world_size, phase, action, timeout, strategy="ring", victim=1):
+    _inject(victim, rank, phase, action, at=2 if strategy in ("ring", "usp") else 1)
     q, k, v = _full(requires_grad=True)
     with_block = []
-    with cp_attention.context_parallel(layout="zigzag", timeout=timeout, strategy=strategy) as cp:
+    with cp_attention.context_parallel(layout="zigzag", timeout=timeout, strategy=strategy,
+                                       ulysses_size=2 if strategy == "usp" else None) as cp:
         ql, kl, vl = (cp.shard(t.detach()).requires_grad_() for t in (q, k, v))
 
         def step():
@@ -165,22 +166,25 @@ def _failure_worker(rank, world_size, phase, action, timeout, strategy="ring"):
         first = _outcome(step)
         second = _outcome(lambda: cp_attention.attention(ql, kl, vl))  # the group stays failed
         with_block.extend([first, second])
-    if rank == 1 and action == "raise":
+    if rank == victim and action == "raise":
         time.sleep(3)  # stay alive: the peers must learn of the failure from its report, not a closed socket
     return with_block
 
 
-@pytest.mark.parametrize("phase, strategy", [("forward", "ring"), ("backward", "ring"), ("backward", "ulysses")])
+@pytest.mark.parametrize("phase, strategy", [("forward", "ring"), ("backward", "ring"), ("backward", "ulysses"),
+                                             ("backward", "usp")])
 def test_rank_raising_inside_attention_is_named_by_the_others(phase, strategy):
-    world_size = 3 if strategy == "ring" else 2  # ulysses: 4 heads over 2 ranks
-    per_rank = run_ranks(world_size, _failure_worker, phase, "raise", 60.0, strategy, timeout=120)
+    """ulysses: 4 heads over 2 ranks; usp: 4 ranks in head groups of 2, rank 3 (member 1 of its head
+    group, rank 1 of its ring) failing in its ring's backward is named by its group rank, 3."""
+    world_size, victim = {"ring": (3, 1), "ulysses": (2, 1), "usp": (4, 3)}[strategy]
+    per_rank = run_ranks(world_size, _failure_worker, phase, "raise", 60.0, strategy, victim, timeout=120)
     assert not multiprocessing.active_children()
-    (name1, msg1, _), _ = per_rank[1]
+    (name1, msg1, _), _ = per_rank[victim]
     assert name1 == "_Injected" and f"injected {phase} failure" in msg1
-    for rank in [r for r in range(world_size) if r != 1]:
+    for rank in [r for r in range(world_size) if r != victim]:
         (name, msg, took), (name2, msg2, took2) = per_rank[rank]
         assert name == "RankFailedError", per_rank[rank]
-        assert f"rank 1 failed in context-parallel attention {phase}" in msg and "_Injected" in msg, msg
+        assert f"rank {victim} failed in context-parallel attention {phase}" in msg and "_Injected" in msg, msg
         # bounds far from the timeout (60 s) but loose for a loaded 2-core machine: the failure is
         # learnt from rank 1's report, not by waiting the timeout out
         assert took < NOTICED, f"rank {rank} needed {took:.1f} s to notice (timeout 60 s)"

@@ -100,22 +100,53 @@ def test_layer_time_by_hand_ring_and_ulysses():
     assert layer_time(split, ring, **dims) == pytest.approx(384 / 100)
 
 
+def test_layer_time_by_hand_usp():
+    """L = 8, P = 4 in head groups of 2 (ranks {0, 1}, {2, 3}; rings {0, 2}, {1, 3}), contiguous,
+    causal, H = 2, K = 1, D = Dv = 4, float32, 2 ranks per node: the all-to-alls within a node, the
+    ring across nodes. Each member attends for 1 query head with the one K/V head (replicated).
+
+    All-to-all: a member sends its 2 tokens of the other's query head and the K/V head (2 x (4 + 8) x
+    4 B = 96 B) and receives as much, then 2 tokens of outputs (2 x 4 x 4 = 32 B) each way; forward and
+    backward: 2 x (96 + 32) = 256 B within the node. Ring over the head groups' 4 tokens each: ring
+    rank 1 (ranks 2, 3) receives 4 tokens of K/V (4 x 8 x 4 = 128 B), again in the backward, and sends
+    their dK/dV back (128 B): 384 B across nodes. Work of rank 2: queries 4-7 against its 4 keys and
+    the 4 received (two tiles of 4 x 4 = 32 entries for one head), the head group's share 16 of the
+    all-heads-normalised count: 16 x H 2 x 2 (D + Dv) x 3.5 = 1792."""
+    meta = SequenceMeta.from_inputs(1, 8)
+    dims = _dims(2, 1)
+    plans = rank_plans(meta, MaskSpec(), Candidate(4, 2), "contiguous", kv_heads=1, itemsize=4, **dims)
+    assert [p.stats.entries_computed for p in plans.values()] == [8, 8, 16, 16]
+    assert plans[2].exchanges == ((0, 0, 0, 0), (96, 96, 32, 32))  # rank 2 is member 0 of its head group
+    assert plans[2].ring is plans[3].ring  # one ring plan per head group
+    for overlap in (True, False):
+        model = CostModel(latency=0.0, bandwidth=100.0, inter_node_bandwidth=10.0, throughput=1000.0,
+                          ranks_per_node=2, overlap=overlap)
+        body = max(1792 / 1000, 384 / 10) if overlap else 1792 / 1000 + 384 / 10
+        assert layer_time(model, plans, **dims) == pytest.approx(256 / 100 + body)
+    # one node: everything at the intra-node bandwidth; rounds: 2 all-to-alls + 1 ring round
+    model = CostModel(latency=1.0, bandwidth=100.0, inter_node_bandwidth=10.0, throughput=1e30, ranks_per_node=4)
+    assert layer_time(model, plans, **dims) == pytest.approx(256 / 100 + 384 / 100 + 2 * 3)
+
+
 def test_auto_chooses_the_cheapest_and_records_every_candidate():
     L, P, H, K = 1024, 4, 8, 2  # several tiles of 128 rows per rank
     meta = SequenceMeta.from_inputs(1, L)
     dims = dict(heads=H, kv_heads=K, head_dim=8, head_dim_v=8, itemsize=2)
     work_only = CostModel(latency=0.0, bandwidth=1e30, inter_node_bandwidth=1e30, throughput=1e9)
     latency_only = CostModel(latency=1e-3, bandwidth=1e30, inter_node_bandwidth=1e30, throughput=1e30)
-    cases = [  # (layout, mask, model, what the model must pick)
-        ("contiguous", MaskSpec(), work_only, "ulysses"),  # causal contiguous shards: the ring's work is unbalanced
-        ("zigzag", MaskSpec(), work_only, "ring"),  # zigzag balances the ring: a tie, the ring first
-        ("zigzag", MaskSpec(window=64), latency_only, "ring"),  # one halo round against two all-to-alls
-        ("zigzag", MaskSpec(), latency_only, "ulysses"),  # P - 1 = 3 rounds against 2
+    cases = [  # (layout, mask, model, what the model must pick, strictly cheaper than the others)
+        ("contiguous", MaskSpec(), work_only, "ulysses", False),  # contiguous causal shards: the ring's work is
+        #                                                           unbalanced (usp halves it, ulysses balances it)
+        ("zigzag", MaskSpec(), work_only, "ring", False),  # zigzag balances the ring: a tie, the ring first
+        ("contiguous", MaskSpec(window=64), latency_only, "ring", True),  # one halo round against two all-to-alls
+        ("zigzag", MaskSpec(), latency_only, "ulysses", True),  # P - 1 = 3 rounds against 2 (usp: 2 + 1)
     ]
-    for layout, spec, model, want in cases:
+    for layout, spec, model, want, strict in cases:
         times = {c.name: layer_time(model, rank_plans(meta, spec, c, layout, kv_heads=K, itemsize=2, heads=H,
                                                       head_dim=8, head_dim_v=8),
                                     heads=H, head_dim=8, head_dim_v=8) for c in candidates(P, H)}
+        others = [t for name, t in times.items() if name != want]
+        assert all(times[want] < t for t in others) if strict else all(times[want] <= t for t in others), times
         for rank in range(P):
             plan = choose(meta, spec, layout, rank, P, model, **dims)
             assert dict(plan.stats.predicted) == pytest.approx(times)

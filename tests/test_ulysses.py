@@ -54,12 +54,22 @@ def test_head_split_needs_heads_divisible_by_ranks():
     with pytest.raises(ValueError, match="ulysses_size is the head-group size of strategy='usp'"):
         with cp_attention.context_parallel(strategy="ring", ulysses_size=2):
             pass
+    with pytest.raises(ValueError, match="strategy='usp'\\) needs ulysses_size"):
+        with cp_attention.context_parallel(strategy="usp"):
+            pass
 
 
 # -- exactness on several ranks ------------------------------------------------------------------
 
 def _cases(world_size: int) -> list[dict]:
-    """Every mask kind; windows relative to a shard of L / P tokens."""
+    """Every mask kind; windows relative to a shard of L / P tokens (P = 6: a few, for usp with a
+    ring of 3 head groups and head groups of 3)."""
+    if world_size == 6:
+        docs = [[9, 25, 33], [40, 27]]
+        return [dict(name="causal-K2", L=67, heads=(12, 2)),
+                dict(name="window-docs-sinks", L=67, heads=(12, 2), window=8, docs=docs, sinks=True),
+                dict(name="bidir-chunks-softcap-K3", L=67, heads=(12, 3), causal=False, chunk_size=7, docs=docs,
+                     offset=2, softcap=2.0)]
     L = 61 if world_size != 2 else 48
     shard = L // world_size
     docs = [[7, 20, L - 27], [L - 30, 30]]
@@ -120,11 +130,12 @@ def _layout_for(name: str, world_size: int, case: dict, position_ids, cu_seqlens
                                         masks=[mask])
 
 
-def _exactness_worker(rank: int, world_size: int, strategy: str, ulysses_size) -> dict:
+def _exactness_worker(rank: int, world_size: int, strategy: str, ulysses_size,
+                      layouts=("zigzag", "contiguous", "balanced")) -> dict:
     errors = {}
     for case in _cases(world_size):
         (q, k, v, dout), sinks, position_ids, cu_seqlens = _inputs(case)
-        for layout_name in ("zigzag", "contiguous", "balanced"):
+        for layout_name in layouts:
             layout = _layout_for(layout_name, world_size, case, position_ids, cu_seqlens)
             with cp_attention.context_parallel(layout=layout, strategy=strategy, ulysses_size=ulysses_size,
                                                cost_model=WORK_ONLY if strategy == "auto" else None) as cp:
@@ -177,6 +188,17 @@ def test_strategies_exact_against_the_oracle(world_size, strategy, ulysses_size)
             chosen.add(label)
     if strategy == "auto":  # the small cases' costs differ enough that auto switches between strategies
         assert len(chosen) >= 2, chosen
+
+
+@pytest.mark.parametrize("ulysses_size", [2, 3])
+def test_usp_at_six_ranks_exact(ulysses_size):
+    """usp with a ring of 3 head groups (its rounds send and receive with different head groups) and
+    with head groups of 3 (K/V heads shared by two members), against the float64 oracle."""
+    per_rank = run_ranks(6, _exactness_worker, "usp", ulysses_size, ("zigzag", "balanced"), timeout=900)
+    for errors in per_rank:
+        assert len(errors) == 2 * len(_cases(6))
+        for (name, layout), (errs, (ran, size, _)) in errors.items():
+            assert (ran, size) == ("usp", ulysses_size) and max(errs) <= 1e-9, (name, layout, errs)
 
 
 # -- exchanges per call ---------------------------------------------------------------------------
@@ -303,4 +325,10 @@ def test_usp_exchanges_are_its_own():
             assert set(stats.peers_send) == {head_peer, ring_peer}, stats
             assert got["forward"] == (1 + 2 + ring_rounds, header + stats.kv_bytes_sent), (window, got)
             assert got["backward"][0] == 2 + 2 * ring_rounds, got  # per ring round: K/V again, then dK/dV
-            assert got["backward"][1] > stats.grad_bytes_sent, got
+            # each all-to-all, by hand: 10 tokens x B 2 of the partner's 2 query heads and its K/V head
+            # (2 x 8 + 8 + 8 floats) = 2560 B, then 10 tokens x 2 of its 2 heads' outputs (2 x 8) = 1280 B,
+            # each way; the rest of the forward is the ring's K/V, which the backward sends again, with
+            # the all-to-alls' reverse and the ring's dK/dV (the rest of grad_bytes_sent)
+            a2a = 2560 + 1280
+            assert got["backward"][1] == a2a + (stats.kv_bytes_sent - a2a) + (stats.grad_bytes_sent - a2a), got
+            assert stats.kv_bytes_sent > a2a and stats.grad_bytes_sent > a2a, stats

@@ -37,6 +37,7 @@ from transformers import Trainer
 
 from ..agreement import check_strategy
 from ..context import context_parallel
+from ..strategy import CostModel
 from .hf_batch import DOCUMENT_KEYS
 from .model_check import check_model
 
@@ -149,6 +150,9 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
             heads must be a multiple of the CP size), "usp" (with ``cp_ulysses_size``) or "auto"
             (per layer mask, the cheapest by ``cp_cost_model``, a :class:`~cp_attention.CostModel`),
             see :func:`~cp_attention.context_parallel` and :mod:`cp_attention.strategy`.
+        cp_ulysses_size: the head-group size of ``cp_strategy="usp"`` (divides the CP size and the
+            model's query heads).
+        cp_cost_model: a :class:`~cp_attention.CostModel` for ``cp_strategy="auto"`` (None: its defaults).
 
     The model must use ``attn_implementation="cp_flash"``. Gradient checkpointing
     (``gradient_checkpointing=True``, reentrant or not), gradient accumulation and DDP/FSDP2 as set
@@ -166,6 +170,10 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
                  cp_timeout: float | None = None, cp_strategy: str = "ring", cp_ulysses_size: int | None = None,
                  cp_cost_model=None, **kwargs):
         check_strategy(cp_strategy, cp_ulysses_size)
+        if cp_strategy == "usp" and cp_ulysses_size is None:
+            raise ValueError("cp_strategy='usp' needs cp_ulysses_size (the ranks of each head group)")
+        if cp_cost_model is not None and not isinstance(cp_cost_model, CostModel):
+            raise TypeError(f"cp_cost_model must be a cp_attention.CostModel, got {type(cp_cost_model).__name__}")
         super().__init__(*args, **kwargs)
         name = type(self).__name__
         if self.label_smoother is not None or self.compute_loss_func is not None:
@@ -205,7 +213,7 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
 class CPTrainer(CPTrainerMixin, Trainer):
     """A :class:`transformers.Trainer` whose training steps run under context parallelism: the
     arguments and rules of :class:`CPTrainerMixin` (``cp_group``, ``cp_mesh_dim``, ``cp_layout``,
-    ``cp_timeout``, ``cp_strategy``; a ``cp_flash`` model)."""
+    ``cp_timeout``, ``cp_strategy``, ``cp_ulysses_size``, ``cp_cost_model``; a ``cp_flash`` model)."""
 
 
 def _router_aux_loss(config) -> bool:

@@ -40,6 +40,7 @@ class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
     """TRL's :class:`trl.SFTTrainer` whose training steps run under context parallelism.
 
     Takes SFTTrainer's arguments and ``cp_group``, ``cp_mesh_dim``, ``cp_layout``, ``cp_timeout``,
-    ``cp_strategy`` (see :class:`~cp_attention.integrations.trainer.CPTrainerMixin`). The model must use
+    ``cp_strategy``, ``cp_ulysses_size``, ``cp_cost_model`` (see
+    :class:`~cp_attention.integrations.trainer.CPTrainerMixin`). The model must use
     ``attn_implementation="cp_flash"``; ``padding_free=True`` is recommended (module docstring).
     """
