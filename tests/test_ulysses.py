@@ -161,7 +161,8 @@ def _exactness_worker(rank: int, world_size: int, strategy: str, ulysses_size,
 WORK_ONLY = cp_attention.CostModel(latency=0.0, bandwidth=1e18, inter_node_bandwidth=1e18, throughput=1e9)
 
 # (world size, strategy, ulysses_size): every valid usp split (1: the ring's code path; P: ulysses') and auto
-GRID = [(2, "ulysses", None), (2, "usp", 1), (2, "auto", None), (3, "ulysses", None), (3, "usp", 1),
+GRID = [(2, "ulysses", None), (2, "usp", 1), (2, "auto", None), (3, "ulysses", None),
+        pytest.param(3, "usp", 1, marks=pytest.mark.strategies),  # the ring's code path, as at P = 2
         (3, "auto", None), (4, "ulysses", None), (4, "usp", 2), (4, "auto", None)]
 
 
@@ -190,7 +191,7 @@ def test_strategies_exact_against_the_oracle(world_size, strategy, ulysses_size)
         assert len(chosen) >= 2, chosen
 
 
-@pytest.mark.parametrize("ulysses_size", [2, 3])
+@pytest.mark.parametrize("ulysses_size", [2, pytest.param(3, marks=pytest.mark.strategies)])
 def test_usp_at_six_ranks_exact(ulysses_size):
     """usp with a ring of 3 head groups (its rounds send and receive with different head groups) and
     with head groups of 3 (K/V heads shared by two members), against the float64 oracle."""
