@@ -51,7 +51,7 @@ from bench_layouts import draw_positions  # noqa: E402
 import cp_attention  # noqa: E402
 from cp_attention.backends import BACKENDS  # noqa: E402
 from cp_attention.masks import MaskSpec, SequenceMeta  # noqa: E402
-from cp_attention.strategy import CostModel, candidates, choose, exchange_parts, layer_time, rank_plans  # noqa: E402
+from cp_attention.strategy import Candidate, CostModel, candidates, choose, exchange_parts, layer_time, rank_plans  # noqa: E402
 from cp_attention.tools.launch import run_ranks  # noqa: E402
 
 MODELS = {
@@ -131,9 +131,7 @@ def plan_level(model_name: str, L: int, P: int, data: str, cost: CostModel) -> t
 
 def _name(stats) -> str:
     """The candidate name (:attr:`Candidate.name`) of a plan's statistics."""
-    if stats.strategy == "usp":
-        return f"usp{stats.ulysses_size}x{stats.world_size // stats.ulysses_size}"
-    return stats.strategy
+    return Candidate(stats.world_size, stats.ulysses_size).name
 
 
 def _label(mask: dict) -> str:

@@ -40,6 +40,7 @@ the same model (the agreement checks it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from dataclasses import dataclass
 
@@ -79,7 +80,7 @@ class CostModel:
         if not (self.latency >= 0 and self.backward >= 0 and self.ranks_per_node >= 1):
             raise ValueError(f"CostModel: latency and backward must be >= 0 and ranks_per_node >= 1, got {self}")
 
-    @property
+    @functools.cached_property
     def crc(self) -> int:
         """A checksum of the constants (the agreement header's field: every rank must use one model)."""
         return zlib.crc32(repr(dataclasses.astuple(self)).encode()) & 0x7FFFFFFF
