@@ -15,10 +15,10 @@ from .context import ContextParallel, context_parallel
 from .layout import Balanced, Contiguous, Layout, Zigzag
 from .masks import MaskSpec, SequenceMeta
 from .plan import PlanStats, RankPlan, build_plan
-from .stats import forward_plan_stats, last_plan_stats, plan_stats
+from .stats import forward_mixer_stats, forward_plan_stats, last_plan_stats, plan_stats
 from .strategy import CostModel
 
-__all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats", "forward_plan_stats", "MaskSpec",
+__all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats", "forward_plan_stats", "forward_mixer_stats", "MaskSpec",
            "RankFailedError", "SequenceMeta", "PlanStats", "RankPlan", "build_plan", "layout", "Layout", "Zigzag",
            "Contiguous", "Balanced", "balanced_layout", "plan_stats", "CostModel"]
 __version__ = "0.1.0"

@@ -31,7 +31,8 @@ from .masks import SequenceMeta
 from .torch_compat import in_backward, tensor_version
 
 __all__ = ["BatchRecord", "LiveRecords", "batch_of", "bind", "resolve", "resolve_for_mask", "AMBIGUOUS", "NO_MASK",
-           "tokens_checksum"]
+           "tokens_checksum",
+           "recomputed_batch"]
 
 AMBIGUOUS = object()
 """Returned where several live sharded batches could be meant (a forward must then name its batch
@@ -145,7 +146,7 @@ def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_
     return record
 
 
-def _recomputed_batch(batch_size: int, local_len: int):
+def recomputed_batch(batch_size: int, local_len: int):
     """The only live multi-rank batch with this shape (a forward recomputed during backward after its
     block exited, with nothing binding it); None if there is none, :data:`AMBIGUOUS` if several."""
     with state.LIVE_LOCK:
@@ -164,7 +165,7 @@ def resolve_for_mask(attention_mask, active, batch_size: int, q_length: int):
     if batch is None and active is not None:
         batch = active.records.only()
     elif batch is None and in_backward():
-        batch = _recomputed_batch(batch_size, q_length)
+        batch = recomputed_batch(batch_size, q_length)
     return batch
 
 

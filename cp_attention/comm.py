@@ -405,7 +405,7 @@ class Comm:
 
     def all_to_all(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], what: str = "an all-to-all") -> None:
         """Send ``sends[j]`` to every other rank j and receive ``recvs[j]`` from it (contiguous
-        tensors; this rank's own entries are not touched), then wait. Point-to-point with every peer
+        tensors; this rank's own entries are not touched; empty ones are not sent), then wait. Point-to-point with every peer
         on both backends: one message per pair, posted together in ring order, so that a failed
         peer is named (see the module's docstring)."""
         if self.world_size == 1:
@@ -413,7 +413,10 @@ class Comm:
         ops = []
         for step in range(1, self.world_size):
             to, frm = (self.rank + step) % self.world_size, (self.rank - step) % self.world_size
-            ops += [("send", sends[to], to, _ALL_TO_ALL_TAG), ("recv", recvs[frm], frm, _ALL_TO_ALL_TAG)]
+            if sends[to].numel():  # an empty message is skipped on both sides (both know its size)
+                ops.append(("send", sends[to], to, _ALL_TO_ALL_TAG))
+            if recvs[frm].numel():
+                ops.append(("recv", recvs[frm], frm, _ALL_TO_ALL_TAG))
         self._post(ops, what).wait()
 
     def all_gather_object(self, obj, what: str = "an object all-gather") -> list:

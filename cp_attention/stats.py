@@ -13,7 +13,8 @@ from .plan import PlanStats, build_plan
 from .torch_compat import in_backward
 
 __all__ = ["last_plan_stats", "forward_plan_stats", "begin_forward", "note_stats", "plan_stats", "strategy_label",
-           "predicted_label"]
+           "predicted_label",
+           "forward_mixer_stats", "note_mixer"]
 
 log = logging.getLogger("cp_attention.api")
 
@@ -30,6 +31,26 @@ def forward_plan_stats() -> list[tuple[int | None, PlanStats]]:
     model forward in this thread, in call order, at any world size (recomputations by gradient
     checkpointing during backward are not counted again)."""
     return list(getattr(state.FORWARD, "calls", []))
+
+
+def forward_mixer_stats() -> list:
+    """:class:`~cp_attention.mixers.MixerStats` of every sequence-mixer call (convolution halos,
+    recurrence states) of the most recent ``cp_flash`` model forward inside a ``context_parallel``
+    block in this thread, in call order (recomputations by gradient checkpointing are not counted
+    again)."""
+    return list(getattr(state.FORWARD, "mixers", []))
+
+
+def note_mixer(stats) -> None:
+    """Report a mixer call's traffic to :func:`forward_mixer_stats` (outside a recomputation)."""
+    if not in_backward():
+        if not hasattr(state.FORWARD, "mixers"):
+            state.FORWARD.mixers = []
+        state.FORWARD.mixers.append(stats)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s across ranks: received %d B (%d %s), sent %d B", stats.kind, stats.bytes_recv,
+                  stats.tokens_recv, "halo tokens" if stats.kind == "convolution" else "piece states",
+                  stats.bytes_sent)
 
 
 def begin_forward() -> None:

@@ -131,6 +131,23 @@ MUTANTS = (
     Mutant("cost model: the all-to-alls' backward bytes not counted", "strategies", "cp_attention/strategy.py",
            "a2a += 2 * _moving(", "a2a += _moving(",
            ("tests/test_strategy.py",)),
+    Mutant("mixers: a recurrence's state not reset at a document start", "mixers", "cp_attention/mixers.py",
+           "        opens = [g for g in range(p.start + 1, p.end) if int(geo.doc_start[p.row, g]) == g]",
+           "        opens = []", ("tests/test_mixers.py",)),
+    Mutant("mixers: a convolution halo one token short", "mixers", "cp_attention/mixers.py",
+           "    taps = torch.where(~ok, torch.full_like(src, zero),",
+           "    taps = torch.where(~ok | ((owner != r) & (torch.arange(kernel) == 0)), torch.full_like(src, zero),",
+           ("tests/test_mixers.py",)),
+    Mutant("mixers: a piece's incoming state from the wrong neighbour", "mixers", "cp_attention/mixers.py",
+           "        links, q = [], ends[(p.row, p.start)]",
+           "        links, q = [], ends.get(((p.row + 1) % geo.batch, p.start), ends[(p.row, p.start)])",
+           ("tests/test_mixers.py",)),
+    Mutant("mixers: no agreement before a convolution's first exchange", "mixers", "cp_attention/integrations/mixers.py",
+           "        agree(record, record.cp.comm, (0, x.shape[0], x.shape[1], kernel))", "",
+           ("tests/test_mixers.py::test_ranks_with_different_batches_raise_together_before_an_exchange",)),
+    Mutant("mixers: the incoming state not carried through a piece", "mixers", "cp_attention/mixers.py",
+           "            passes = carries and not any(opens[a + 1:e])", "            passes = False",
+           ("tests/test_mixers.py",)),
 )
 
 

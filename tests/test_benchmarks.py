@@ -471,3 +471,22 @@ def test_strategies_smoke(tmp_path):
     written = importlib.import_module("plot").plot_strategies(harness.load_results(
         os.path.join(tmp_path, "strategies.json")), os.path.join(tmp_path, "strategies.png"))
     assert os.path.getsize(written) > 5000
+
+
+def test_hybrids_smoke(tmp_path):
+    """``bench_hybrids.py --smoke``: a hybrid model on 2 gloo ranks equals itself on one rank, its
+    mixers moved halos and states (bytes > 0, far below what head parallelism would move), and the
+    step-time ratios were measured."""
+    bench_hybrids = importlib.import_module("bench_hybrids")
+    threads = torch.get_num_threads()
+    try:
+        assert bench_hybrids.main(["--smoke", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = harness.load_results(os.path.join(tmp_path, "hybrids.json"))["results"]
+    assert [(r["model"], r["world_size"]) for r in rows] == [("qwen3_next", 2)]
+    r = rows[0]
+    assert r["max_abs_diff_vs_one_rank"] < 1e-4
+    assert r["conv_layers"] > 0 and r["recurrence_layers"] > 0
+    assert 0 < r["conv_bytes_per_layer"] and 0 < r["state_bytes_per_layer"] < r["head_parallel_bytes_per_layer"]
+    assert r["wall_over_one_rank"] > 0 and r["cpu_over_one_rank"] > 0

@@ -44,9 +44,9 @@ def _model(family: str, implementation: str = "eager", seed: int = 0):
 
 
 REFUSED = {  # family -> what the check must report (from each mixer's documented structure)
-    "mamba": {"a convolution along the sequence", "a recurrent state", "no attention layer through cp_flash"},
-    "qwen3_next": {"a convolution along the sequence", "a recurrent state"},
-    "lfm2_moe": {"a convolution along the sequence"},
+    # its mixers run across ranks (issue 21) but it has no position_ids to take the documents from
+    "mamba": {"positions computed from the shard"},
+    "kimi_linear": {"a recurrent state"},  # a KDA recurrence (not an adapted function) after its convolutions
     "recurrent_gemma": {"a convolution along the sequence"},
     "rwkv": {"a token shift", "a recurrent state"},
     "xlstm": {"a recurrent state"},
@@ -57,7 +57,8 @@ REFUSED = {  # family -> what the check must report (from each mixer's documente
     "deepseek_v32": {"attention outside the attention interface"},
 }
 EXACT = ("llama", "mistral", "qwen2_moe", "gemma3_text", "gpt2", "deepseek_v3", "roberta", "gpt_oss", "llama4_text",
-         "phimoe", "gpt_neox")
+         "phimoe", "gpt_neox",
+         "qwen3_next", "lfm2_moe", "jamba", "nemotron_h")  # hybrids: their mixers run across ranks (issue 21)
 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
@@ -117,6 +118,52 @@ def test_state_bypass_and_bias_rules():
         assert what in {f.what for f in model_check.model_findings(model)}, what
 
 
+class _Hybrid(nn.Module):
+    """A mixer module of a transformers modeling module whose mixer functions cp_attention adapted
+    (its source is set by the test: what it calls decides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(2))
+        self.conv1d = nn.Conv1d(4, 4, kernel_size=3, groups=4, padding=2)
+
+    def forward(self, hidden_states):
+        return hidden_states
+
+
+_Hybrid.__module__ = "transformers.models.qwen3_next.modeling_qwen3_next"
+
+
+@pytest.mark.parametrize("source, found", [
+    ("causal_conv1d_fn(x, self.conv1d.weight) torch_chunk_gated_delta_rule(q)", set()),
+    # its convolution is not the one it hands over
+    ("causal_conv1d_fn(x, self.other.weight) torch_chunk_gated_delta_rule(q)", {"a convolution along the sequence"}),
+    ("causal_conv1d_fn(x, self.conv1d.weight) torch_chunk_gated_delta_rule(q) y = x.cumsum(1)",
+     {"a sequence operation outside the adapted mixer functions", "a convolution along the sequence"}),
+    ("causal_conv1d_fn(x, self.conv1d.weight) y = F.unfold(x, 3)",
+     {"a sequence operation outside the adapted mixer functions", "a convolution along the sequence"}),
+    ("causal_conv1d_fn(x) y = F.conv1d(x, w)",
+     {"a sequence operation outside the adapted mixer functions", "a convolution along the sequence"}),
+    ("causal_conv1d_fn(x, self.conv1d.weight) inline_scan(q)", {"a recurrent state"}),  # not an adapted scan
+    ("torch_chunk_gated_delta_rule(q) self.conv1d.weight", {"a convolution along the sequence"}),
+])
+def test_hybrid_mixer_rules(monkeypatch, source, found):
+    """A mixer passes only when its convolution and its recurrence both go through adapted functions
+    and it does no other sequence operation itself."""
+    import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401 - adapted as it loads
+
+    original = model_check.class_source
+    monkeypatch.setattr(model_check, "class_source", lambda cls: source if cls is _Hybrid else original(cls))
+    model = _model("llama")
+    model.model.layers[0].mixer = _Hybrid()
+    got = {f.what for f in model_check.model_findings(model)}
+    assert got == found, got
+    # the same class in a module whose functions are not adapted: both refused
+    monkeypatch.setattr(_Hybrid, "__module__", "my_models.hybrid")
+    got = {f.what for f in model_check.model_findings(model)}
+    assert {"a convolution along the sequence", "a recurrent state"} <= got, got
+
+
 # ----------------------------------------------------------------------------------------------
 # multi-rank: refused together before K/V moves; the second guard
 
@@ -150,7 +197,7 @@ def _refused_worker(rank, world_size, family):
             return str(exc), len(calls)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "bart"])
+@pytest.mark.parametrize("family", ["kimi_linear", "bart"])
 def test_refused_on_every_rank_before_any_layer_runs(family):
     for message, layer_calls in run_ranks(2, _refused_worker, family, timeout=240):
         assert message is not None and family in message and "context parallelism" in message, message

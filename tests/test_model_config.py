@@ -53,3 +53,19 @@ def test_probe_describes_the_config_reading():
     assert _describe("qwen3", "own mix", 8, [16]) == "own mix SF"
     assert _describe("llama4", "own mix", 8, [16]) == "own mix CCCF"
     assert _describe("mistral", "own mix", 8, [16]) == "own mix SS"
+
+
+def test_balanced_cost_model_counts_a_hybrids_mixers_per_token():
+    """A hybrid's convolution / Mamba / linear-attention layers are not attention layers of the
+    balanced cost model (their work is per token, in the token weight with the projections)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import family_sweep as fs
+
+    for family, attention in (("qwen3_next", 1), ("nemotron_h", 1), ("granitemoehybrid", 1)):
+        model = fs.build_model(fs.tiny_config(family), "cp_flash")
+        masks, weight = model_masks(model)
+        assert masks == [dict(causal=True)] * attention, (family, masks)
+        assert weight > 0

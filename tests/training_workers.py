@@ -50,11 +50,19 @@ def rows(docs: list[torch.Tensor]) -> dict:
 
 
 def models(family: str):
+    if family in HYBRID_FAMILIES:  # attention mixed with convolutions / recurrences (tests/hybrid_cases.py)
+        import hybrid_cases
+
+        ref, cp = hybrid_cases.models(family)
+        return cp.train(), ref.train()
     cfg = tiny_config(family, window=WINDOW)
     cp = tiny_model(family, "cp_flash", config=cfg).train()
     ref = tiny_model(family, "eager", config=cfg).train()
     ref.load_state_dict(cp.state_dict())
     return cp, ref
+
+
+HYBRID_FAMILIES = ("qwen3_next", "nemotron_h", "jamba", "lfm2", "falcon_h1")
 
 
 def ground_truth(ref, docs_per_replica: list[list[torch.Tensor]]) -> tuple[list[float], dict]:
@@ -164,6 +172,13 @@ CP2_SETUPS = (
     ("checkpoint-whole/qwen3/flatten/after", "qwen3", "flatten", "checkpoint-whole", None, "after"),
     ("checkpoint-whole/llama4/flatten/after", "llama4", "flatten", "checkpoint-whole", None, "after"),
     ("checkpoint-whole/cohere2/rows/after", "cohere2", "rows", "checkpoint-whole", None, "after"),
+)
+HYBRID_SETUPS = (  # gated DeltaNet, Mamba-2, Mamba and short convolutions through the same stack
+    ("ddp/qwen3_next/flatten/gc-nonreentrant/after", "qwen3_next", "flatten", "ddp", False, "after"),
+    ("fsdp2/nemotron_h/rows/gc-reentrant/inside", "nemotron_h", "rows", "fsdp2", True, "inside"),
+    ("checkpoint-whole/jamba/flatten/after", "jamba", "flatten", "checkpoint-whole", None, "after"),
+    ("ddp/lfm2/rows/inside", "lfm2", "rows", "ddp", None, "inside"),
+    ("fsdp2/falcon_h1/flatten/gc-nonreentrant/after", "falcon_h1", "flatten", "fsdp2", False, "after"),
 )
 DPCP_SETUPS = (
     ("ddp/mistral/flatten/after", "mistral", "flatten", "ddp", None, "after"),

@@ -8,12 +8,16 @@ else that looks along the sequence sees its own shard only and is silently wrong
 the module tree, the modules' forward signatures and the source of their classes; it lists no
 family. What it refuses, each with the module that has it (:func:`model_findings`):
 
-* a convolution along the sequence: an ``nn.Conv1d`` with a kernel over more than one token (the
-  short convolutions of Mamba, Mamba-2, gated DeltaNet, LFM2's ShortConv, RecurrentGemma);
+* a convolution along the sequence: an ``nn.Conv1d`` with a kernel over more than one token
+  (RecurrentGemma's, Zaya's), unless its mixer computes it through transformers' adapted
+  ``causal_conv1d_fn`` (see below);
 * a token shift: a padding module (RWKV's time shift);
 * a recurrent state: a forward that takes ``cache_params`` / ``state`` / a recurrent state, or a
   state-space decay parameter (``A_log``, ``time_decay``): state-space, linear-attention and
-  recurrent mixers carry a state from every earlier token;
+  recurrent mixers carry a state from every earlier token; unless the mixer computes it through
+  one of the adapted recurrences (see below);
+* a sequence operation outside the adapted mixer functions: a mixer that calls them but also
+  convolves, cumulates or rolls along the sequence itself;
 * attention outside the attention interface: a class that computes scores itself (a product of
   activations with a transposed one or a softmax over such a product, ``scaled_dot_product_attention``,
   flash-attn calls) and never calls the interface (GPT-1, XLNet, lightning attention, ...);
@@ -21,7 +25,15 @@ family. What it refuses, each with the module that has it (:func:`model_findings
   ``position_bias`` (BLOOM, MPT, CPM-Ant);
 * positions computed from the shard: the model's forward takes no ``position_ids``, so each rank
   numbers its learned or sinusoidal positions from 0 (the BART-family decoders, XGLM, ...);
-* no attention layer at all that reaches cp_flash.
+* no attention layer at all that reaches cp_flash (and no handled mixer either).
+
+Handled mixers (issue 21): a module of a transformers modeling module whose class calls the
+module-level functions :mod:`.mixers` adapts (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
+``mamba2_chunk_scan``, ``mamba_selective_scan``), with its convolution and its recurrence both
+among them and no other sequence operation in its own code: LFM2's ShortConv, Mamba, Mamba-2 and
+gated DeltaNet mixers. They are tagged on the model's first forward in a block; their calls of those
+functions then run across ranks and documents (a halo for the convolution, a scan over pieces for
+the recurrence), so they are exact.
 
 Vision, audio and other sub-models with a configuration of their own are not read: they do not
 run over the text sequence.
@@ -50,8 +62,9 @@ import torch
 from torch import nn
 
 from .. import state
+from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
 
-__all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank", "default_position_start",
+__all__ = ["Finding", "class_source", "model_findings", "check_model", "check_positions_one_rank", "default_position_start",
            "install_guard", "note_cp_flash_call"]
 
 NAME = "cp_flash"
@@ -64,6 +77,9 @@ _STATE_ARGS = ("cache_params", "state", "recurrent_state", "ssm_state", "conv_st
 _STATE_PARAMS = ("A_log", "time_decay", "time_first")
 _BIAS_ARGS = ("alibi", "position_bias")
 _BIAS_KEYWORD = re.compile(r"\b(alibi|position_bias)\s*=(?!=)")
+# sequence operations a mixer class might do itself besides the adapted functions
+_INLINE_SEQUENCE = re.compile(r"(?<!causal_)conv1d\(|\bcumsum\(|\btorch\.roll\(|\bsegment_sum\(|\.unfold\(|"
+                              r"\bpad\(|\.flip\(")
 
 
 class Finding(tuple):
@@ -80,7 +96,7 @@ class Finding(tuple):
 
 
 @functools.lru_cache(maxsize=None)
-def _class_source(cls: type) -> str:
+def class_source(cls: type) -> str:
     """The source of ``cls`` and of its bases that are model code (not torch's, not transformers'
     shared base classes such as ``PreTrainedModel``); "" where it cannot be read."""
     parts = []
@@ -107,7 +123,7 @@ def _forward_args(cls: type) -> frozenset:
 @functools.lru_cache(maxsize=None)
 def uses_attention_interface(cls: type) -> bool:
     """Whether ``cls`` dispatches its attention through transformers' attention interface."""
-    source = _class_source(cls)
+    source = class_source(cls)
     return any(word in source for word in _INTERFACE)
 
 
@@ -116,7 +132,7 @@ def _computes_scores(cls: type) -> bool:
     """Whether ``cls`` (not using the interface) computes attention scores itself."""
     if uses_attention_interface(cls):
         return False
-    source = _class_source(cls)
+    source = class_source(cls)
     if _FUSED.search(source):
         return True
     product = _PRODUCT.search(source) is not None
@@ -156,10 +172,15 @@ def model_findings(model) -> tuple[Finding, ...]:
     """Every reason ``model`` cannot run exactly under context parallelism (empty: it can)."""
     findings: list[Finding] = []
     attention = 0
+    convolving: dict[str, set] = {}  # mixer -> its convolutions whose weights go to the adapted function
+    mixing = 0  # recurrent mixers computed across ranks
     for name, module in _modules(model):
         where = name or type(module).__name__
         cls = type(module)
-        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
+        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1 and \
+                name.rpartition(".")[2] in convolving.get(name.rpartition(".")[0], ()):
+            pass  # a mixer's short convolution, computed across ranks with its halo (integrations.mixers)
+        elif isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
             findings.append(Finding(where, "a convolution along the sequence",
                                     f"its kernel spans {module.kernel_size[0]} tokens, so the first tokens of a "
                                     "shard need the previous shard's last ones"))
@@ -174,12 +195,25 @@ def model_findings(model) -> tuple[Finding, ...]:
             continue
         if uses_attention_interface(cls):
             attention += 1
-            bias = sorted(args.intersection(_BIAS_ARGS) | set(_BIAS_KEYWORD.findall(_class_source(cls))))
+            bias = sorted(args.intersection(_BIAS_ARGS) | set(_BIAS_KEYWORD.findall(class_source(cls))))
             if bias:
                 findings.append(Finding(where, "a score bias", f"it computes {', '.join(bias)}: a bias over "
                                         "(query, key) positions that needs the mask as a dense tensor"))
             continue
         state_args = sorted(args.intersection(_STATE_ARGS)) or sorted(own_params.intersection(_STATE_PARAMS))
+        calls = handled_calls(cls, class_source(cls)) if cls.__module__.startswith("transformers.models.") \
+            else frozenset()
+        inline = _INLINE_SEQUENCE.search(class_source(cls)) if calls else None
+        if inline:
+            findings.append(Finding(where, "a sequence operation outside the adapted mixer functions",
+                                    f"it calls {', '.join(sorted(calls))} (computed across ranks) but also "
+                                    f"{inline.group(0).strip('(')} itself, over its own shard only"))
+            continue
+        if calls.intersection(CONVOLUTIONS):  # only the convolutions whose weight it hands over
+            convolving[name] = set(re.findall(r"self\.(\w+)\.weight", class_source(cls)))
+        if state_args and calls.intersection(RECURRENCES) and not _computes_scores(cls):
+            mixing += 1
+            continue  # a Mamba / Mamba-2 / gated DeltaNet mixer: the scan over pieces (integrations.mixers)
         if state_args:
             findings.append(Finding(where, "a recurrent state", f"it carries a state along the sequence "
                                     f"({', '.join(state_args)}), from every earlier token, across the shards"))
@@ -194,7 +228,7 @@ def model_findings(model) -> tuple[Finding, ...]:
         findings.append(Finding(type(model).__name__, "positions computed from the shard",
                                 "its forward takes no position_ids, so every rank would number its positions "
                                 "from 0 instead of the tokens' places in the sequence"))
-    if attention == 0:
+    if attention == 0 and not convolving and not mixing:
         findings.append(Finding(type(model).__name__, "no attention layer through cp_flash",
                                 "none of its modules calls transformers' attention interface"))
     return tuple(dict.fromkeys(findings))
@@ -278,11 +312,17 @@ def _before(module, args) -> None:
         return
     module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: the model it compiles
     guard = state.MODEL_GUARD
+    if getattr(module, MIXER_ATTR, False):  # a tagged mixer runs: its functions go across ranks
+        guard.mixers = getattr(guard, "mixers", 0) + 1
     top = getattr(guard, "model", None)
     if top is None:
         active = state.ACTIVE_CONTEXT.get()
         if active is None or not _cp_flash_model(module):
             return
+        if not getattr(module, "_cp_attention_mixers_tagged", False):
+            tag_mixers(module, list(_modules(module)))
+            module._cp_attention_mixers_tagged = True
+        state.FORWARD.mixers = []  # forward_mixer_stats: this forward's
         if active.world_size <= 1:  # one rank: only the packed-positions check, no counting
             check_positions_one_rank(module, active.current_batch())
             guard.model, guard.ran, guard.reached, guard.counting, guard.position_start = module, set(), set(), False, 0
@@ -301,6 +341,8 @@ def _after(module, args, output) -> None:
         return
     module = getattr(module, "_orig_mod", module)
     guard = state.MODEL_GUARD
+    if getattr(module, MIXER_ATTR, False):
+        guard.mixers = max(0, getattr(guard, "mixers", 0) - 1)
     if getattr(guard, "model", None) is not module:
         return
     guard.model = None

@@ -49,15 +49,27 @@ def layer_masks(config) -> list[MaskSpec]:
     return [layer_mask(config, i) for i in range(int(config.num_hidden_layers))]
 
 
+_MIXER_LAYER_WORDS = ("linear", "conv", "mamba", "mlp", "moe", "recurrent", "ssm")
+
+
+def _attention_layer(kind) -> bool:
+    """Whether a ``layer_types`` / ``layers_block_type`` entry names a layer with attention (a hybrid's
+    convolution, Mamba or linear-attention layers cost per token, like its MLPs)."""
+    return not (isinstance(kind, str) and any(word in kind for word in _MIXER_LAYER_WORDS))
+
+
 def model_masks(model) -> tuple[list[dict], float]:
     """A transformers model's attention layers as ``balanced_layout`` masks (one dict per layer:
-    sliding windows, Llama 4 chunks, bidirectional layers) and its token weight: the dense compute
-    per token (2 x the parameters outside the embeddings) in units of one visible pair of one layer
-    (4 x heads x head_dim flops: the scores and the weighted values)."""
+    sliding windows, Llama 4 chunks, bidirectional layers; a hybrid's convolution, Mamba and
+    linear-attention layers are not attention) and its token weight: the dense compute per token
+    (2 x the parameters outside the embeddings, which include those mixers' projections) in units of
+    one visible pair of one layer (4 x heads x head_dim flops: the scores and the weighted values)."""
     config = text_config(model)
+    kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
     masks = [{name: value for name, value in (("causal", m.causal), ("window", m.window),
                                                ("chunk_size", m.chunk_size)) if value is not None}
-             for m in layer_masks(config)]
+             for i, m in enumerate(layer_masks(config))
+             if kinds is None or i >= len(kinds) or _attention_layer(kinds[i])]
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     token_weight = 0.0

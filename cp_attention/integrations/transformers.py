@@ -14,6 +14,9 @@ imported (lazily, so ``import cp_attention`` stays cheap). Registration installs
   for a flash-attn package or hub kernel, swap gpt-oss to a hub kernel, refuse chunked masks...).
   They replace ``is_flash_attention_requested`` in the modules listed in :data:`FLASH_NAME_SITES`
   by a wrapper that answers False for "cp_flash" only, for transformers >= 5.17 and < 6;
+* the sequence-mixer functions of each modeling module (short convolutions, Mamba, Mamba-2, gated
+  DeltaNet; :mod:`.mixers`): wrappers that call the original unchanged except for the tagged mixers
+  of a "cp_flash" model under context parallelism, which then run across ranks and documents.
 Nothing else of transformers is changed: losses, other attention implementations and models that
 do not use "cp_flash" behave exactly as without ``import cp_attention``.
 
@@ -45,6 +48,7 @@ import torch
 from .. import state
 from ..engine import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
+from .mixers import adapt_module as adapt_mixer_functions
 from .model_check import guard_position_start, install_guard, note_cp_flash_call
 from .models import config_crc, layer_mask, text_config
 
@@ -417,8 +421,10 @@ def adapt_modeling_module(mod) -> bool:
     by-name ``is_flash_attention_requested`` answers False for "cp_flash" (so no FlashAttention-2
     class is picked, with or without flash-attn installed), and every table of attention classes
     keyed by implementation name gets a "cp_flash" entry: its eager class (the model check then
-    tells whether that class reaches cp_flash). Returns whether anything was adapted."""
+    tells whether that class reaches cp_flash), and its sequence-mixer functions run across ranks
+    under context parallelism (:mod:`.mixers`). Returns whether anything was adapted."""
     adapted = _wrap_flash_name_check(mod) if hasattr(mod, "is_flash_attention_requested") else False
+    adapted = adapt_mixer_functions(mod) or adapted
     for value in list(vars(mod).values()):
         if _is_class_table(value):
             value[NAME] = value["eager"]
