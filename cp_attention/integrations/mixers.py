@@ -2,19 +2,20 @@
 gated DeltaNet, exact across ranks and packed documents (the engine's :mod:`cp_attention.mixers`).
 
 transformers' hybrid families call their sequence mixing through a few module-level functions of
-their modeling module (each with a torch path, or a fast kernel when one is installed):
+their modeling module (each with a torch path, or a fast kernel when one is installed; checked on
+transformers 5.24: a version whose modeling modules lack them leaves the mixers refused):
 
-==================================  =========================================  =====================
-function                            families (transformers >= 5.17)            here
-==================================  =========================================  =====================
-``causal_conv1d_fn``                all of them (LFM2's ShortConv is only it)   halo convolution
-``torch_chunk_gated_delta_rule``    Qwen3.5, Qwen3-Next, OLMo-hybrid           scan over pieces
-``mamba2_chunk_scan``               Nemotron-H, Falcon-H1, Granite-4.0-H,      scan over pieces
-                                    Bamba, Zamba2
-``mamba_selective_scan``            Jamba                                      scan over pieces
-``mamba2_split_conv1d_scan_combined``  (a fused kernel's shortcut)             declined: unfused path
-``causal_conv1d_update``, ...       decoding with a cache                      refused under CP
-==================================  =========================================  =====================
+======================================  ==========================================  ======================
+function                                families                                    here
+======================================  ==========================================  ======================
+``causal_conv1d_fn``                    all of them (LFM2's ShortConv is only it)   halo convolution
+``torch_chunk_gated_delta_rule``        Qwen3.5, Qwen3-Next, OLMo-hybrid            scan over pieces
+``mamba2_chunk_scan``                   Nemotron-H, Falcon-H1, Granite-4.0-H,       scan over pieces
+                                        Bamba, Zamba2
+``mamba_selective_scan``                Jamba                                       scan over pieces
+``mamba2_split_conv1d_scan_combined``   (a fused kernel's shortcut)                 declined: unfused path
+``causal_conv1d_update``, ...           decoding with a cache                       refused under CP
+======================================  ==========================================  ======================
 
 When such a modeling module loads, each of these names is replaced by a wrapper (:func:`adapt_module`)
 that calls the original unchanged unless a mixer of a ``cp_flash`` model runs inside a
