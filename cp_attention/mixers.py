@@ -397,14 +397,17 @@ def scan_plan(geo: Geometry) -> ScanPlan:
     P, r, Lr = geo.world_size, geo.rank, geo.local_len
     every = [_pieces(geo, s) for s in range(P)]
     mine = every[r]
-    G = geo.index[r]
     ends = {(p.row, p.end): p for pieces in every for p in pieces}
+
+    def tokens(p: _Piece) -> list[int]:  # flat indices b * Lr + t of a piece of mine
+        return (p.row * Lr + geo.local[p.start:p.end]).tolist()
+
     # segments of my pieces: cut at document starts
     segments = []  # (piece slot, first?, last?, tokens)
-    pos = {int(g): t for t, g in enumerate(G.tolist())}
     for p in mine:
-        toks = [p.row * Lr + pos[g] for g in range(p.start, p.end)]
-        opens = [g for g in range(p.start + 1, p.end) if int(geo.doc_start[p.row, g]) == g]
+        toks = tokens(p)
+        inside = torch.arange(p.start + 1, p.end)
+        opens = inside[geo.doc_start[p.row, p.start + 1:p.end] == inside].tolist()
         bounds = [p.start] + opens + [p.end]
         for i, (a, e) in enumerate(zip(bounds[:-1], bounds[1:])):
             segments.append((p.slot, i == 0, i == len(bounds) - 2, toks[a - p.start:e - p.start]))
@@ -429,7 +432,7 @@ def scan_plan(geo: Geometry) -> ScanPlan:
                       torch.tensor([slot for slot, _ in items], dtype=torch.long))
                      for n, items in sorted(stacked.items()))
 
-    passing = per_length([(p.slot, [p.row * Lr + pos[g] for g in range(p.start, p.end)]) for p in mine if p.passes])
+    passing = per_length([(p.slot, tokens(p)) for p in mine if p.passes])
     heads = per_length([(seg[0], seg[3]) for seg in segments if seg[1] and mine[seg[0]].carries])
 
     def chain(p: _Piece) -> list[_Piece]:
@@ -456,18 +459,8 @@ def scan_plan(geo: Geometry) -> ScanPlan:
                                                                           q.passes) for q in links)
               for slot, links in chains_raw.items()}
     send = []
-    for s in range(P):  # what rank s needs of mine: the same walk, done for s
-        wanted = set()
-        if s != r:
-            for p in every[s]:
-                if p.carries:
-                    q = ends[(p.row, p.start)]
-                    while True:
-                        if q.owner == r:
-                            wanted.add(q.slot)
-                        if not q.passes:
-                            break
-                        q = ends[(q.row, q.start)]
+    for s in range(P):  # what rank s needs of mine: the same walk, done for s's pieces
+        wanted = {q.slot for p in every[s] if s != r and p.carries for q in chain(p) if q.owner == r}
         send.append(torch.tensor(sorted(wanted), dtype=torch.long))
     last = []
     for b in range(geo.batch):

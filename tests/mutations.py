@@ -132,7 +132,7 @@ MUTANTS = (
            "a2a += 2 * _moving(", "a2a += _moving(",
            ("tests/test_strategy.py",)),
     Mutant("mixers: a recurrence's state not reset at a document start", "mixers", "cp_attention/mixers.py",
-           "        opens = [g for g in range(p.start + 1, p.end) if int(geo.doc_start[p.row, g]) == g]",
+           "        opens = inside[geo.doc_start[p.row, p.start + 1:p.end] == inside].tolist()",
            "        opens = []", ("tests/test_mixers.py",)),
     Mutant("mixers: a convolution halo one token short", "mixers", "cp_attention/mixers.py",
            "    taps = torch.where(~ok, torch.full_like(src, zero),",
