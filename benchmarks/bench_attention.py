@@ -107,7 +107,12 @@ def make_workload(*, impl, mask, seq_len, heads, kv_heads, head_dim, dtype, devi
             return _eager(q, k, v, bias=bias)
     else:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return one_pass(call, (q, k, v), dout, backward)
 
+
+def one_pass(call, leaves, dout, backward: bool):
+    """A zero-argument run of ``call``: its forward under no_grad, or forward + backward of ``dout``
+    (the leaves' gradients cleared first)."""
     if not backward:
         def run():
             with torch.no_grad():
@@ -115,7 +120,7 @@ def make_workload(*, impl, mask, seq_len, heads, kv_heads, head_dim, dtype, devi
         return run
 
     def run_backward():
-        for t in (q, k, v):
+        for t in leaves:
             t.grad = None
         call().backward(dout)
     return run_backward

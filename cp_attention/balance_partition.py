@@ -3,7 +3,8 @@ documents cut into pieces and given ranks, the free items packed into bins and m
 group's free items and piece budgets spread over its ranks, and the :class:`~cp_attention.layout.Layout`
 of the result.
 
-Legend: ``P`` ranks, ``L`` tokens; ``csum[i]`` the cost of tokens ``[0, i)``; a *run* is a
+Legend: ``P`` ranks, ``L`` tokens; ``csum[i]`` the cost of tokens ``[0, i)`` (a
+:class:`~cp_attention.balance.Costs`, closed forms per document); a *run* is a
 ``(start, end)`` range of global token indices, an *item* a list of runs that moves as one.
 """
 
@@ -12,13 +13,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from .balance_split import Floats, LongDocument
+from .balance_split import LongDocument
 from .layout import Layout, merge_ranges
 
 if TYPE_CHECKING:
-    from .balance import Traffic
+    from .balance import Costs, Traffic
 
 __all__ = ["TOKEN_SLACK", "Batch", "layout_from_items"]
 
@@ -60,16 +59,15 @@ class _Bin:
 class Batch:
     """One batch's cumulative costs (``csum[i]``: cost of tokens ``[0, i)``), documents and targets."""
 
-    def __init__(self, csum: np.ndarray, P: int, cap: int, docs: list[tuple[int, int]], traffic: Traffic):
+    def __init__(self, csum: Costs, P: int, cap: int, docs: list[tuple[int, int]], traffic: Traffic):
         self.csum, self.P, self.cap, self.docs, self.traffic = csum, P, cap, docs, traffic
-        self.cs = Floats(csum)
-        self.L = len(csum) - 1
-        self.target, self.tau = csum[-1] / P, self.L / P
+        self.L = csum.L
+        self.target, self.tau = csum[self.L] / P, self.L / P
         self.starts = {a for a, _ in docs}
 
     def cost_of(self, item) -> float:
         """The cost of an item's tokens."""
-        cs = self.cs
+        cs = self.csum
         if len(item) == 1:
             return cs[item[0][1]] - cs[item[0][0]]
         return sum([cs[q] - cs[p] for p, q in item])
@@ -120,7 +118,7 @@ class Batch:
             m_cost, m_tokens = min(int(cost // x), P, n // 4 + 1), math.ceil(n / (TOKEN_SLACK * cap))
             options = []
             if m_cost >= m_tokens:  # pieces of cost x; the cheap rest of the document's start stays whole
-                lo = min(int(np.searchsorted(csum, csum[a] + cost - m_cost * x)), b - m_cost)
+                lo = min(csum.left(csum[a] + cost - m_cost * x), b - m_cost)
                 options.append(LongDocument(a, b, lo, m_cost, csum, self.traffic, most))
             else:  # too many tokens for its cost: pieces of L / P tokens at its end, its start whole
                 m = max(1, min(P, math.ceil(n / tau) - 1))
@@ -424,7 +422,7 @@ def _budgets(group: dict, gap: dict[int, float], rounds: int = 60) -> list[list[
     return cost
 
 
-def _fill(bins: list[_Bin], csum: np.ndarray, starts: set[int], target: float, cost_of, size_of, grow,
+def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_of, size_of, grow,
           halo) -> None:
     """Make every bin's cost its capacity: an over-full bin passes cost to an under-full one by the
     first of: a whole item that fits; the head of one of its items cut at the exact cost (the
@@ -440,11 +438,11 @@ def _fill(bins: list[_Bin], csum: np.ndarray, starts: set[int], target: float, c
 
     def head(item, cost: float) -> int:  # end of the item's head of this cost
         (p, q), = item
-        return min(max(int(np.searchsorted(csum, csum[p] + cost)), p + 1), q - 1)
+        return min(max(csum.left(csum[p] + cost), p + 1), q - 1)
 
     def tail(item, cost: float) -> int:  # start of the item's tail of this cost
         (p, q), = item
-        return min(max(int(np.searchsorted(csum, csum[q] - cost)), p + 1), q - 1)
+        return min(max(csum.left(csum[q] - cost), p + 1), q - 1)
 
     for bn in bins:  # first no bin over its token cap: its sparsest items to the bins with most room
         for item in sorted(movable(bn), key=lambda item: cost_of(item) / size_of(item)):

@@ -2,41 +2,23 @@
 partition in :mod:`cp_attention.balance`): nested like zigzag within the document, head and tail
 chunks sized by bisection on the largest receive, or contiguous, whichever receives least.
 
-Document-local coordinates: ``cs[i]`` is the cost of the document's first ``i`` tokens; a *run* is a
-``(start, end)`` range of token indices, a *piece* the list of runs one rank holds.
+Document-local coordinates: ``cs[i]`` is the cost of the document's first ``i`` tokens (a
+:class:`~cp_attention.balance.CostWindow`, whose ``left``/``right`` are ``bisect``'s ``bisect_left``/
+``bisect_right`` from closed forms); a *run* is a ``(start, end)`` range of token indices, a *piece*
+the list of runs one rank holds.
 """
 
 from __future__ import annotations
 
-import bisect
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 if TYPE_CHECKING:
-    from .balance import Traffic
+    from .balance import Costs, CostWindow, Traffic
 
-__all__ = ["Floats", "LongDocument"]
-
-
-class Floats:
-    """Python floats read from a float64 array on demand: the sequence ``bisect`` and the cost sums
-    index a few hundred times per batch (converting the whole array, one float per token, costs more
-    than everything else at a million tokens)."""
-
-    __slots__ = ("values",)
-
-    def __init__(self, values: np.ndarray):
-        self.values = values
-
-    def __getitem__(self, i: int) -> float:
-        return float(self.values[i])
-
-    def __len__(self) -> int:
-        return len(self.values)
+__all__ = ["LongDocument"]
 
 
-def _nest(cs: list[float], lo: int, budgets: list[float], limit: int, most: list[int]):
+def _nest(cs: CostWindow, lo: int, budgets: list[float], limit: int, most: list[int]):
     """Region ``[lo, n)`` into ``len(budgets)`` nested pieces, outermost first (the last: whatever
     is left, contiguous), each receiving at most ``limit`` keys under a full causal mask and piece
     ``j`` holding at most ``most[j]`` tokens; None if that is impossible.
@@ -58,10 +40,10 @@ def _nest(cs: list[float], lo: int, budgets: list[float], limit: int, most: list
         base = cs[lo]
 
         def tail(u: int) -> int:  # tokens of the tail chunk the rest of the budget buys
-            return hi - bisect.bisect_left(cs, cs[hi] - (x - (cs[lo + u] - base)), lo + u, hi + 1)
+            return hi - cs.left(cs[hi] - (x - (cs[lo + u] - base)), lo + u, hi + 1)
 
         need = max(hi - limit, hi - lo - inner[j + 1])  # tokens this piece must hold
-        u_max = max(0, min(bisect.bisect_right(cs, base + x, lo, hi) - 1, hi - 1) - lo)
+        u_max = max(0, min(cs.right(base + x, lo, hi) - 1, hi - 1) - lo)
         if u_max + tail(u_max) < need:
             return None
         a, b = 0, u_max
@@ -82,7 +64,7 @@ def _nest(cs: list[float], lo: int, budgets: list[float], limit: int, most: list
     return pieces
 
 
-def _split_nested(cs: list[float], lo: int, budgets: list[float], most: list[int]) -> list[list[tuple[int, int]]]:
+def _split_nested(cs: CostWindow, lo: int, budgets: list[float], most: list[int]) -> list[list[tuple[int, int]]]:
     """The nested split of region ``[lo, n)`` whose largest receive is least (bisection, to within
     n / 256 keys) with at most ``most[j]`` tokens in piece ``j`` where possible; else equal-token
     pairs (zigzag within the region)."""
@@ -101,7 +83,7 @@ def _split_nested(cs: list[float], lo: int, budgets: list[float], most: list[int
     return best
 
 
-def _split_pairs(cs: list[float], lo: int, budgets: list[float]) -> list[list[tuple[int, int]]]:
+def _split_pairs(cs: CostWindow, lo: int, budgets: list[float]) -> list[list[tuple[int, int]]]:
     """Region ``[lo, n)`` into nested pieces of equal head and tail chunks (zigzag within the
     region), each chunk pair as long as its budget allows."""
     hi = len(cs) - 1
@@ -120,14 +102,14 @@ def _split_pairs(cs: list[float], lo: int, budgets: list[float]) -> list[list[tu
     return pieces
 
 
-def _split_contiguous(cs: list[float], lo: int, budgets: list[float], most: list[int]) -> list[list[tuple[int, int]]]:
+def _split_contiguous(cs: CostWindow, lo: int, budgets: list[float], most: list[int]) -> list[list[tuple[int, int]]]:
     """Region ``[lo, n)`` cut into consecutive pieces of the given costs, the document's end first
     (like the nesting: piece 0 holds the end and receives most); the last piece takes the rest."""
     n = len(cs) - 1
     bounds, acc = [n], cs[n]
     for x in budgets[:-1]:
         acc -= x
-        bounds.append(max(bisect.bisect_left(cs, acc, lo, bounds[-1] + 1), lo))
+        bounds.append(max(cs.left(acc, lo, bounds[-1] + 1), lo))
     bounds.append(lo)
     return [[(p, q)] if q > p else [] for q, p in zip(bounds[:-1], bounds[1:])]
 
@@ -136,10 +118,10 @@ class LongDocument:
     """One long document laid out over ``m`` pieces: ``[a, lo)`` free head (maybe empty), region
     ``[lo, b)``; ``slots[j]`` the rank of piece ``j`` (outermost first)."""
 
-    def __init__(self, a: int, b: int, lo: int, m: int, csum: np.ndarray, traffic: Traffic, most: int):
+    def __init__(self, a: int, b: int, lo: int, m: int, csum: Costs, traffic: Traffic, most: int):
         self.a, self.b, self.lo, self.m = a, b, lo, m
-        self.cs = Floats(csum[a:b + 1] - csum[a])
-        self.cost = self.cs[-1] - self.cs[lo - a]
+        self.cs = csum.window(a, b)
+        self.cost = self.cs[b - a] - self.cs[lo - a]
         self.traffic = traffic
         self.slots: list[int] = []
         self.pieces, self.recv = self.split([self.cost / m] * m, [max(most, -(-(b - lo) // m))] * m)

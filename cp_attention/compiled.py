@@ -43,7 +43,7 @@ from .ring import ring_backward, ring_forward
 from .state import LOCAL_PLANS
 from .torch_compat import assume_constant_result, in_backward
 
-__all__ = ["local_attention", "local_meta", "local_plan", "multi_rank_context_active"]
+__all__ = ["local_attention", "local_meta", "local_plan", "multi_rank_context_active", "bound_attention"]
 
 log = logging.getLogger("cp_attention.api")
 
@@ -222,27 +222,27 @@ def _(dout, q, k, v, out, lse, sinks, position_ids, valid, opens, cu_seqlens, q_
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
-_DOCS = slice(4, 8)     # position_ids, valid, opens, cu_seqlens among the op's inputs
-_STATIC = slice(8, 16)  # q_offset ... backend
+def _pair_autograd(op, backward_op, docs: slice, static: slice, count: int) -> None:
+    """Register ``backward_op`` as ``op``'s autograd: q, k, v, out, lse, sinks and the document tensors
+    ``inputs[docs]`` saved, the plain arguments ``inputs[static]`` passed on (``count``: the op's inputs)."""
+    def setup_context(ctx, inputs, output):
+        q, k, v, sinks = inputs[:4]
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *inputs[docs])
+        ctx.static = inputs[static]
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, sinks, *documents = ctx.saved_tensors
+        need_dsinks = sinks is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dsinks = backward_op(dout, q, k, v, out, lse, sinks, *documents, *ctx.static, need_dsinks)
+        return (dq, dk, dv, dsinks if need_dsinks else None) + (None,) * (count - 4)
+
+    op.register_autograd(backward, setup_context=setup_context)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, sinks = inputs[:4]
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks, *inputs[_DOCS])
-    ctx.static = inputs[_STATIC]
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, sinks, *docs = ctx.saved_tensors
-    need_dsinks = sinks is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dsinks = torch.ops.cp_attention.local_attention_backward(
-        dout, q, k, v, out, lse, sinks, *docs, *ctx.static, need_dsinks)
-    return (dq, dk, dv, dsinks if need_dsinks else None) + (None,) * 14
-
-
-_local_attention.register_autograd(_backward, setup_context=_setup_context)
+# documents: position_ids, valid, opens, cu_seqlens; static: q_offset ... backend
+_pair_autograd(_local_attention, torch.ops.cp_attention.local_attention_backward, slice(4, 8), slice(8, 16), 18)
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, *,
@@ -280,4 +280,96 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Mas
         spec.window, spec.chunk_size, None if spec.softcap is None else float(spec.softcap),
         spec.resolved_scale(q.shape[3]), backend or _context_backend(), -1 if layer is None else int(layer),
         not bound)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the multi-rank op: a layer traced inside context parallelism
+
+
+def _bound_call(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask, causal,
+                window, chunk_size, softcap, scale, layer, run):
+    """Both passes of the multi-rank op: the layer's documents bound to its batch now (at run time),
+    then the engine's call under context parallelism (checks every rank raises together, agreement,
+    the plan from the context's cache, the strategy) with ``run`` in place of autograd."""
+    from . import engine  # the engine imports this module
+
+    spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale)
+    docs = engine.LayerDocs(mask=has_mask, q_offset=q_offset, kv_offset=kv_offset,
+                            kv_length=None if kv_length < 0 else kv_length, valid=attention_mask)
+    docs = engine.bind_traced_docs(docs, q.shape[0], q.shape[1])
+    return engine.bound_layer(q, k, v, spec, position_ids, docs, sinks, None if layer < 0 else layer, run)
+
+
+@torch.library.custom_op("cp_attention::bound_attention", mutates_args=())
+def _bound_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                        position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, q_offset: int,
+                        kv_offset: int, kv_length: int, has_mask: bool, causal: bool, window: int | None,
+                        chunk_size: int | None, softcap: float | None, scale: float | None,
+                        layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, L, H, D), k (B, L, K, D), v (B, L, K, Dv) of this rank -> out (B, L, H, Dv), lse (H, B * L)
+    float32 (float64 for float64 inputs)."""
+    if layer == 0 and not in_backward():
+        stats.begin_forward()
+    from .engine import passes
+
+    out, lse = _bound_call(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask,
+                           causal, window, chunk_size, softcap, scale, layer, passes())
+    return out.contiguous(), lse.contiguous()
+
+
+@_bound_attention_op.register_fake
+def _(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask, causal, window,
+      chunk_size, softcap, scale, layer):
+    B, L, H, _ = q.shape
+    return q.new_empty((B, L, H, v.shape[3])), q.new_empty((H, B * L), dtype=accumulation_dtype(q.dtype))
+
+
+@torch.library.custom_op("cp_attention::bound_attention_backward", mutates_args=())
+def _bound_attention_backward(
+        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+        sinks: torch.Tensor | None, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+        q_offset: int, kv_offset: int, kv_length: int, has_mask: bool, causal: bool, window: int | None,
+        chunk_size: int | None, softcap: float | None, scale: float | None, layer: int,
+        need_dsinks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dq (B, L, H, D), dk (B, L, K, D), dv (B, L, K, Dv), dsinks (H,) (empty when not needed). The
+    plan is the forward's (the batch's agreed signature: no collective before the exchanges)."""
+    from .engine import passes
+
+    dq, dk, dv, dsinks = _bound_call(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length,
+                                     has_mask, causal, window, chunk_size, softcap, scale, layer,
+                                     passes(dout, out, lse, need_dsinks))
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks if dsinks is not None else q.new_empty(0)
+
+
+@_bound_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask, causal,
+      window, chunk_size, softcap, scale, layer, need_dsinks):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None and need_dsinks else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+# documents: position_ids, attention_mask; static: q_offset ... layer
+_pair_autograd(_bound_attention_op, torch.ops.cp_attention.bound_attention_backward, slice(4, 6), slice(6, 16), 16)
+
+
+def bound_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, *,
+                    sinks: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, docs=None,
+                    layer: int | None = None) -> torch.Tensor:
+    """A model layer's attention under context parallelism as one custom op that ``torch.compile``
+    keeps opaque: q (B, L, H, D), k (B, L, K, D), v (B, L, K, Dv) of this rank, sinks (H,) or None ->
+    (B, L, H, Dv), differentiable w.r.t. q, k, v and sinks.
+
+    Everything dynamo cannot trace happens inside, when the op runs: the batch the layer's tensors
+    are bound to (``position_ids`` or, through ``docs.valid``, the model's raw ``attention_mask``: the
+    tensors ``cp.shard_batch`` returned), the checks every rank raises together, the agreement, the
+    plan (from the context's cache: a new packing of the same length runs the same graph) and the
+    strategy's exchanges. The backward runs the same plan's backward (``ring_backward``, or the
+    head-parallel one). ``docs``: the layer's :class:`~cp_attention.engine.LayerDocs` as traced."""
+    kv_length = -1 if docs is None or docs.kv_length is None else int(docs.kv_length)
+    out, _ = torch.ops.cp_attention.bound_attention(
+        q, k, v, sinks, position_ids, None if docs is None else docs.valid, 0 if docs is None else int(docs.q_offset),
+        0 if docs is None else int(docs.kv_offset), kv_length, bool(docs is not None and docs.mask), bool(spec.causal),
+        spec.window, spec.chunk_size, None if spec.softcap is None else float(spec.softcap),
+        None if spec.scale is None else float(spec.scale), -1 if layer is None else int(layer))
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -32,13 +33,13 @@ from .comm import Comm, process_count
 from .layout import global_index
 from .masks import MaskSpec, SequenceMeta
 from .plan import RankPlan
-from .ring import ring_attention
+from .ring import ring_attention, ring_backward, ring_forward
 from .strategy import CostModel, choose, fixed_candidate, rank_plans
-from .ulysses import UlyssesPlan, ulysses_attention
+from .ulysses import UlyssesPlan, ulysses_attention, ulysses_backward, ulysses_forward
 from .torch_compat import assume_constant_result, torch_context_parallel_active
 
 __all__ = ["attend", "attend_layer", "LayerDocs", "layer_mask_batch", "compiling_outside_cp", "check_inputs",
-           "resolve_call", "Resolved"]
+           "resolve_call", "Resolved", "passes", "bound_layer", "bind_traced_docs"]
 
 log = logging.getLogger("cp_attention.api")
 
@@ -138,7 +139,7 @@ def check_inputs(q, k, v, position_ids, cu_seqlens, sinks, backend, same_length:
 def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None, sinks=None, group=None,
            layout=None, backend: str | None = None, batch: BatchRecord | None = None,
            local_error: Exception | None = None, layer: int | None = None, model_crc: int = -1,
-           strategy: str | None = None, ulysses_size: int | None = None) -> torch.Tensor:
+           strategy: str | None = None, ulysses_size: int | None = None, run=None) -> torch.Tensor:
     """The engine entry behind :func:`~cp_attention.attention` (same arguments and result).
 
     ``mask``: a MaskSpec or a dict of its keywords (checked on every rank together). ``batch``: the
@@ -149,6 +150,9 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
     model's layers only). ``model_crc``: a checksum of the calling model's configuration, agreed with
     ``batch``'s first call. ``strategy``: "ring", "ulysses", "usp" (with ``ulysses_size``) or "auto"
     (None: the context's, with its ``ulysses_size`` and cost model; :mod:`cp_attention.strategy`).
+    ``run(q, k, v, sinks, plan, comm, backend, spec)``: what to do with the agreed plan instead of the
+    differentiable ring or head-parallel call (the compiled op's passes without autograd,
+    :func:`passes`); its result is returned.
 
     Agreement (see :mod:`cp_attention.agreement`): a call without ``batch`` all-gathers its header
     every time; with ``batch``, only the batch's first call with each signature does."""
@@ -192,8 +196,24 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
             ("ring", None, None)
         plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc, how)
     stats.note_stats(plan.stats, layer, in_model=layer is not None or batch is not None)
-    run = ulysses_attention if isinstance(plan, UlyssesPlan) else ring_attention
-    return run(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap)
+    if run is not None:
+        return run(q, k, v, sinks, plan, comm, impl, spec)
+    call = ulysses_attention if isinstance(plan, UlyssesPlan) else ring_attention
+    return call(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap)
+
+
+def passes(dout=None, out=None, lse=None, need_dsinks: bool = False):
+    """A ``run`` for :func:`attend` without autograd: the forward (``dout`` None) -> (out, lse), or
+    the backward of that forward's ``out``/``lse`` -> (dq, dk, dv, dsinks), for the plan's strategy
+    (the ring's passes, or the head-parallel ones of :mod:`cp_attention.ulysses`)."""
+    def run(q, k, v, sinks, plan, comm, impl, spec):
+        kw = dict(scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap)
+        head_parallel = isinstance(plan, UlyssesPlan)
+        if dout is None:
+            return (ulysses_forward if head_parallel else ring_forward)(q, k, v, sinks, plan, comm, impl, **kw)
+        return (ulysses_backward if head_parallel else ring_backward)(dout, q, k, v, out, lse, sinks, plan, comm,
+                                                                      impl, need_dsinks=need_dsinks, **kw)
+    return run
 
 
 def _global_meta(comm: Comm, layout, seq_len: int, B: int, position_ids, cu_seqlens,
@@ -400,6 +420,33 @@ def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs 
         batch = batch_of(position_ids) or (docs.batch if docs.mask else None)
         if batch is None:
             return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, None, layer)
+    elif torch.compiler.is_compiling():  # traced inside: the multi-rank op, bound to its batch when it runs
+        if adjust_q is None:
+            return compiled.bound_attention(q, k, v, spec, sinks=sinks, position_ids=position_ids, docs=docs,
+                                            layer=layer)
+        return _bound_traced_docs(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q)
+    return _bound_attention(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q)
+
+
+def bind_traced_docs(docs: LayerDocs, batch_size: int, q_length: int) -> LayerDocs:
+    """The documents of a layer traced inside context parallelism, at run time: its mask's batch
+    (:func:`~cp_attention.batch.resolve_for_mask`, which the traced mask function could not ask) and
+    its padding mask as the eager mask function gives it (``docs.valid`` holds the model's raw 2D
+    ``attention_mask``, so that the record bound to it is found)."""
+    if not docs.mask:
+        return docs
+    valid = None if docs.valid is None else docs.valid.detach().to(torch.bool)
+    if valid is not None and bool(valid.all()):
+        valid = None
+    return dataclasses.replace(docs, batch=resolve_for_mask(docs.valid, context.active_context(), batch_size, q_length),
+                               valid=valid, memo={})
+
+
+@torch.compiler.disable
+def _bound_traced_docs(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, model_crc, adjust_q):
+    """A layer traced inside context parallelism that the op cannot run (Llama 4's query adjustment is
+    a function of the module): eager, one graph break."""
+    docs = bind_traced_docs(docs, q.shape[0], q.shape[1])
     return _bound_attention(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q)
 
 
@@ -424,10 +471,17 @@ def _appended_keys_error(Lq: int, Lk: int, docs: LayerDocs) -> NotImplementedErr
         "'sdpa' for this model")
 
 
+def bound_layer(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, run):
+    """:func:`attend_layer`'s call under context parallelism with ``run`` (:func:`passes`) in place of
+    the differentiable call: what the compiled multi-rank op runs (model checksum not agreed: -1)."""
+    return _bound_attention(q, k, v, spec, position_ids, docs, sinks, layer, None, None, run)
+
+
 @torch.compiler.disable
-def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, model_crc, adjust_q):
+def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, model_crc, adjust_q, run=None):
     """Eager: torch.compile breaks the graph here (the context is a contextvar; the agreement
-    collectives, the planner and the ring's point-to-point calls cannot be traced)."""
+    collectives, the planner and the ring's point-to-point calls cannot be traced). Traced inside
+    context parallelism, layers reach it through the multi-rank op instead (``run``: its passes)."""
     Lq, Lk = q.shape[1], k.shape[1]
     active = context.active_context()
     batch, local_error = resolve(position_ids, active, mask_batch=docs.batch if docs.mask else NO_MASK,
@@ -456,6 +510,10 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
                    model_crc=-1 if model_crc is None else model_crc())
         raise local_error
     if batch is None or batch.cp.world_size == 1:
+        if run is not None:
+            raise ValueError(
+                "cp_flash: a model torch.compile traced inside a context of several ranks ran on a one-rank batch "
+                "(or on none); run it inside the block it was compiled in, or call torch._dynamo.reset() first")
         return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, batch, layer)
     model_crc = -1 if model_crc is None else model_crc()
     if Lq != Lk or docs.q_offset or docs.kv_offset:  # keys the model appended were refused above
@@ -473,7 +531,7 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
         cp = batch.cp
         q = adjust_q(q, global_index(batch.seq_len, cp.world_size, batch.layout, cp.rank))
     return attend(q, k, v, spec, sinks=sinks, batch=batch, local_error=local_error, layer=layer,
-                  model_crc=model_crc)
+                  model_crc=model_crc, run=run)
 
 
 def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, position_ids, batch, layer):

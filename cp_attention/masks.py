@@ -17,6 +17,7 @@ Legend for tensor names: ``B`` batch rows, ``L`` global sequence length, ``N`` n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -98,12 +99,20 @@ class MaskSpec:
         return MaskSpec(causal=self.causal, window=self.window, chunk_size=self.chunk_size)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, init=False)
 class SequenceMeta:
-    """Global per-token document metadata, identical on every rank.
+    """Global document metadata, identical on every rank.
 
-    ``doc_start`` is None when every row is one document (the common unpacked case); otherwise a
-    (B, L) int64 CPU tensor holding, for each token, the global index of its document's first token.
+    Documents are given per row as ``starts`` or per token as ``doc_start`` (the constructor takes
+    either); the other is made on first read. The planners (``segment_runs``, the balanced layout)
+    read only ``starts``, so metadata from ``cu_seqlens`` is never expanded per token for them:
+
+    * ``starts``: None when every row is one document (the common unpacked case); otherwise a tuple
+      of B (N_b,) int64 numpy arrays, the sorted global indices of the tokens that open a document
+      (each row's first is 0).
+    * ``doc_start``: None likewise; otherwise a (B, L) int64 CPU tensor holding, for each token, the
+      global index of its document's first token.
+
     ``position`` is None when positions count from 0 at each document's first token; otherwise a
     (B, L) int64 CPU tensor of every token's position (its ``position_ids``), which places chunk
     boundaries (see :attr:`MaskSpec.chunk_size`).
@@ -111,9 +120,35 @@ class SequenceMeta:
 
     batch: int
     seq_len: int
-    doc_start: torch.Tensor | None = None
     position: torch.Tensor | None = None
     _runs: dict = field(default_factory=dict, repr=False, compare=False)  # segment_runs, per chunk size
+
+    def __init__(self, batch: int, seq_len: int, doc_start: torch.Tensor | None = None,
+                 position: torch.Tensor | None = None, *, starts: tuple[np.ndarray, ...] | None = None) -> None:
+        if doc_start is not None and starts is not None:
+            raise ValueError("SequenceMeta: give the documents as doc_start or as starts, not both")
+        object.__setattr__(self, "batch", batch)
+        object.__setattr__(self, "seq_len", seq_len)
+        object.__setattr__(self, "position", position)
+        object.__setattr__(self, "_runs", {})
+        if doc_start is None and starts is None:  # one document per row
+            self.__dict__.update(doc_start=None, starts=None)
+        elif doc_start is not None:
+            self.__dict__["doc_start"] = doc_start
+        else:
+            self.__dict__["starts"] = tuple(np.asarray(row, dtype=np.int64) for row in starts)
+
+    @functools.cached_property
+    def doc_start(self) -> torch.Tensor:
+        """(B, L) int64: the global index of each token's document's first token, from ``starts``."""
+        L = self.seq_len
+        return torch.from_numpy(np.stack([np.repeat(row, np.diff(np.append(row, L))) for row in self.starts]))
+
+    @functools.cached_property
+    def starts(self) -> tuple[np.ndarray, ...]:
+        """Per row, the (N_b,) sorted global indices of the tokens that open a document, from ``doc_start``."""
+        idx_L = np.arange(self.seq_len)
+        return tuple(np.flatnonzero(self.doc_start[b].numpy() == idx_L).astype(np.int64) for b in range(self.batch))
 
     @classmethod
     def from_inputs(cls, batch: int, seq_len: int, *, position_ids: torch.Tensor | None = None,
@@ -129,8 +164,9 @@ class SequenceMeta:
         * ``valid`` (B, L) bool padding mask: every padding token is a document of its own;
         * ``opens`` (B or 1, L) bool: further document openings.
 
-        None of them: every row is one document (``doc_start`` None). Raises ValueError naming the
-        argument when ``cu_seqlens`` is malformed."""
+        None of them: every row is one document (``doc_start`` None). ``cu_seqlens`` alone costs
+        O(N), nothing per token; every other input is read once per token (O(L)). Raises ValueError
+        naming the argument when ``cu_seqlens`` is malformed."""
         if cu_seqlens is not None:
             cu = torch.as_tensor(cu_seqlens).detach().to("cpu", torch.int64)
             if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu[1:] < cu[:-1]).any()):
@@ -140,17 +176,20 @@ class SequenceMeta:
             if batch != 1:
                 raise ValueError(f"cu_seqlens describes one packed row, but the batch has {batch} rows; "
                                  f"describe the documents of several rows with position_ids")
+            firsts = cu[:-1].numpy()
+            firsts = np.unique(firsts[firsts < seq_len])
+            if position_ids is None and valid is None and opens is None:
+                return cls(batch=1, seq_len=seq_len, starts=(firsts,))
             cu_opens = torch.zeros(1, seq_len, dtype=torch.bool)
-            starts = cu[:-1]
-            cu_opens[0, starts[starts < seq_len]] = True
+            cu_opens[0, torch.from_numpy(firsts)] = True
             opens = cu_opens if opens is None else (torch.as_tensor(opens).to("cpu", torch.bool) | cu_opens)
         position = None
         if position_ids is not None:
             position = torch.as_tensor(position_ids).detach().to("cpu", torch.int64).expand(batch, seq_len)
         if position is None and valid is None and opens is None:
             return cls(batch=batch, seq_len=seq_len)
-        return cls(batch=batch, seq_len=seq_len,
-                   doc_start=doc_starts(batch, seq_len, position_ids=position, valid=valid, opens=opens),
+        opens_BL = _opens(batch, seq_len, position_ids=position, valid=valid, opens=opens)
+        return cls(batch=batch, seq_len=seq_len, starts=tuple(np.flatnonzero(row) for row in opens_BL),
                    position=None if position is None else position.contiguous())
 
     @classmethod
@@ -223,6 +262,14 @@ def doc_starts(batch: int, seq_len: int, *, position_ids: torch.Tensor | None = 
       (it sees only itself), and a document opens after padding;
     * ``opens`` (B, L) bool: explicit document openings.
     """
+    opens_BL = _opens(batch, seq_len, position_ids=position_ids, valid=valid, opens=opens)
+    idx_L = np.arange(seq_len, dtype=np.int64)
+    return torch.from_numpy(np.maximum.accumulate(np.where(opens_BL, idx_L, 0), axis=1))
+
+
+def _opens(batch: int, seq_len: int, *, position_ids: torch.Tensor | None = None,
+           valid: torch.Tensor | None = None, opens: torch.Tensor | None = None) -> np.ndarray:
+    """(B, L) bool: the tokens that open a document (see :func:`doc_starts`), token 0 always."""
     B, L = batch, seq_len
     opens_BL = np.zeros((B, L), dtype=bool)
     opens_BL[:, :1] = True
@@ -236,8 +283,7 @@ def doc_starts(batch: int, seq_len: int, *, position_ids: torch.Tensor | None = 
             opens_BL[:, 1:] |= ~ok[:, :-1]
     if opens is not None:
         opens_BL |= np.broadcast_to(opens.detach().to("cpu", torch.bool).numpy(), (B, L))
-    idx_L = np.arange(L, dtype=np.int64)
-    return torch.from_numpy(np.maximum.accumulate(np.where(opens_BL, idx_L, 0), axis=1))
+    return opens_BL
 
 
 def doc_starts_from_cu_seqlens(cu_seqlens_N1: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -276,13 +322,9 @@ def segment_runs(meta: SequenceMeta, chunk_size: int | None) -> list[tuple[np.nd
     if chunk_size in meta._runs:
         return meta._runs[chunk_size]
     B, L = meta.batch, meta.seq_len
-    idx_L = np.arange(L)
     rows = []
     for b in range(B):
-        if meta.doc_start is None:
-            starts = np.zeros(1, dtype=np.int64)
-        else:
-            starts = np.flatnonzero(meta.doc_start[b].numpy() == idx_L).astype(np.int64)
+        starts = np.zeros(1, dtype=np.int64) if meta.starts is None else meta.starts[b]
         ends = np.append(starts[1:], L)
         if chunk_size is not None:
             C = chunk_size

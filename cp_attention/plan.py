@@ -315,23 +315,33 @@ def _ramp_sum(c: int, n: int, Lk: int) -> int:
     return below(c + n) - below(c)
 
 
+def _clipped_sum(c: int, step: int, n: int, lo: int | None, hi: int | None) -> int:
+    """``sum(min(max(c + step * t, lo), hi) for t in range(n))`` in closed form (``step > 0``;
+    ``lo``/``hi`` None: unbounded, else ``lo < hi``): ``lo`` up to the ``n_lo``-th term, ``hi`` from
+    the ``n_hi``-th, an arithmetic series between."""
+    n_lo = 0 if lo is None else min(max((lo - c) // step + 1, 0), n)   # terms at or below lo
+    n_hi = n if hi is None else min(max(-((c - hi) // step), 0), n)     # terms below hi
+    series = (n_hi - n_lo) * c + step * (n_hi * (n_hi - 1) - n_lo * (n_lo - 1)) // 2
+    return (0 if lo is None else n_lo * lo) + series + (0 if hi is None else (n - n_hi) * hi)
+
+
 def _seq(fit, q_base: int, k_base: int) -> _Seq:
     """A fitted group as a sequence in packed coordinates, with its visible pairs and the score
     entries a tiled kernel computes (per tile of ``WORK_TILE`` rows: rows x the keys from the
-    first row's first key to the last row's last)."""
+    first row's first key to the last row's last), in closed form over the tiles."""
     f, Lq, k0, Lk, left, right = fit
     off = Lk - Lq
     visible = (Lq * Lk if right is None else _ramp_sum(off + right + 1, Lq, Lk)) - \
         (0 if left is None else _ramp_sum(off - left, Lq, Lk))
-    if Lq <= WORK_TILE:
-        work = Lq * ((Lk if right is None else min(Lk, Lq - 1 + off + right + 1)) -
-                     (0 if left is None else max(0, off - left)))
-    else:
-        first = np.arange(0, Lq, WORK_TILE)
-        last = np.minimum(first + WORK_TILE, Lq) - 1
-        t_lo = np.zeros_like(first) if left is None else np.maximum(0, first + off - left)
-        t_hi = np.full_like(last, Lk) if right is None else np.minimum(Lk, last + off + right + 1)
-        work = int(((last - first + 1) * (t_hi - t_lo)).sum())
+    # the tile of rows [a, b] reads keys [max(0, a + off - left), min(Lk, b + off + right + 1))
+    full, rest = divmod(Lq, WORK_TILE)
+    hi = full * Lk if right is None else _clipped_sum(WORK_TILE + off + right, WORK_TILE, full, None, Lk)
+    lo = 0 if left is None else _clipped_sum(off - left, WORK_TILE, full, 0, None)
+    work = WORK_TILE * (hi - lo)
+    if rest:  # the last tile, rows [Lq - rest, Lq)
+        a = Lq - rest
+        work += rest * ((Lk if right is None else min(Lk, Lq + off + right)) -
+                        (0 if left is None else max(0, a + off - left)))
     return _Seq(q0=q_base + f, q1=q_base + f + Lq, k0=k_base + k0, k1=k_base + k0 + Lk, left=left, right=right,
                 left_min=Lk - 1, right_min=Lq - 1, visible=visible, work=work)
 

@@ -19,6 +19,8 @@ object                  what and why                                guarded by  
                         by checkpointing after its block exited, in
                         a model whose layers get no position_ids
 ``LOCAL_PLANS``         single-device plans by content              its own lock  LRU, 32 entries
+``KERNEL_CALLS``        the cpu backend's kernel calls by the       its own lock  LRU, 256 entries
+                        documents' bounds and the mask
 ``ANNOUNCED``           (world size, layout, backend) logged at     ``ANNOUNCED_LOCK``  the process
                         INFO once
 ``CONFIG_CHECKSUMS``    a model config's checksum (agreed across    ``CONFIG_LOCK``  weak: dies with the config
@@ -63,7 +65,7 @@ from .torch_compat import WeakIdKeyDictionary
 __all__ = ["ACTIVE_CONTEXT", "STATS", "STATS_LOCK", "FORWARD", "LIVE_BATCHES", "LIVE_LOCK", "LOCAL_PLANS",
            "ANNOUNCED", "ANNOUNCED_LOCK", "CONFIG_CHECKSUMS", "CONFIG_LOCK", "BATCH_CONVENTIONS", "INTEGRATIONS",
            "INTEGRATIONS_LOCK", "FAILURE_SCOPES", "FAILURE_SCOPES_LOCK", "EXIT_DRAIN", "EXIT_DRAIN_LOCK",
-           "CONTEXT_GUARDS", "MODEL_CHECKS",
+           "CONTEXT_GUARDS", "MODEL_CHECKS", "KERNEL_CALLS",
            "MODEL_LOCK", "MODEL_GUARD", "MODEL_GUARD_HOOKS"]
 
 ACTIVE_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("cp_attention_ctx", default=None)
@@ -77,6 +79,9 @@ LIVE_BATCHES: list = []  # (weak references to a batch's tensors, its BatchRecor
 LIVE_LOCK = threading.Lock()
 
 LOCAL_PLANS = PlanCache(32)
+KERNEL_CALLS = PlanCache(256)
+"""The cpu backend's kernel calls (``backends/cpu.py``), keyed by the documents' bounds, the mask and
+the tile sizes: a layer's backward, the other layers and the next step of a layout reuse them."""
 
 ANNOUNCED: set = set()
 ANNOUNCED_LOCK = threading.Lock()

@@ -12,7 +12,7 @@ import torch
 import torch._dynamo
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["WeakIdKeyDictionary", "assume_constant_result", "in_backward", "tensor_version",
+__all__ = ["WeakIdKeyDictionary", "assume_constant_result", "in_backward", "tensor_version", "cpu_flash_kernels",
            "torch_context_parallel_active"]
 
 assume_constant_result = torch._dynamo.assume_constant_result
@@ -52,3 +52,12 @@ def torch_context_parallel_active() -> bool:
                 return True
     modes = torch.overrides._get_current_function_mode_stack()
     return any(type(m).__name__ == "DistributeFunction" for m in modes)
+
+
+def cpu_flash_kernels():
+    """aten's fused CPU flash-attention forward and backward (the kernels behind SDPA's ``is_causal``
+    path on CPU; private ops, in every torch this library supports), or ``(None, None)``."""
+    ops = torch.ops.aten
+    if not hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu"):
+        return None, None
+    return ops._scaled_dot_product_flash_attention_for_cpu, ops._scaled_dot_product_flash_attention_for_cpu_backward

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -43,7 +44,7 @@ from . import layout as layout_mod
 from .comm import Comm, SubComm
 from .backends.base import accumulation_dtype
 from .plan import PlanStats, RankPlan, build_plan
-from .ring import ring_attention
+from .ring import ring_attention, ring_backward, ring_forward
 
 __all__ = ["Grid", "HeadSplit", "head_split", "UlyssesPlan", "build_ulysses_plan", "ulysses_attention",
            "ulysses_stats", "exchange_bytes"]
@@ -362,20 +363,26 @@ class _ToHeads(torch.autograd.Function):
     def backward(ctx, dq_full, dk_full, dv_full):
         ex = ctx.ex
         try:
-            grads = [g.contiguous() for g in (dq_full, dk_full, dv_full)]
-            dq_parts, dk_parts, dv_parts = _to_tokens(ex.comm, ex.plan.tokens, grads, ex.width)
-            dq = torch.cat(dq_parts, dim=2)
-            acc = accumulation_dtype(dk_full.dtype)
-            B, L_me = dq.shape[:2]
-            dk = torch.zeros(B, L_me, ctx.kv_heads, dk_full.shape[3], dtype=acc, device=dq.device)
-            dv = torch.zeros(B, L_me, ctx.kv_heads, dv_full.shape[3], dtype=acc, device=dq.device)
-            for j, (gk, gv) in enumerate(zip(dk_parts, dv_parts)):  # a head two ranks use: both parts add up
-                dk[:, :, ex.kv_pick[j]] += gk.to(acc)
-                dv[:, :, ex.kv_pick[j]] += gv.to(acc)
-            return dq, dk.to(dk_full.dtype), dv.to(dv_full.dtype), None
+            return (*_grads_to_tokens(ex, ctx.kv_heads, dq_full, dk_full, dv_full), None)
         except BaseException as exc:
             ex.comm.report_failure("head-parallel attention backward", exc)
             raise
+
+
+def _grads_to_tokens(ex: _Exchange, kv_heads: int, dq_full, dk_full, dv_full):
+    """The backward of the exchange to heads: the group's tokens' dq/dk/dv of this rank's heads ->
+    this rank's tokens, all heads (dK/dV of a K/V head two ranks use add up)."""
+    grads = [g.contiguous() for g in (dq_full, dk_full, dv_full)]
+    dq_parts, dk_parts, dv_parts = _to_tokens(ex.comm, ex.plan.tokens, grads, ex.width)
+    dq = torch.cat(dq_parts, dim=2)
+    acc = accumulation_dtype(dk_full.dtype)
+    B, L_me = dq.shape[:2]
+    dk = torch.zeros(B, L_me, kv_heads, dk_full.shape[3], dtype=acc, device=dq.device)
+    dv = torch.zeros(B, L_me, kv_heads, dv_full.shape[3], dtype=acc, device=dq.device)
+    for j, (gk, gv) in enumerate(zip(dk_parts, dv_parts)):  # a head two ranks use: both parts add up
+        dk[:, :, ex.kv_pick[j]] += gk.to(acc)
+        dv[:, :, ex.kv_pick[j]] += gv.to(acc)
+    return dq, dk.to(dk_full.dtype), dv.to(dv_full.dtype)
 
 
 class _ToTokens(torch.autograd.Function):
@@ -408,6 +415,79 @@ def _expand(x: torch.Tensor, repeats: tuple[int, ...] | None) -> torch.Tensor:
         return x
     B, L, _, D = x.shape
     return torch.cat([x[:, :, i:i + 1].expand(B, L, c, D) for i, c in enumerate(repeats)], dim=2)
+
+
+def _unexpand(g: torch.Tensor, repeats: tuple[int, ...] | None) -> torch.Tensor:
+    """The backward of :func:`_expand`: (B, L, sum(repeats), D) -> (B, L, n, D), copies summed."""
+    if repeats is None:
+        return g
+    starts = [0]
+    for c in repeats:
+        starts.append(starts[-1] + c)
+    return torch.stack([g[:, :, a:b].sum(2) for a, b in zip(starts[:-1], starts[1:])], dim=2)
+
+
+class _Run(NamedTuple):
+    """What both passes of one call without autograd need: the exchange, the head group's and the
+    ring group's comms, this rank's K/V head repeats and its query heads ``[lo, hi)``."""
+
+    ex: _Exchange
+    ring_comm: Comm
+    repeats: tuple[int, ...] | None
+    lo: int
+    hi: int
+
+
+def _run_of(plan: UlyssesPlan, comm: Comm) -> _Run:
+    grid = plan.grid
+    one_group = grid.ring == 1
+    heads = comm if one_group else SubComm(comm, grid.head_group(comm.rank))
+    lo, hi = plan.split.q_range(heads.rank)
+    return _Run(_Exchange(plan, heads), comm if one_group else SubComm(comm, grid.ring_group(comm.rank)),
+                plan.split.repeats(heads.rank), lo, hi)
+
+
+def _lse_BLH1(lse_HT: torch.Tensor, B: int) -> torch.Tensor:
+    """(H, B * L) -> (B, L, H, 1), the layout the exchanges move."""
+    return lse_HT.t().reshape(B, -1, lse_HT.shape[0], 1).contiguous()
+
+
+def ulysses_forward(q, k, v, sinks, plan: UlyssesPlan, comm: Comm, backend, *, scale: float,
+                    softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ulysses_attention`'s forward without autograd -> out (B, L_r, H, Dv) and lse (H, B * L_r)
+    of this rank's tokens (float32; float64 for float64 inputs), for :func:`ulysses_backward`. One
+    all-to-all more than the autograd path: the lse back to the tokens' ranks."""
+    run = _run_of(plan, comm)
+    ex = run.ex
+    q_g, k_g, v_g = _to_heads(ex.comm, plan.tokens, [q, k, v], lambda i, j: ex.q_pick[j] if i == 0 else ex.kv_pick[j])
+    out_g, lse_g = ring_forward(q_g, _expand(k_g, run.repeats), _expand(v_g, run.repeats),
+                                None if sinks is None else sinks[run.lo:run.hi], plan.ring, run.ring_comm, backend,
+                                scale=scale, softcap=softcap)
+    out = torch.cat(_to_tokens(ex.comm, plan.tokens, [out_g.contiguous()], ex.width)[0], dim=2)
+    lse = torch.cat(_to_tokens(ex.comm, plan.tokens, [_lse_BLH1(lse_g, q.shape[0])], ex.width)[0], dim=2)
+    return out, lse.reshape(-1, q.shape[2]).t().contiguous()
+
+
+def ulysses_backward(dout, q, k, v, out, lse_HT, sinks, plan: UlyssesPlan, comm: Comm, backend, *, scale: float,
+                     softcap: float | None, need_dsinks: bool):
+    """:func:`ulysses_forward`'s backward -> (dq, dk, dv, dsinks) like :func:`~cp_attention.ring.ring_backward`;
+    dsinks (H,) holds this rank's query heads' part (zeros elsewhere), as the autograd path gives.
+    Moves q, k, v, dout, out and lse to the heads again (the forward kept none of the group's tokens)."""
+    run = _run_of(plan, comm)
+    ex = run.ex
+    q_g, k_g, v_g = _to_heads(ex.comm, plan.tokens, [q, k, v], lambda i, j: ex.q_pick[j] if i == 0 else ex.kv_pick[j])
+    dout_g, out_g = _to_heads(ex.comm, plan.tokens, [dout.contiguous(), out.contiguous()], lambda i, j: ex.q_pick[j])
+    lse_g, = _to_heads(ex.comm, plan.tokens, [_lse_BLH1(lse_HT, q.shape[0])], lambda i, j: ex.q_pick[j])
+    dq_g, dk_e, dv_e, dsinks_g = ring_backward(
+        dout_g, q_g, _expand(k_g, run.repeats), _expand(v_g, run.repeats), out_g,
+        lse_g.reshape(-1, run.hi - run.lo).t().contiguous(), None if sinks is None else sinks[run.lo:run.hi],
+        plan.ring, run.ring_comm, backend, scale=scale, softcap=softcap, need_dsinks=need_dsinks)
+    dq, dk, dv = _grads_to_tokens(ex, k.shape[2], dq_g, _unexpand(dk_e, run.repeats), _unexpand(dv_e, run.repeats))
+    dsinks = None
+    if dsinks_g is not None:
+        dsinks = torch.zeros_like(sinks)
+        dsinks[run.lo:run.hi] = dsinks_g
+    return dq, dk, dv, dsinks
 
 
 def ulysses_attention(q, k, v, sinks, plan: UlyssesPlan, comm: Comm, backend, *, scale: float,

@@ -148,6 +148,18 @@ MUTANTS = (
     Mutant("mixers: the incoming state not carried through a piece", "mixers", "cp_attention/mixers.py",
            "            passes = carries and not any(opens[a + 1:e])", "            passes = False",
            ("tests/test_mixers.py",)),
+    Mutant("cpu backend: tiles batched whatever their keys' stride", "cpu", "cp_attention/backends/cpu.py",
+           "and (last.n > 1 and k0 == last.k0 + last.n * last.k_step", "and (last.n > 1",
+           ("tests/test_cpu_backend.py",)),
+    Mutant("cpu backend: a merged part overwrites the row's earlier result", "cpu", "cp_attention/backends/cpu.py",
+           "out[rows].mul_(torch.exp(old - new).t()[..., None])", "out[rows].mul_(0.0)",
+           ("tests/test_cpu_backend.py",)),
+    Mutant("cpu backend: dK/dV of overlapping spans added in one overlapping view", "cpu",
+           "cp_attention/backends/cpu.py", "width = min(call.k_step, call.S - start)",
+           "width = call.S - start", ("tests/test_cpu_backend.py",)),
+    Mutant("compiled under CP: the backward op runs the forward's passes", "compile", "cp_attention/compiled.py",
+           "passes(dout, out, lse, need_dsinks))", "passes()) + (None, None)",
+           ("tests/test_compile.py::test_compiled_under_context_parallelism_is_exact",)),
 )
 
 

@@ -21,9 +21,11 @@ from cp_attention.tools import bench, cli
 OPTIONS = {
     "probe": {"--model", "--nproc", "--seq-len", "--window", "--layout", "--tol"},
     "demo": {"--nproc", "--seq-len", "--window", "--layout"},
-    "bench": {"--mask", "--seq-len", "--heads", "--head-dim", "--dtype", "--backward", "--repeats", "--warmup"},
+    "bench": {"--mask", "--seq-len", "--heads", "--head-dim", "--dtype", "--backward", "--repeats", "--warmup",
+              "--peers"},
 }
-TINY_BENCH = ["bench", "--seq-len", "64", "--heads", "2", "--head-dim", "16", "--repeats", "1", "--warmup", "0"]
+TINY_BENCH = ["bench", "--seq-len", "64", "--heads", "2", "--head-dim", "16", "--repeats", "1", "--warmup", "0",
+              "--peers", "sdpa_dense,sdpa_causal"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -121,26 +123,45 @@ def test_bad_values_exit_2_with_one_line(argv, fragment, capsys):
     assert captured.out == ""
 
 
-def _ratios(out: str) -> dict[str, float]:
-    rows = re.findall(r"^(forward(?:\+backward)?)\s+\d+\.\d+ ms\s+\d+\.\d+ ms\s+(\d+\.\d+)$", out, re.M)
-    return {name: float(r) for name, r in rows}
+def _speedups(out: str) -> dict[str, dict[str, float]]:
+    """{pass: {peer label: speedup}} from the bench's table lines."""
+    found = {}
+    for line in out.splitlines():
+        cells = line.split(" | ")
+        head = re.match(r"^(forward(?:\+backward)?)\s+cp_attention\s+\d+\.\d+ ms$", cells[0])
+        if head:
+            found[head.group(1)] = {m.group(1): float(m.group(2)) for m in (
+                re.match(r"^(.+) \d+\.\d+ ms: speedup (\d+\.\d+)x$", c) for c in cells[1:])}
+    return found
 
 
-@pytest.mark.parametrize("mask", ["causal", "window:5", "documents:3", "chunked:16"])
-def test_bench_prints_ratios_and_agrees_with_sdpa(mask, capsys):
+@pytest.mark.parametrize("mask", ["causal", "window:8", "documents:3"])
+def test_bench_prints_speedups_and_agrees_with_sdpa(mask, capsys):
     assert cli.main([*TINY_BENCH, "--mask", mask, "--backward"]) == 0
     out = capsys.readouterr().out
-    assert "ratio cp_attention / SDPA" in out, out
-    ratios = _ratios(out)
-    assert set(ratios) == {"forward", "forward+backward"} and all(r > 0 for r in ratios.values()), out
+    assert "speedup = the peer's time / cp_attention's time" in out, out
+    speedups = _speedups(out)
+    peers = {"SDPA dense mask", "SDPA is_causal"} if mask == "causal" else {"SDPA dense mask"}
+    assert set(speedups) == {"forward", "forward+backward"}, out
+    assert all(set(row) == peers and all(x > 0 for x in row.values()) for row in speedups.values()), out
+    if mask != "causal":
+        assert "not run: SDPA is_causal" in out, out
     diff = float(re.search(r"max \|cp_attention - SDPA\| on the output: (\S+)", out).group(1))
     assert diff < 1e-5, out  # the dense baseline mask is the same mask
+
+
+def test_bench_times_compiled_flex_forward_only_on_cpu(capsys):
+    """The flex peer: compiled before the timing, forward only on CPU (FlexAttention has no CPU backward)."""
+    assert cli.main([*TINY_BENCH[:-1], "flex", "--mask", "window:8", "--backward"]) == 0
+    out = capsys.readouterr().out
+    speedups = _speedups(out)
+    assert set(speedups["forward"]) == {"compiled Flex"} and speedups["forward+backward"] == {}, out
 
 
 def test_bench_subprocess():
     res = _run("-m", "cp_attention", *TINY_BENCH)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout + res.stderr
-    assert set(_ratios(res.stdout)) == {"forward"}, res.stdout
+    assert set(_speedups(res.stdout)) == {"forward"}, res.stdout
 
 
 @pytest.mark.parametrize("kind, value", [("causal", None), ("window", 3), ("documents", 3), ("chunked", 4)])

@@ -12,7 +12,8 @@
   ((P-1)/P of the row) wherever a layout meeting (a) and (b) can do that at all: where a long causal
   document makes it impossible (a rank holding its last token receives all of it but the tokens it
   may hold), within 5% of that floor (a constructed batch).
-* Its time scales with documents, not tokens: 1000 documents of a 128k row in under 0.15 s CPU.
+* Its time scales with documents, not tokens: 1000 documents of a 128k row in under 0.15 s CPU; its
+  costs are closed forms per document segment (``balance.Costs``), checked against a count per token.
 """
 
 from __future__ import annotations
@@ -237,6 +238,75 @@ def test_token_costs_count_visible_pairs():
                     "window" not in mask or abs(d) < mask["window"])
                 n += int(bool(same) and band)
             assert got[q] == n, (mask, q, float(got[q]), n)
+
+
+def test_cost_closed_forms_match_a_count_per_token():
+    """balance.Costs (prefix costs from closed forms per document segment, no array per token)
+    against a straightforward count of every token's visible keys, summed up token by token; its
+    bisections (the row's ``left`` and its search from any guess, a document window's
+    ``left``/``right``) against ``bisect`` on that list. Random rows (cu_seqlens or position_ids
+    starting anywhere, B = 1 and 2), causal and bidirectional layers, windows, chunks, several layers
+    at once, integer token weights."""
+    import bisect
+
+    from cp_attention.balance import Costs, _layers, _settle
+
+    rng = random.Random(11)
+    for case in range(150):
+        B, L = rng.choice([1, 1, 2]), rng.randint(1, 70)
+        pos = []
+        for _ in range(B):  # documents of random lengths, positions from 0 or from anywhere
+            row = []
+            while len(row) < L:
+                first = rng.choice([0, 0, rng.randint(1, 9)])
+                row += range(first, first + rng.randint(1, 12))
+            pos.append(row[:L])
+        if B == 1 and all(p == 0 for i, p in enumerate(pos[0]) if i == 0 or pos[0][i - 1] + 1 != p):
+            cut = [i for i in range(L) if pos[0][i] == 0] + [L]  # positions from 0: also as cu_seqlens
+            meta = SequenceMeta.from_inputs(1, L, cu_seqlens=torch.tensor(cut))
+        else:
+            meta = SequenceMeta.from_inputs(B, L, position_ids=torch.tensor(pos))
+        masks = [{k: v for k, v in (("causal", rng.random() < 0.6), ("window", rng.choice([None, 1, 2, 3, 5, 9])),
+                                    ("chunk_size", rng.choice([None, None, 1, 3, 4]))) if v is not None}
+                 for _ in range(rng.choice([1, 1, 2, 3]))]
+        weight = rng.choice([0, 0, 1, 5])
+        docs = []  # per row, each token's document: a new one where the position does not rise by one
+        for row in pos:
+            docs.append([0])
+            for i in range(1, L):
+                docs[-1].append(docs[-1][-1] + (row[i] != row[i - 1] + 1))
+        want = [0]
+        for q in range(L):  # query q: keys of its document and chunk within the band, every layer and row
+            n = weight * B
+            for mask in masks:
+                for row, doc in zip(pos, docs):
+                    for k in range(L):
+                        chunk = mask.get("chunk_size")
+                        same_chunk = chunk is None or row[q] // chunk == row[k] // chunk
+                        band = (q - k >= 0 if mask["causal"] else True) and (
+                            "window" not in mask or abs(q - k) < mask["window"])
+                        n += doc[q] == doc[k] and same_chunk and band
+            want.append(want[-1] + n)
+        costs = Costs(meta, _layers(masks), weight)
+        assert len(costs) == L + 1
+        assert [costs[i] for i in range(L + 1)] == want, (case, pos, masks, weight)
+        a = rng.randint(0, L - 1)
+        b = rng.randint(a + 1, L)
+        doc = costs.window(a, b)
+        local = [x - want[a] for x in want[a:b + 1]]
+        assert [doc[i] for i in range(b - a + 1)] == local, (case, a, b)
+        for _ in range(20):
+            v = rng.choice(want) + rng.choice([0, 0, -0.5, 0.5, -1, 1])
+            lo = rng.randint(0, L)
+            hi = rng.randint(lo, L + 1)
+            assert costs.left(v) == bisect.bisect_left(want, v), (case, v)
+            guess = rng.randint(-3, L + 4)  # the search from a poor guess of the root
+            assert _settle(lambda i: costs[i] >= v, guess, lo, hi) == bisect.bisect_left(want, v, lo, hi)
+            v = rng.choice(local) + rng.choice([0, 0, -0.5, 0.5, -1, 1])
+            lo = rng.randint(0, b - a)
+            hi = rng.randint(lo, b - a + 1)
+            assert doc.left(v, lo, hi) == bisect.bisect_left(local, v, lo, hi), (case, v, lo, hi)
+            assert doc.right(v, lo, hi) == bisect.bisect_right(local, v, lo, hi), (case, v, lo, hi)
 
 
 def test_bench_layouts_smoke(capsys):

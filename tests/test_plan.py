@@ -230,6 +230,25 @@ def test_plan_verification_rejects_a_wrong_call_and_an_extra_halo_token():
         verify_plan(_corrupt(plan, 1, spans=((a - 1, b),)), meta, spec, "contiguous")
 
 
+def test_work_per_tile_closed_form_matches_a_count_per_tile():
+    # entries_computed of a sequence sums, tile by tile of WORK_TILE query rows, the keys from the
+    # tile's first row's first key to its last row's last: counted here one tile at a time
+    from cp_attention.plan import WORK_TILE, _seq
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        Lq = rng.choice([1, WORK_TILE - 1, WORK_TILE, WORK_TILE + 1, 3 * WORK_TILE, rng.randint(1, 3000)])
+        Lk = rng.randint(1, 4000)
+        left, right = rng.choice([None, rng.randint(0, 4000)]), rng.choice([None, 0, rng.randint(0, 4000)])
+        off, want = Lk - Lq, 0
+        for a in range(0, Lq, WORK_TILE):
+            b = min(a + WORK_TILE, Lq) - 1
+            first = 0 if left is None else max(0, a + off - left)
+            last = Lk if right is None else min(Lk, b + off + right + 1)
+            want += (b - a + 1) * (last - first)
+        assert _seq((0, Lq, 0, Lk, left, right), 0, 0).work == want, (Lq, Lk, left, right)
+
+
 @pytest.mark.parametrize("docs", [None, [[1000] * 1048]])
 def test_planning_cost_follows_documents_not_tokens(docs):
     # 2^20 tokens: a per-token planner allocates O(L) per rank pair; the plan of one rank here is

@@ -8,6 +8,7 @@ import torch
 
 from ..masks import MaskSpec
 from .base import VarlenBackend
+from .cpu import CPUFlashBackend
 from .flash import FlashBackend
 from .reference import ReferenceBackend
 from .triton import TritonBackend
@@ -15,8 +16,8 @@ from .triton import TritonBackend
 __all__ = ["VarlenBackend", "BACKENDS", "select_backend"]
 
 BACKENDS: dict[str, VarlenBackend] = {"flash": FlashBackend(), "triton": TritonBackend(),
-                                      "reference": ReferenceBackend()}
-AUTO_ORDER = ("flash", "triton", "reference")  # "auto" takes the first that supports the inputs
+                                      "cpu": CPUFlashBackend(), "reference": ReferenceBackend()}
+AUTO_ORDER = ("flash", "triton", "cpu", "reference")  # "auto" takes the first that supports the inputs
 # "auto" never picks Triton's CPU interpreter (a testing tool, orders of magnitude slower than the
 # reference); name backend="triton" to use it
 AUTO_DEVICES = {"triton": ("cuda",)}

@@ -31,8 +31,10 @@ the documents as tensors and builds its plan inside: traced outside context para
 function and the layers contain nothing dynamo cannot trace (no data-dependent branch, no context
 lookup), so a model compiles without a graph break and a new document layout does not recompile.
 Whether a context is active is asked once per trace (dynamo cannot guard on a contextvar) and checked
-again by the op when it runs. Under context parallelism :func:`_bound_mask` and the engine's layer entry
-run eagerly (``torch.compiler.disable``): one graph break per mask and per layer.
+again by the op when it runs. Traced inside context parallelism, a layer is the multi-rank op
+(:func:`cp_attention.compiled.bound_attention`), which binds the batch, agrees, plans and runs the
+strategy's exchanges when it runs: no graph break either, and no recompilation per batch. Llama 4's
+layers (a query adjustment that is a function of the module) still run eagerly there, one break each.
 
 Legend: ``B`` batch, ``L``/``Lq`` query tokens, ``Lk`` key tokens, ``H`` heads, ``D`` head dim.
 """
@@ -218,11 +220,18 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"cp_flash expects a 2D (B, L) padding mask; got a {attention_mask.dim()}D attention_mask")
     family = str(getattr(kwargs.get("config"), "model_type", "") or "")
-    if not compiling_outside_cp():
+    if not torch.compiler.is_compiling():
         info = _bound_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask)
         info.local_size = None if local_size is None else int(local_size)
         info.family = family
         return info
+    if not compiling_outside_cp():
+        # traced inside context parallelism: the layers' op binds the batch when it runs, from the raw
+        # padding mask (the tensor shard_batch returned) kept in ``valid``
+        return CPMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
+                      kv_offset=int(kv_offset), valid=attention_mask, opens=None, batch=None,
+                      local_size=None if local_size is None else int(local_size), family=family,
+                      mask_function=mask_function)
     # traced by torch.compile outside context parallelism: no data-dependent branch, no bookkeeping (the
     # single-device op notes the forward's plans itself)
     opens = None
