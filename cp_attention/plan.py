@@ -302,19 +302,6 @@ def _fit_ranges(qr: tuple[int, int], kr: tuple[int, int], lo: int, hi: int):
     return first - qa, Lq, k0, Lk, left, right
 
 
-def _ramp_sum(c: int, n: int, Lk: int) -> int:
-    """``sum(min(max(j + c, 0), Lk) for j in range(n))`` in closed form."""
-
-    def below(y: int) -> int:  # sum over x < y of min(max(x, 0), Lk)
-        if y <= 1:
-            return 0
-        if y - 1 <= Lk:
-            return (y - 1) * y // 2
-        return Lk * (Lk + 1) // 2 + (y - 1 - Lk) * Lk
-
-    return below(c + n) - below(c)
-
-
 def _clipped_sum(c: int, step: int, n: int, lo: int | None, hi: int | None) -> int:
     """``sum(min(max(c + step * t, lo), hi) for t in range(n))`` in closed form (``step > 0``;
     ``lo``/``hi`` None: unbounded, else ``lo < hi``): ``lo`` up to the ``n_lo``-th term, ``hi`` from
@@ -331,8 +318,8 @@ def _seq(fit, q_base: int, k_base: int) -> _Seq:
     first row's first key to the last row's last), in closed form over the tiles."""
     f, Lq, k0, Lk, left, right = fit
     off = Lk - Lq
-    visible = (Lq * Lk if right is None else _ramp_sum(off + right + 1, Lq, Lk)) - \
-        (0 if left is None else _ramp_sum(off - left, Lq, Lk))
+    visible = (Lq * Lk if right is None else _clipped_sum(off + right + 1, 1, Lq, 0, Lk)) - \
+        (0 if left is None else _clipped_sum(off - left, 1, Lq, 0, Lk))
     # the tile of rows [a, b] reads keys [max(0, a + off - left), min(Lk, b + off + right + 1))
     full, rest = divmod(Lq, WORK_TILE)
     hi = full * Lk if right is None else _clipped_sum(WORK_TILE + off + right, WORK_TILE, full, None, Lk)

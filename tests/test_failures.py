@@ -155,7 +155,7 @@ def _failure_worker(rank, world_size, phase, action, timeout, strategy="ring", v
     _inject(victim, rank, phase, action, at=2 if strategy in ("ring", "usp") else 1)
     q, k, v = _full(requires_grad=True)
     with_block = []
-    with cp_attention.context_parallel(layout="zigzag", timeout=timeout, strategy=strategy,
+    with cp_attention.context_parallel(layout="zigzag", timeout=timeout, strategy=strategy, backend="reference",
                                        ulysses_size=2 if strategy == "usp" else None) as cp:
         ql, kl, vl = (cp.shard(t.detach()).requires_grad_() for t in (q, k, v))
 

@@ -711,6 +711,8 @@ def test_dispatch_names_every_rejected_backend():
     from cp_attention.backends import select_backend
 
     assert select_backend("auto", device=torch.device("cpu"), dtype=torch.float32, head_dim=16,
+                          spec=MaskSpec()).name == "cpu"
+    assert select_backend("auto", device=torch.device("cpu"), dtype=torch.float64, head_dim=16,
                           spec=MaskSpec()).name == "reference"
     with pytest.raises(ValueError, match="no attention backend supports these inputs: flash: flash kernels need CUDA"):
         select_backend("flash", device=torch.device("cpu"), dtype=torch.float32, head_dim=16, spec=MaskSpec())

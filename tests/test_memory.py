@@ -139,7 +139,7 @@ class _LargestTensors(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _engine_largest(L: int) -> _LargestTensors:
+def _engine_largest(L: int, backend: str = "reference") -> _LargestTensors:
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, L, 4, 16, generator=gen, requires_grad=True)
     k, v = (torch.randn(1, L, 2, 16, generator=gen, requires_grad=True) for _ in range(2))
@@ -147,7 +147,7 @@ def _engine_largest(L: int) -> _LargestTensors:
     sinks = torch.zeros(4, requires_grad=True)
     with single_thread(), _LargestTensors(L) as mode:
         for kw in (dict(), dict(causal=False, window=L // 8, chunk_size=L // 4, softcap=5.0)):
-            out = cp_attention.attention(q, k, v, position_ids=pos, sinks=sinks, **kw)
+            out = cp_attention.attention(q, k, v, position_ids=pos, sinks=sinks, backend=backend, **kw)
             out.sum().backward()
     return mode
 
@@ -156,10 +156,13 @@ def test_engine_never_builds_a_square_tensor():
     """Unlimited causal attention, and bidirectional with window, chunks and softcap, over two
     documents with sinks, forward and backward: no op output has two dimensions >= L, and the
     largest one at most doubles when L doubles (unlimited causal rows see O(L) keys per tile).
-    L stays above the query rows of one reference tile (128 rows x 2 query heads per K/V head)."""
+    L stays above the query rows of one reference tile (128 rows x 2 query heads per K/V head). The
+    fused CPU backend ("auto" on CPU; softcap runs on the reference) builds no square tensor either."""
     small, large = _engine_largest(384), _engine_largest(768)
     assert not small.square and not large.square, (small.square + large.square)[:5]
     assert large.largest <= 2.2 * small.largest, (small.largest, large.largest)
+    fused = _engine_largest(768, "auto")
+    assert not fused.square, fused.square[:5]
 
 
 def _model_largest(model, L: int) -> _LargestTensors:
