@@ -19,6 +19,8 @@ CASES = [c for c in GRID if c[5] is None] + [
     # long enough for the library's own tiles: banded sequences, batched calls of overlapping spans
     ("long-window-docs", [300, 17, 201], [300, 17, 201], True, (100, 0), None, (4, 2)),
     ("long-causal-ring-block", [150], [390], True, (-1, -1), None, (4, 2)),
+    # equal diagonal bands whose keys are 9 then 7 rows apart: one shape, but no common stride
+    ("bands-uneven-key-steps", [3, 3, 3], [7, 9, 7], False, (0, 0), None, (2, 1)),
 ]
 BF16 = tuple(t for t in LOW_PRECISION_TOL if t[0] == torch.bfloat16)
 
