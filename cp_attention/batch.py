@@ -73,6 +73,26 @@ class BatchRecord:
     agreed: dict = field(default_factory=dict, repr=False, compare=False)
     """The plans the group agreed on for this batch, per call signature (every header field that
     must agree): a later call with an agreed signature exchanges nothing."""
+    facts: dict = field(default_factory=dict, repr=False, compare=False)
+    """Checks of tensors the batch's layers get that sync with the device (see :func:`tensor_fact`)."""
+
+
+def tensor_fact(record: BatchRecord, tensor: torch.Tensor, name: str, compute) -> bool:
+    """``compute()``, a check of ``tensor`` that syncs with the device, memoised on ``record`` by the
+    tensor's identity and in-place version: once per batch and tensor, not once per layer (the layers
+    of a forward, eager or compiled, get the same ``position_ids`` and padding mask). Weak: an entry
+    whose tensor died is never returned (its id may be reused) and is dropped; a tensor without a
+    version counter (an inference tensor) is checked every time."""
+    version, key = tensor_version(tensor), (name, id(tensor))
+    hit = record.facts.get(key)
+    if hit is not None and version is not None and hit[0]() is tensor and hit[1] == version:
+        return hit[2]
+    value = bool(compute())
+    if len(record.facts) >= 32:
+        for stale in [k for k, entry in record.facts.items() if entry[0]() is None]:
+            del record.facts[stale]
+    record.facts[key] = (weakref.ref(tensor), version, value)
+    return value
 
 
 def batch_of(*tensors) -> BatchRecord | None:
@@ -175,12 +195,10 @@ _AMBIGUOUS_MESSAGE = (
     "batch's forward before sharding the next one, or delete the other batches' tensors first")
 
 
-def resolve(position_ids, active, *, mask_batch=NO_MASK, memo: dict | None = None
-            ) -> tuple[BatchRecord | None, Exception | None]:
+def resolve(position_ids, active, *, mask_batch=NO_MASK) -> tuple[BatchRecord | None, Exception | None]:
     """The batch a layer call runs on (the rule of the module docstring), and an error if it cannot
     be told. ``active``: the active context or None. ``mask_batch``: what :func:`resolve_for_mask`
-    gave the layer's mask (:data:`NO_MASK` without a mask of ours). ``memo``: a per-forward memo (the
-    mask's) of the one check that syncs with the device: ``position_ids`` equal the batch's."""
+    gave the layer's mask (:data:`NO_MASK` without a mask of ours)."""
     batch = batch_of(position_ids)
     if batch is not None:
         return batch, None
@@ -192,12 +210,9 @@ def resolve(position_ids, active, *, mask_batch=NO_MASK, memo: dict | None = Non
     mine = None if batch is None else batch.local_position_ids
     if isinstance(position_ids, torch.Tensor) and mine is not None and position_ids.shape[-1] == mine.shape[-1]:
         # other lengths (a KV cache, another batch) are refused by the length checks that follow. The
-        # comparison syncs with the device: once per forward (the layers share the mask), not per layer
-        memo = {} if memo is None else memo
-        key = ("positions match", id(position_ids), tensor_version(position_ids))
-        if key not in memo:
-            memo[key] = bool((position_ids.to(mine.device) == mine).all())
-        if not memo[key]:
+        # comparison syncs with the device: once per batch and tensor (tensor_fact), not per layer
+        if not tensor_fact(batch, position_ids, "positions match",
+                           lambda: (position_ids.to(mine.device) == mine).all()):
             return batch, ValueError(
                 "cp_flash: the model got position_ids that cp.shard_batch did not return for this batch; pass "
                 "the position_ids (and every other tensor) of one cp.shard_batch call to the model")

@@ -28,7 +28,7 @@ from . import layout as layout_mod
 from .agreement import DTYPES, check_strategy, collective_error, exchange_headers, make_header, meta_crc, \
     signature
 from .backends import BACKENDS, select_backend
-from .batch import NO_MASK, BatchRecord, batch_of, resolve, resolve_for_mask
+from .batch import NO_MASK, BatchRecord, batch_of, resolve, resolve_for_mask, tensor_fact
 from .comm import Comm, process_count
 from .layout import global_index
 from .masks import MaskSpec, SequenceMeta
@@ -350,7 +350,7 @@ class LayerDocs:
     queries, ``T`` absolute positions covered).
 
     ``mask``: the model built the integration's mask for this forward (then ``batch`` is what
-    :func:`layer_mask_batch` gave it and ``memo`` the mask's per-forward memo). ``q_offset`` /
+    :func:`layer_mask_batch` gave it). ``q_offset`` /
     ``kv_offset``: absolute position of the first query / key (a KV cache); ``kv_length``: keys the
     mask was built for. ``valid`` (B, T) bool padding mask, ``opens`` (B, Lq) bool document starts
     the model detected, ``cu_seqlens`` (N+1,) one packed row's boundaries given to the layer (one
@@ -358,7 +358,6 @@ class LayerDocs:
 
     mask: bool = False
     batch: object = None
-    memo: dict | None = None
     q_offset: int = 0
     kv_offset: int = 0
     kv_length: int | None = None
@@ -435,11 +434,12 @@ def bind_traced_docs(docs: LayerDocs, batch_size: int, q_length: int) -> LayerDo
     ``attention_mask``, so that the record bound to it is found)."""
     if not docs.mask:
         return docs
+    batch = resolve_for_mask(docs.valid, context.active_context(), batch_size, q_length)
     valid = None if docs.valid is None else docs.valid.detach().to(torch.bool)
-    if valid is not None and bool(valid.all()):
+    if valid is not None and (tensor_fact(batch, docs.valid, "no padding", valid.all)
+                              if isinstance(batch, BatchRecord) else bool(valid.all())):
         valid = None
-    return dataclasses.replace(docs, batch=resolve_for_mask(docs.valid, context.active_context(), batch_size, q_length),
-                               valid=valid, memo={})
+    return dataclasses.replace(docs, batch=batch, valid=valid)
 
 
 @torch.compiler.disable
@@ -484,8 +484,7 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
     context parallelism, layers reach it through the multi-rank op instead (``run``: its passes)."""
     Lq, Lk = q.shape[1], k.shape[1]
     active = context.active_context()
-    batch, local_error = resolve(position_ids, active, mask_batch=docs.batch if docs.mask else NO_MASK,
-                                 memo=docs.memo)
+    batch, local_error = resolve(position_ids, active, mask_batch=docs.batch if docs.mask else NO_MASK)
     # raised with the group's other local errors: a rank whose model appended no key still meets the others
     local_error = local_error or _appended_keys_error(Lq, Lk, docs)
     multi_rank_context = active is not None and active.world_size > 1

@@ -13,8 +13,8 @@ from cp_attention.backends import cpu
 from cp_attention.masks import MaskSpec
 from test_contract import GRID, LOW_PRECISION_TOL, check_backend_on_case
 
-# (TILE_Q, MAX_ROWS, MAX_SPAN_ROWS): the library's, then tiny ones that cut the grid's sequences
-SETTINGS = [(cpu.TILE_Q, cpu.MAX_ROWS, cpu.MAX_SPAN_ROWS), (4, 8, 8), (3, 5, 7)]
+# (TILE_Q, MAX_ROWS, MAX_SPAN_ROWS, BACKWARD_SPAN): the library's, then tiny ones that cut the grid's sequences
+SETTINGS = [(cpu.TILE_Q, cpu.MAX_ROWS, cpu.MAX_SPAN_ROWS, cpu.BACKWARD_SPAN), (4, 8, 8, 5), (3, 5, 7, 3)]
 CASES = [c for c in GRID if c[5] is None] + [
     # long enough for the library's own tiles: banded sequences, batched calls of overlapping spans
     ("long-window-docs", [300, 17, 201], [300, 17, 201], True, (100, 0), None, (4, 2)),
@@ -25,12 +25,13 @@ CASES = [c for c in GRID if c[5] is None] + [
 BF16 = tuple(t for t in LOW_PRECISION_TOL if t[0] == torch.bfloat16)
 
 
-@pytest.fixture(params=SETTINGS, ids=lambda s: f"tile{s[0]}-rows{s[1]}-span{s[2]}")
+@pytest.fixture(params=SETTINGS, ids=lambda s: f"tile{s[0]}-rows{s[1]}-span{s[2]}-bwd{s[3]}")
 def sizes(request, monkeypatch):
-    tile, rows, span = request.param
+    tile, rows, span, backward_span = request.param
     monkeypatch.setattr(cpu, "TILE_Q", tile)
     monkeypatch.setattr(cpu, "MAX_ROWS", rows)
     monkeypatch.setattr(cpu, "MAX_SPAN_ROWS", span)
+    monkeypatch.setattr(cpu, "BACKWARD_SPAN", backward_span)
     return request.param
 
 
@@ -74,6 +75,7 @@ def test_plan_of_documents_and_a_ring_block_by_hand():
     assert [c[:8] for c in calls] == [(0, 0, 1, 3, 4, 0, "full", False), (0, 4, 1, 3, 3, 0, "causal", True)]
 
 
+
 def test_backward_chunks_by_hand():
     """A causal call of 10 rows, chunks of 4: rows 0-3 its square; rows 4-7 their square, then keys 0-3
     (full, merged); rows 8-9 their square, then keys 0-7. A full call of 10 rows: 3 row chunks."""
@@ -86,6 +88,11 @@ def test_backward_chunks_by_hand():
     full = [cpu._Call(0, 0, 1, 10, 6, 0, "full", False, None)]
     assert [(c.q0, c.T, c.k0, c.S) for c in cpu.backward_calls(full, max_rows=4)] == [(0, 4, 0, 6), (4, 4, 0, 6),
                                                                                       (8, 2, 0, 6)]
+    # key slices of at most 4: the full call's 6 keys as 4 + 2; the causal call's keys before a chunk too
+    assert [(c.q0, c.T, c.k0, c.S) for c in cpu.backward_calls(full, max_rows=8, max_span=4)] == [
+        (0, 8, 0, 4), (0, 8, 4, 2), (8, 2, 0, 4), (8, 2, 4, 2)]
+    assert [(c.q0, c.k0, c.S, c.kind) for c in cpu.backward_calls(causal, max_rows=8, max_span=3)] == [
+        (0, 0, 8, "causal"), (8, 8, 2, "causal"), (8, 0, 3, "full"), (8, 3, 3, "full"), (8, 6, 2, "full")]
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

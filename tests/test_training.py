@@ -255,3 +255,50 @@ def test_position_ids_not_from_the_batch_are_refused():
         other = dict(local, position_ids=torch.arange(local["position_ids"].shape[1])[None])
         with pytest.raises(ValueError, match="did not return for this batch"):
             model(**other, use_cache=False)
+
+
+def test_position_check_syncs_once_per_batch_and_tensor(monkeypatch):
+    """The comparison of untagged position_ids with the batch's syncs with the device: it runs once
+    per batch and tensor (and again after an in-place change), not at every layer of every forward."""
+    import cp_attention
+    from cp_attention import batch as batch_mod
+
+    computed = []
+    fact = batch_mod.tensor_fact
+
+    def counting(record, tensor, name, compute):
+        return fact(record, tensor, name, lambda: computed.append(name) or compute())
+
+    monkeypatch.setattr(batch_mod, "tensor_fact", counting)
+    model, _ = tw.models("mistral")
+    assert model.config.num_hidden_layers >= 2
+    with torch.no_grad(), cp_attention.context_parallel() as cp:
+        local = cp.shard_batch(**tw.flattened(tw.documents(0)))
+        same = dict(local, position_ids=local["position_ids"].clone())
+        first = model(**same, use_cache=False).logits
+        model(**same, use_cache=False)
+        assert computed == ["positions match"]
+        same["position_ids"].add_(0)  # an in-place change: checked again
+        model(**same, use_cache=False)
+        assert computed == ["positions match"] * 2
+        assert torch.equal(model(**local, use_cache=False).logits, first)  # tagged: no check at all
+        assert len(computed) == 2
+
+
+def test_tensor_fact_is_weak_and_versioned():
+    """A memoised fact is returned only for the same live tensor at the same version: an entry whose
+    tensor died (its id may be reused by a new tensor) or changed in place is computed again."""
+    from cp_attention.batch import tensor_fact
+
+    class Record:
+        facts = {}
+
+    t, calls = torch.ones(3), []
+    assert tensor_fact(Record, t, "x", lambda: calls.append(1) or True)
+    assert tensor_fact(Record, t, "x", lambda: calls.append(1) or False) and len(calls) == 1
+    assert not tensor_fact(Record, t, "y", lambda: calls.append(1) or False) and len(calls) == 2
+    t.mul_(2)
+    assert not tensor_fact(Record, t, "x", lambda: calls.append(1) or False) and len(calls) == 3
+    u = torch.ones(3)
+    Record.facts[("x", id(u))] = (lambda: None, u._version, True)  # a dead tensor's entry under u's id
+    assert not tensor_fact(Record, u, "x", lambda: False)

@@ -18,9 +18,11 @@ causal, plus an optional additive ``attn_mask``. This backend cuts every sequenc
 Parts of the same shape and mask at a constant stride (the interior tiles of a window band, equal
 documents side by side) run as one batched kernel call over overlapping strided views; a call holds
 at most ``MAX_ROWS`` query rows, which bounds its temporaries. Rows that see no key are in no part
-(``out = 0``, ``lse = -inf``). The backward walks the same parts (long full and causal ones cut into row chunks, which need
-no merge there: :func:`backward_calls`); dK/dV of overlapping spans are
-added back in chunks that do not overlap.
+(``out = 0``, ``lse = -inf``). The backward walks the same parts (long full and causal ones cut into
+row chunks, and long full parts into key slices, which need no merge there: :func:`backward_calls`);
+dK/dV of overlapping spans are added back in chunks that do not overlap. A call's results are
+released before the next call allocates its own, so the temporaries beside the accumulators are one
+call's.
 
 Supported: CPU tensors of float32 and bfloat16 (computed in float32: aten's bfloat16 kernels round
 the probabilities and the gradients to bfloat16, past the contract's bound) with one head dim for q,
@@ -34,6 +36,7 @@ Legend: ``n`` parts of one call, ``T`` query rows of a part, ``S`` its key span,
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -44,7 +47,7 @@ from ..state import KERNEL_CALLS
 from ..torch_compat import cpu_flash_kernels
 from .base import accumulation_dtype, row_key_intervals
 
-__all__ = ["CPUFlashBackend", "TILE_Q", "MAX_ROWS", "MAX_SPAN_ROWS", "plan_calls", "backward_calls"]
+__all__ = ["CPUFlashBackend", "TILE_Q", "MAX_ROWS", "MAX_SPAN_ROWS", "BACKWARD_SPAN", "plan_calls", "backward_calls"]
 
 TILE_Q = 64
 """Query rows per tile of a banded sequence. On CPU, short query tiles over a window's span ran
@@ -54,6 +57,9 @@ MAX_ROWS = 512
 MAX_SPAN_ROWS = 2048
 """Key rows of the spans of one batched kernel call (overlapping spans counted once each): its dK and
 dV are temporaries of this many rows, of K/V heads only."""
+BACKWARD_SPAN = 1024
+"""Key rows of one full part in the backward (longer ones are cut into key slices): its dK and dV
+temporaries, next to dQ's ``MAX_ROWS``."""
 
 _FULL, _CAUSAL, _MASKED = "full", "causal", "masked"
 
@@ -142,36 +148,46 @@ def _plan_calls(bounds_q: tuple, bounds_k: tuple, causal: bool, window: tuple[in
     return tuple(calls)
 
 
-def backward_calls(calls: list[_Call], max_rows: int | None = None) -> list[_Call]:
+def backward_calls(calls: list[_Call], max_rows: int | None = None, max_span: int | None = None) -> list[_Call]:
     """The backward's calls: every full or causal call of more than ``max_rows`` (``MAX_ROWS``) query
-    rows cut into row chunks (a causal chunk: its diagonal square, then the keys before it, full), so
-    that dQ/dK/dV temporaries stay small next to the accumulators. The backward takes the final out
-    and lse, so the chunks need no merge: their gradients add up. (A backward whose one call covers
-    every row and key is not cut: its gradients become the result.)"""
-    max_rows = max_rows or MAX_ROWS
+    rows cut into row chunks (a causal chunk: its diagonal square, then the keys before it, full), and
+    every full part of one sequence over more than ``max_span`` (``BACKWARD_SPAN``) keys cut into key
+    slices, so that dQ/dK/dV temporaries stay small next to the accumulators. The backward takes the
+    final out and lse, so the pieces need no merge: their gradients add up. (A backward whose one call
+    covers every row and key is not cut: its gradients become the result.)"""
+    max_rows, max_span = max_rows or MAX_ROWS, max_span or BACKWARD_SPAN
     chunked = []
+
+    def full(call: _Call) -> None:
+        for s0 in range(0, call.S, max_span):
+            chunked.append(call._replace(k0=call.k0 + s0, S=min(max_span, call.S - s0), merge=call.merge or s0 > 0))
+
     for call in calls:
-        if call.n > 1 or call.T <= max_rows or call.kind == _MASKED:
+        if call.n > 1 or call.kind == _MASKED or call.kind == _CAUSAL and call.T <= max_rows:
             chunked.append(call)
             continue
         for r0 in range(0, call.T, max_rows):
             T = min(max_rows, call.T - r0)
             if call.kind == _FULL:
-                chunked.append(call._replace(q0=call.q0 + r0, T=T))
+                full(call._replace(q0=call.q0 + r0, T=T))
                 continue
             chunked.append(_Call(call.q0 + r0, call.k0 + r0, 1, T, T, 0, _CAUSAL, call.merge, None))
             if r0:
-                chunked.append(_Call(call.q0 + r0, call.k0, 1, T, r0, 0, _FULL, True, None))
+                full(_Call(call.q0 + r0, call.k0, 1, T, r0, 0, _FULL, True, None))
     return chunked
 
 
 def _mask(call: _Call, dtype: torch.dtype) -> torch.Tensor | None:
-    """A masked call's additive (T, S) mask: 0 where visible, -inf where hidden."""
-    if call.rel is None:
-        return None
-    lo, hi = (torch.tensor(x)[:, None] for x in call.rel)
-    j = torch.arange(call.S)[None, :]
-    return torch.zeros(call.T, call.S, dtype=dtype).masked_fill_((j < lo) | (j >= hi), float("-inf"))
+    """A masked call's additive (T, S) mask: 0 where visible, -inf where hidden (read only: shared by
+    every call of the same tiles, e.g. a window band's interior, and by the backward)."""
+    return None if call.rel is None else _mask_of(call.rel, call.S, dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _mask_of(rel: tuple, S: int, dtype: torch.dtype) -> torch.Tensor:
+    lo, hi = (torch.tensor(x)[:, None] for x in rel)
+    j = torch.arange(S)[None, :]
+    return torch.zeros(len(rel[0]), S, dtype=dtype).masked_fill_((j < lo) | (j >= hi), float("-inf"))
 
 
 def _rows(x: torch.Tensor, call: _Call) -> torch.Tensor:
@@ -234,11 +250,13 @@ class CPUFlashBackend:
             o_THD, l_HT = o.transpose(1, 2).reshape(-1, H, Dv), l_nHT.transpose(0, 1).reshape(H, -1)
             if not call.merge:
                 out[rows], lse_HT[:, rows] = o_THD, l_HT
-                continue
-            old = lse_HT[:, rows]
-            new = torch.logaddexp(old, l_HT)
-            out[rows].mul_(torch.exp(old - new).t()[..., None]).add_(o_THD.mul_(torch.exp(l_HT - new).t()[..., None]))
-            lse_HT[:, rows] = new
+            else:
+                old = lse_HT[:, rows]
+                new = torch.logaddexp(old, l_HT)
+                out[rows].mul_(torch.exp(old - new).t()[..., None]).add_(
+                    o_THD.mul_(torch.exp(l_HT - new).t()[..., None]))
+                lse_HT[:, rows] = new
+            del o, l_nHT, o_THD, l_HT  # (freed before the next call allocates its own)
         return out.to(dtype), lse_HT
 
     def backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -270,6 +288,7 @@ class CPUFlashBackend:
             dq[rows] += gq.transpose(1, 2).reshape(-1, H, D)
             for grad, total in ((gk, dk), (gv, dv)):
                 _add_spans_(total, grad.transpose(1, 2), call)
+            del gq, gk, gv, grad  # (freed before the next call allocates its own)
         return dq, dk, dv
 
 

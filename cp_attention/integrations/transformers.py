@@ -102,8 +102,7 @@ class CPMask:
     itself detected in packed ``position_ids`` (no KV cache only), or None. ``local_size``: the
     window (or chunk) transformers' sliding-window (chunked) mask builder applies, None for a full
     mask: a layer whose module passes no ``sliding_window`` (Qwen2-MoE, PhiMoE: the window lives
-    only in the mask) takes its window from here. ``plans`` caches the single-device plan of each
-    mask for the layers of one forward. ``mask_function``: transformers' own mask function, probed by
+    only in the mask) takes its window from here. ``mask_function``: transformers' own mask function, probed by
     :meth:`sees_no_later_key` for layers that declare themselves bidirectional.
     """
 
@@ -116,7 +115,6 @@ class CPMask:
     opens: torch.Tensor | None
     batch: object = field(default=None, repr=False)
     local_size: int | None = None
-    plans: dict = field(default_factory=dict, repr=False)
     family: str = ""
     mask_function: object = field(default=None, repr=False)
     _no_later_key: object = field(default=_UNPROBED, repr=False)
@@ -373,7 +371,7 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     if info is None:
         docs = LayerDocs(cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator)
     else:
-        docs = LayerDocs(mask=True, batch=info.batch, memo=info.plans, q_offset=info.q_offset,
+        docs = LayerDocs(mask=True, batch=info.batch, q_offset=info.q_offset,
                          kv_offset=info.kv_offset, kv_length=info.kv_length, valid=info.valid, opens=info.opens,
                          cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator)
     out = attend_layer(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
