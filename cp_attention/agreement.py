@@ -51,13 +51,16 @@ def float_bits(x: float | None) -> int:
 
 def meta_crc(meta: SequenceMeta) -> int:
     """A checksum of the global sequence metadata: length, rows, and per row every document's first
-    token and its position (positions rise by one inside a document, so that is all of them)."""
+    token and its position (positions rise by one inside a document, so that is all of them), and
+    the bidirectional spans."""
     crc = zlib.crc32(struct.pack("<qqqq", meta.batch, meta.seq_len, meta.doc_start is not None,
                                  meta.position is not None))
     for b, (starts, _) in enumerate(segment_runs(meta, None)):
         crc = zlib.crc32(starts.tobytes(), crc)
         if meta.position is not None:
             crc = zlib.crc32(meta.position.expand(meta.batch, meta.seq_len)[b].numpy()[starts].tobytes(), crc)
+    for span_starts, span_ends in meta.spans or ():  # bidirectional spans
+        crc = zlib.crc32(b"spans" + span_starts.tobytes() + span_ends.tobytes(), crc)
     return crc
 
 
@@ -75,7 +78,7 @@ class Header:
     head_dim: int = -1
     dtype: int = -1                # index in DTYPES
     layout: int = -1               # layout.layout_code
-    causal: int = -1
+    causal: int = -1               # causal + 2 * spans (the layer opens the batch's bidirectional spans)
     window: int = -1
     chunk_size: int = -1
     softcap: int = -1              # float bits
@@ -120,7 +123,7 @@ def make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cach
     plan_cached, meta_cached, cached_seq_len, cached_meta_crc = cached
     return Header(
         error=0, batch=q.shape[0], local_len=q.shape[1], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
-        dtype=DTYPES.index(q.dtype), layout=layout_code(layout), causal=int(spec.causal),
+        dtype=DTYPES.index(q.dtype), layout=layout_code(layout), causal=int(spec.causal) + 2 * int(spec.spans),
         window=spec.window or -1, chunk_size=spec.chunk_size or -1, softcap=float_bits(spec.softcap),
         scale=float_bits(spec.scale), sinks=int(sinks is not None),
         documents=0 if position_ids is None and cu_seqlens is None else (1 if position_ids is not None else 2),

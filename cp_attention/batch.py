@@ -70,6 +70,15 @@ class BatchRecord:
     doc_opens: torch.Tensor | None = field(default=None, repr=False)
     """(B, L) bool document openings, for a one-rank context's single-device layers: one tensor object
     per batch, so the plan cache digests it once per batch instead of once per layer."""
+    span_next: torch.Tensor | None = field(default=None, repr=False)
+    """(B, L) bool: the batch's bidirectional spans (token ``i`` and ``i + 1`` in one span), for a
+    one-rank context's single-device layers, like ``doc_opens``; None without spans."""
+    spans_read: bool = False
+    """``shard_batch`` read the model's bidirectional spans from the batch (``model=``): a layer whose
+    mask opens spans refuses a multi-rank batch without them."""
+    extras: dict = field(default_factory=dict, repr=False, compare=False)
+    """Values an integration keeps with the batch (transformers: the text decoder's sharded inputs that
+    a multimodal front-end computed on the full batch)."""
     agreed: dict = field(default_factory=dict, repr=False, compare=False)
     """The plans the group agreed on for this batch, per call signature (every header field that
     must agree): a later call with an agreed signature exchanges nothing."""
@@ -145,7 +154,8 @@ def tokens_checksum(tensors: dict[str, torch.Tensor]) -> int:
 
 
 def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_items: torch.Tensor | None = None,
-         padded: bool = False, tokens_crc: int = -1, positions_given: bool = True) -> BatchRecord:
+         padded: bool = False, tokens_crc: int = -1, positions_given: bool = True,
+         spans_read: bool = False) -> BatchRecord:
     """Record a sharded batch of the context ``cp``: ``local`` (this rank's tensors, ``position_ids``
     among them) and the global ``meta`` of its documents. The record is bound to every tensor of
     ``local`` (see :func:`batch_of`) and is live while any of them is."""
@@ -155,7 +165,8 @@ def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_
                          local_position_ids=local["position_ids"].clone(), padded=padded, crc=meta_crc(meta),
                          digest=meta.digest(), tokens_crc=tokens_crc, layout=layout, positions_given=positions_given,
                          doc_opens=None if cp.world_size > 1 or meta.doc_start is None
-                         else meta.doc_start == torch.arange(meta.seq_len))
+                         else meta.doc_start == torch.arange(meta.seq_len),
+                         span_next=None if cp.world_size > 1 else _span_next(meta), spans_read=spans_read)
     for t in local.values():
         setattr(t, _BATCH_ATTR, record)
     refs = [weakref.ref(t) for t in local.values()]
@@ -164,6 +175,17 @@ def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_
         state.LIVE_BATCHES[:] = [(r, rec) for r, rec in state.LIVE_BATCHES if _alive(r)]
         state.LIVE_BATCHES.append((refs, record))
     return record
+
+
+def _span_next(meta: SequenceMeta) -> torch.Tensor | None:
+    """(B, L) bool: token ``i`` and ``i + 1`` in one of ``meta``'s bidirectional spans; None without."""
+    if meta.spans is None:
+        return None
+    nxt = torch.zeros(meta.batch, meta.seq_len, dtype=torch.bool)
+    for b, (starts, ends) in enumerate(meta.spans):
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            nxt[b, s:e - 1] = True
+    return nxt
 
 
 def recomputed_batch(batch_size: int, local_len: int):

@@ -50,7 +50,8 @@ log = logging.getLogger("cp_attention.api")
 
 def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 0,
                position_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-               opens: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
+               opens: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+               span_next: torch.Tensor | None = None):
     """Documents and positions of a single-device call: ``(meta, q_idx (Lq,), k_idx (Lk,))``.
 
     ``q_offset``/``kv_offset``: absolute position of the first query / key (non-zero after a KV
@@ -58,7 +59,8 @@ def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 
     they place chunk boundaries (ignored after a KV cache, where restarts are refused). ``valid``
     (B, >= 1) bool: the padding mask over absolute positions (positions past it are invisible).
     ``opens`` (B, Lq) bool: further document openings. ``cu_seqlens`` (N+1,): document boundaries of
-    one packed row (B == 1, no KV cache)."""
+    one packed row (B == 1, no KV cache). ``span_next`` (B, Lq) bool: query ``i`` and ``i + 1`` lie in
+    one bidirectional span (:meth:`SequenceMeta.from_inputs`)."""
     cached = q_offset != 0 or kv_offset != 0 or Lq != Lk
     T = max(q_offset + Lq, kv_offset + Lk)
     if position_ids is not None and tuple(position_ids.shape[-1:]) != (Lq,):
@@ -96,8 +98,12 @@ def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 
         opens = opens.cpu().expand(B, Lq)
         if T > Lq:
             opens = torch.cat([opens, torch.zeros(B, T - Lq, dtype=torch.bool)], 1)
+    if span_next is not None:
+        span_BT = torch.zeros(B, T, dtype=torch.bool)
+        span_BT[:, q_offset:q_offset + Lq] = span_next.cpu().expand(B, Lq)
+        span_next = span_BT
     meta = SequenceMeta.from_inputs(B, T, position_ids=positions, valid=valid_BT, opens=opens,
-                                    cu_seqlens=None if cached else cu_seqlens)
+                                    cu_seqlens=None if cached else cu_seqlens, span_next=span_next)
     return meta, torch.arange(q_offset, q_offset + Lq), torch.arange(kv_offset, kv_offset + Lk)
 
 
@@ -106,21 +112,23 @@ def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 
 
 
 def local_plan(B: int, Lq: int, Lk: int, spec: MaskSpec, *, q_offset: int = 0, kv_offset: int = 0,
-               position_ids=None, valid=None, opens=None, cu_seqlens=None, label: str = "single device") -> RankPlan:
+               position_ids=None, valid=None, opens=None, cu_seqlens=None, span_next=None,
+               label: str = "single device") -> RankPlan:
     """The single-device plan of ``spec`` (its planning part) over the documents the tensors describe
     (see :func:`local_meta`), from the process-wide cache keyed by their *content*
     (:data:`cp_attention.state.LOCAL_PLANS`): what the op and the bare ``attention()`` on one device
     both run. ``label``: how the log names the call."""
     spec = spec.for_planning()
     cache = LOCAL_PLANS
-    key = (spec, B, Lq, Lk, q_offset, kv_offset, *(cache.digest(t) for t in (position_ids, valid, opens, cu_seqlens)))
+    key = (spec, B, Lq, Lk, q_offset, kv_offset,
+           *(cache.digest(t) for t in (position_ids, valid, opens, cu_seqlens, span_next)))
     plan = cache.get(key)
     if plan is not None:
         log.debug("plan reused from the cache (rank 0 of 1, %s)", label)
         return plan
     start = time.perf_counter()
     meta, q_idx, k_idx = local_meta(B, Lq, Lk, q_offset=q_offset, kv_offset=kv_offset, position_ids=position_ids,
-                                    valid=valid, opens=opens, cu_seqlens=cu_seqlens)
+                                    valid=valid, opens=opens, cu_seqlens=cu_seqlens, span_next=span_next)
     plan = cache.put(key, build_local_plan(meta, spec, q_idx=q_idx, k_idx=k_idx))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("plan built in %.1f ms: rank 0 of 1, %s, %d x %d tokens, %s", 1e3 * (time.perf_counter() - start),
@@ -152,9 +160,9 @@ def _check_context() -> None:
             "contextvar: call it inside the block on cp.shard_batch outputs, which recompiles)")
 
 
-def _resolve(q, v, backend: str, window, chunk_size, softcap, causal):
+def _resolve(q, v, backend: str, window, chunk_size, softcap, causal, spans):
     """The backend object and the plan's MaskSpec."""
-    spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap)
+    spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, spans=spans)
     impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec,
                           head_dim_v=v.shape[3])
     return impl, spec.for_planning()
@@ -175,25 +183,25 @@ def _note(plan: RankPlan, layer: int) -> None:
 @torch.library.custom_op("cp_attention::local_attention", mutates_args=())
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
                      position_ids: torch.Tensor | None, valid: torch.Tensor | None, opens: torch.Tensor | None,
-                     cu_seqlens: torch.Tensor | None, q_offset: int, kv_offset: int, causal: bool,
-                     window: int | None, chunk_size: int | None, softcap: float | None, scale: float, backend: str,
-                     layer: int, check_context: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     cu_seqlens: torch.Tensor | None, span_next: torch.Tensor | None, q_offset: int, kv_offset: int,
+                     causal: bool, spans: bool, window: int | None, chunk_size: int | None, softcap: float | None,
+                     scale: float, backend: str, layer: int, check_context: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Lq, H, D), k (B, Lk, K, D), v (B, Lk, K, Dv) -> out (B, Lq, H, Dv), lse (H, B * Lq)
     float32 (float64 for float64 inputs)."""
     if check_context:
         _check_context()
-    impl, plan_spec = _resolve(q, v, backend, window, chunk_size, softcap, causal)
+    impl, plan_spec = _resolve(q, v, backend, window, chunk_size, softcap, causal, spans)
     B, Lq = q.shape[:2]
-    plan = local_plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset,
-                      position_ids=position_ids, valid=valid, opens=opens, cu_seqlens=cu_seqlens, label="the op")
+    plan = local_plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset, position_ids=position_ids,
+                      valid=valid, opens=opens, cu_seqlens=cu_seqlens, span_next=span_next, label="the op")
     _note(plan, layer)
     out, lse = ring_forward(q, k, v, sinks, plan, Comm(single=True), impl, scale=scale, softcap=softcap)
     return out.contiguous(), lse.contiguous()  # the strides the fake implementation promises
 
 
 @_local_attention.register_fake
-def _(q, k, v, sinks, position_ids, valid, opens, cu_seqlens, q_offset, kv_offset, causal, window, chunk_size,
-      softcap, scale, backend, layer, check_context):
+def _(q, k, v, sinks, position_ids, valid, opens, cu_seqlens, span_next, q_offset, kv_offset, causal, spans, window,
+      chunk_size, softcap, scale, backend, layer, check_context):
     B, Lq, H, _ = q.shape
     return q.new_empty((B, Lq, H, v.shape[3])), q.new_empty((H, B * Lq), dtype=accumulation_dtype(q.dtype))
 
@@ -202,22 +210,23 @@ def _(q, k, v, sinks, position_ids, valid, opens, cu_seqlens, q_offset, kv_offse
 def _local_attention_backward(
         dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, sinks: torch.Tensor | None, position_ids: torch.Tensor | None,
-        valid: torch.Tensor | None, opens: torch.Tensor | None, cu_seqlens: torch.Tensor | None, q_offset: int,
-        kv_offset: int, causal: bool, window: int | None, chunk_size: int | None, softcap: float | None,
-        scale: float, backend: str, need_dsinks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        valid: torch.Tensor | None, opens: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+        span_next: torch.Tensor | None, q_offset: int, kv_offset: int, causal: bool, spans: bool, window: int | None,
+        chunk_size: int | None, softcap: float | None, scale: float, backend: str,
+        need_dsinks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq (B, Lq, H, D), dk (B, Lk, K, D), dv (B, Lk, K, Dv), dsinks (H,) (empty when not needed)."""
-    impl, plan_spec = _resolve(q, v, backend, window, chunk_size, softcap, causal)
+    impl, plan_spec = _resolve(q, v, backend, window, chunk_size, softcap, causal, spans)
     B, Lq = q.shape[:2]
-    plan = local_plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset,
-                      position_ids=position_ids, valid=valid, opens=opens, cu_seqlens=cu_seqlens, label="the op")
+    plan = local_plan(B, Lq, k.shape[1], plan_spec, q_offset=q_offset, kv_offset=kv_offset, position_ids=position_ids,
+                      valid=valid, opens=opens, cu_seqlens=cu_seqlens, span_next=span_next, label="the op")
     dq, dk, dv, dsinks = ring_backward(dout, q, k, v, out, lse, sinks, plan, Comm(single=True), impl, scale=scale,
                                        softcap=softcap, need_dsinks=need_dsinks)
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks if dsinks is not None else q.new_empty(0)
 
 
 @_local_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, sinks, position_ids, valid, opens, cu_seqlens, q_offset, kv_offset, causal, window,
-      chunk_size, softcap, scale, backend, need_dsinks):
+def _(dout, q, k, v, out, lse, sinks, position_ids, valid, opens, cu_seqlens, span_next, q_offset, kv_offset, causal,
+      spans, window, chunk_size, softcap, scale, backend, need_dsinks):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None and need_dsinks else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
@@ -241,15 +250,16 @@ def _pair_autograd(op, backward_op, docs: slice, static: slice, count: int) -> N
     op.register_autograd(backward, setup_context=setup_context)
 
 
-# documents: position_ids, valid, opens, cu_seqlens; static: q_offset ... backend
-_pair_autograd(_local_attention, torch.ops.cp_attention.local_attention_backward, slice(4, 8), slice(8, 16), 18)
+# documents: position_ids, valid, opens, cu_seqlens, span_next; static: q_offset ... backend
+_pair_autograd(_local_attention, torch.ops.cp_attention.local_attention_backward, slice(4, 9), slice(9, 18), 20)
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, *,
                     sinks: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                     valid: torch.Tensor | None = None, opens: torch.Tensor | None = None,
-                    cu_seqlens: torch.Tensor | None = None, q_offset: int = 0, kv_offset: int = 0,
-                    backend: str | None = None, bound: bool = False, layer: int | None = None) -> torch.Tensor:
+                    cu_seqlens: torch.Tensor | None = None, span_next: torch.Tensor | None = None,
+                    q_offset: int = 0, kv_offset: int = 0, backend: str | None = None, bound: bool = False,
+                    layer: int | None = None) -> torch.Tensor:
     """Single-device attention over the documents the tensors describe (see :func:`local_meta`), as
     one custom op that ``torch.compile`` keeps opaque.
 
@@ -276,8 +286,8 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Mas
     if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
         raise ValueError(f"sinks must have shape (heads,) = ({q.shape[2]},), got {tuple(sinks.shape)}")
     out, _ = torch.ops.cp_attention.local_attention(
-        q, k, v, sinks, position_ids, valid, opens, cu_seqlens, int(q_offset), int(kv_offset), bool(spec.causal),
-        spec.window, spec.chunk_size, None if spec.softcap is None else float(spec.softcap),
+        q, k, v, sinks, position_ids, valid, opens, cu_seqlens, span_next, int(q_offset), int(kv_offset),
+        bool(spec.causal), bool(spec.spans), spec.window, spec.chunk_size, None if spec.softcap is None else float(spec.softcap),
         spec.resolved_scale(q.shape[3]), backend or _context_backend(), -1 if layer is None else int(layer),
         not bound)
     return out
@@ -288,13 +298,13 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Mas
 
 
 def _bound_call(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask, causal,
-                window, chunk_size, softcap, scale, layer, run):
+                spans, window, chunk_size, softcap, scale, layer, run):
     """Both passes of the multi-rank op: the layer's documents bound to its batch now (at run time),
     then the engine's call under context parallelism (checks every rank raises together, agreement,
     the plan from the context's cache, the strategy) with ``run`` in place of autograd."""
     from . import engine  # the engine imports this module
 
-    spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale)
+    spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale, spans=spans)
     docs = engine.LayerDocs(mask=has_mask, q_offset=q_offset, kv_offset=kv_offset,
                             kv_length=None if kv_length < 0 else kv_length, valid=attention_mask)
     docs = engine.bind_traced_docs(docs, q.shape[0], q.shape[1])
@@ -304,8 +314,8 @@ def _bound_call(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offse
 @torch.library.custom_op("cp_attention::bound_attention", mutates_args=())
 def _bound_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
                         position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, q_offset: int,
-                        kv_offset: int, kv_length: int, has_mask: bool, causal: bool, window: int | None,
-                        chunk_size: int | None, softcap: float | None, scale: float | None,
+                        kv_offset: int, kv_length: int, has_mask: bool, causal: bool, spans: bool,
+                        window: int | None, chunk_size: int | None, softcap: float | None, scale: float | None,
                         layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, L, H, D), k (B, L, K, D), v (B, L, K, Dv) of this rank -> out (B, L, H, Dv), lse (H, B * L)
     float32 (float64 for float64 inputs)."""
@@ -314,12 +324,12 @@ def _bound_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
     from .engine import passes
 
     out, lse = _bound_call(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask,
-                           causal, window, chunk_size, softcap, scale, layer, passes())
+                           causal, spans, window, chunk_size, softcap, scale, layer, passes())
     return out.contiguous(), lse.contiguous()
 
 
 @_bound_attention_op.register_fake
-def _(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask, causal, window,
+def _(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask, causal, spans, window,
       chunk_size, softcap, scale, layer):
     B, L, H, _ = q.shape
     return q.new_empty((B, L, H, v.shape[3])), q.new_empty((H, B * L), dtype=accumulation_dtype(q.dtype))
@@ -329,28 +339,28 @@ def _(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_leng
 def _bound_attention_backward(
         dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
         sinks: torch.Tensor | None, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
-        q_offset: int, kv_offset: int, kv_length: int, has_mask: bool, causal: bool, window: int | None,
-        chunk_size: int | None, softcap: float | None, scale: float | None, layer: int,
+        q_offset: int, kv_offset: int, kv_length: int, has_mask: bool, causal: bool, spans: bool,
+        window: int | None, chunk_size: int | None, softcap: float | None, scale: float | None, layer: int,
         need_dsinks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq (B, L, H, D), dk (B, L, K, D), dv (B, L, K, Dv), dsinks (H,) (empty when not needed). The
     plan is the forward's (the batch's agreed signature: no collective before the exchanges)."""
     from .engine import passes
 
     dq, dk, dv, dsinks = _bound_call(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length,
-                                     has_mask, causal, window, chunk_size, softcap, scale, layer,
+                                     has_mask, causal, spans, window, chunk_size, softcap, scale, layer,
                                      passes(dout, out, lse, need_dsinks))
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks if dsinks is not None else q.new_empty(0)
 
 
 @_bound_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask, causal,
-      window, chunk_size, softcap, scale, layer, need_dsinks):
+      spans, window, chunk_size, softcap, scale, layer, need_dsinks):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None and need_dsinks else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 # documents: position_ids, attention_mask; static: q_offset ... layer
-_pair_autograd(_bound_attention_op, torch.ops.cp_attention.bound_attention_backward, slice(4, 6), slice(6, 16), 16)
+_pair_autograd(_bound_attention_op, torch.ops.cp_attention.bound_attention_backward, slice(4, 6), slice(6, 17), 17)
 
 
 def bound_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, *,
@@ -370,6 +380,6 @@ def bound_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Mas
     out, _ = torch.ops.cp_attention.bound_attention(
         q, k, v, sinks, position_ids, None if docs is None else docs.valid, 0 if docs is None else int(docs.q_offset),
         0 if docs is None else int(docs.kv_offset), kv_length, bool(docs is not None and docs.mask), bool(spec.causal),
-        spec.window, spec.chunk_size, None if spec.softcap is None else float(spec.softcap),
+        bool(spec.spans), spec.window, spec.chunk_size, None if spec.softcap is None else float(spec.softcap),
         None if spec.scale is None else float(spec.scale), -1 if layer is None else int(layer))
     return out

@@ -22,7 +22,7 @@ from .masks import SequenceMeta
 from .plan_cache import PlanCache
 from .strategy import CostModel
 
-__all__ = ["ContextParallel", "context_parallel", "active_context", "as_group", "PLAN_CACHE_SIZE"]
+__all__ = ["ContextParallel", "context_parallel", "active_context", "outside_context", "as_group", "PLAN_CACHE_SIZE"]
 
 log = logging.getLogger("cp_attention.api")
 
@@ -33,6 +33,20 @@ PLAN_CACHE_SIZE = 32
 def active_context() -> ContextParallel | None:
     """The innermost active :func:`context_parallel` context of this thread, or None."""
     return state.ACTIVE_CONTEXT.get()
+
+
+@contextlib.contextmanager
+def outside_context():
+    """Run a block as if no :func:`context_parallel` block were active in this thread (the
+    innermost context comes back after it): computations over the full batch that every rank runs
+    alike, such as a vision-language model's image encoder inside ``cp.shard_batch``, attend on
+    one device instead of binding to the block's sharded batch."""
+    token, full = state.ACTIVE_CONTEXT.set(None), state.FULL_BATCH.set(True)
+    try:
+        yield
+    finally:
+        state.FULL_BATCH.reset(full)
+        state.ACTIVE_CONTEXT.reset(token)
 
 
 def as_group(group, mesh_dim: str | None = None):
@@ -175,7 +189,9 @@ class ContextParallel:
                         model_masks: Callable[[], tuple[list | None, float]] | None = None,
                         num_items: torch.Tensor | None = None,
                         bind_also: dict[str, torch.Tensor] | None = None,
-                        positions_given: bool = True) -> dict[str, torch.Tensor]:
+                        positions_given: bool = True, span_next: torch.Tensor | None = None,
+                        spans_read: bool = False,
+                        derived: Callable[[Callable], dict] | None = None) -> dict[str, torch.Tensor]:
         """The engine's half of :meth:`shard_batch`: documents -> metadata, layout, shards, record.
 
         ``tensors``: full (B, L, ...) tensors to shard along dim 1; ``position_ids`` (B or 1, L)
@@ -184,7 +200,12 @@ class ContextParallel:
         masks and token weight (called only then). ``num_items``: the batch's global label count,
         kept on the record. ``bind_also``: local tensors returned and bound as they are.
         ``positions_given``: False when ``position_ids`` were numbered by the caller's default rather
-        than given by the user (kept on the record). Returns the
+        than given by the user (kept on the record). ``span_next`` (B, L) bool: the batch's
+        bidirectional spans (token ``i`` and ``i + 1`` in one span; :meth:`SequenceMeta.from_inputs`),
+        ``spans_read``: they were read from the model's inputs (kept on the record). ``derived``:
+        called with ``shard(x, dim)`` (this batch's layout) after the layout is known; returns more
+        local values: tensors are returned and bound like the others (not checksummed: derived from
+        the batch), anything else is kept in the record's ``extras`` only. Returns the
         local tensors (``position_ids`` included), all bound to one :class:`BatchRecord`.
 
         The record keeps a checksum of the full ``tensors``: the batch's first attention call compares
@@ -192,7 +213,8 @@ class ContextParallel:
         the same length (a per-rank sampler) raise together instead of training on a splice."""
         B, L = next(iter(tensors.values())).shape[:2] if tensors else position_ids.shape
         position_ids = position_ids.expand(B, L)
-        meta = SequenceMeta.from_inputs(B, L, position_ids=position_ids, valid=valid, opens=opens)
+        meta = SequenceMeta.from_inputs(B, L, position_ids=position_ids, valid=valid, opens=opens,
+                                        span_next=span_next)
         layout = self.layout
         if layout.per_batch:  # this batch's own layout, from every document it records
             masks, token_weight = model_masks() if model_masks is not None else (None, 0.0)
@@ -201,9 +223,14 @@ class ContextParallel:
         out = {name: self.shard(t, layout=layout).contiguous() for name, t in tensors.items()}
         out.update(bind_also or {})
         out["position_ids"] = self.shard(position_ids, layout=layout).contiguous()
+        extras = {}
+        if derived is not None:
+            for name, value in derived(lambda x, dim=1: self.shard(x, dim=dim, layout=layout).contiguous()).items():
+                (out if isinstance(value, torch.Tensor) else extras)[name] = value
         self._batch = bind(self, out, meta=meta, layout=layout, num_items=num_items, padded=valid is not None,
                            tokens_crc=tokens_checksum(tensors) if self.world_size > 1 else -1,
-                           positions_given=positions_given)
+                           positions_given=positions_given, spans_read=spans_read)
+        self._batch.extras.update(extras)
         return out
 
     def bind_batch(self, local: dict[str, torch.Tensor], *, meta: SequenceMeta,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compiled, context, stats
+from . import compiled, context, state, stats
 from . import layout as layout_mod
 from .agreement import DTYPES, check_strategy, collective_error, exchange_headers, make_header, meta_crc, \
     signature
@@ -354,7 +354,9 @@ class LayerDocs:
     ``kv_offset``: absolute position of the first query / key (a KV cache); ``kv_length``: keys the
     mask was built for. ``valid`` (B, T) bool padding mask, ``opens`` (B, Lq) bool document starts
     the model detected, ``cu_seqlens`` (N+1,) one packed row's boundaries given to the layer (one
-    device only); ``collator_documents``: the layer got a packing collator's document keys."""
+    device only); ``collator_documents``: the layer got a packing collator's document keys;
+    ``span_next`` (B, Lq) bool: the bidirectional spans the model's mask opens (query ``i`` sees
+    ``i + 1``; one device, no KV cache), for layers whose spec opens spans."""
 
     mask: bool = False
     batch: object = None
@@ -365,6 +367,7 @@ class LayerDocs:
     opens: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     collator_documents: bool = False
+    span_next: torch.Tensor | None = None
 
 
 @assume_constant_result
@@ -489,7 +492,7 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
     local_error = local_error or _appended_keys_error(Lq, Lk, docs)
     multi_rank_context = active is not None and active.world_size > 1
     if batch is None and active is None and (q.requires_grad or k.requires_grad or v.requires_grad) \
-            and process_count() > 1:
+            and process_count() > 1 and not state.FULL_BATCH.get():
         # exact (each process attends over its own whole sequences), but likely not what was meant
         warnings.warn(
             f"cp_flash: a training forward on {process_count()} processes without context parallelism: no "
@@ -522,6 +525,16 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
     if docs.valid is not None and not batch.padded:
         local_error = ValueError("cp_flash: the model got a padding attention_mask that cp.shard_batch did "
                                  "not see; pass attention_mask to cp.shard_batch with the other inputs")
+    if run is not None and batch.meta.spans is not None:
+        local_error = local_error or NotImplementedError(
+            "cp_flash: this batch has bidirectional spans (image tokens that see each other), but a model compiled "
+            "with torch.compile inside context parallelism cannot tell which of its layers open them; run the model "
+            "eagerly under context parallelism (or compiled on one device)")
+    if spec.spans and not batch.spans_read:
+        local_error = local_error or ValueError(
+            "cp_flash: this layer's mask opens bidirectional spans (image tokens that see each other), but "
+            "cp.shard_batch did not read them from the batch: pass model=model (and the token types the model reads, "
+            "e.g. token_type_ids or mm_token_type_ids) to cp.shard_batch")
     if docs.collator_documents:
         raise ValueError("cp_flash: cu_seq_lens_* are not used under context parallelism; pass the collator's "
                          "whole batch (cu_seq_lens_* included) to cp.shard_batch, which takes the documents "
@@ -551,9 +564,11 @@ def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, positi
             "attn_implementation=\"sdpa\" or \"eager\" for this model, and pass no prebuilt mask")
     cached = docs.q_offset != 0 or docs.kv_offset != 0 or Lq != Lk
     if batch is not None and not cached and batch.seq_len == Lq and batch.meta.batch == B:
-        found = dict(position_ids=batch.meta.position, valid=None, cu_seqlens=None, opens=batch.doc_opens)
+        found = dict(position_ids=batch.meta.position, valid=None, cu_seqlens=None, opens=batch.doc_opens,
+                     span_next=batch.span_next if batch.spans_read else docs.span_next)
     else:
-        found = dict(position_ids=position_ids, cu_seqlens=docs.cu_seqlens, valid=docs.valid, opens=docs.opens)
+        found = dict(position_ids=position_ids, cu_seqlens=docs.cu_seqlens, valid=docs.valid, opens=docs.opens,
+                     span_next=docs.span_next)
     return compiled.local_attention(q, k, v, spec, sinks=sinks, q_offset=docs.q_offset, kv_offset=docs.kv_offset,
                                     backend=batch.cp.backend if batch is not None else None, bound=batch is not None,
                                     layer=layer, **found)

@@ -33,6 +33,7 @@ __all__ = [
     "doc_starts_from_cu_seqlens",
     "segment_bounds",
     "segment_runs",
+    "mask_terms",
     "dense_mask",
 ]
 
@@ -62,6 +63,12 @@ class MaskSpec:
     scaling. None: off."""
     scale: float | None = None
     """Multiplier of ``q @ k^T``. None: ``head_dim ** -0.5``."""
+    spans: bool = False
+    """The layer opens the batch's bidirectional spans (:attr:`SequenceMeta.spans`: image blocks,
+    prefix-LM prefixes): a query inside a span also sees every *later* key of its span, on top of
+    what causal, window and documents let it see (transformers' block overlay, ``OR(causal,
+    block)``, under the layer's window: Gemma 3 and 4 image tokens). Spans never cross documents.
+    False, or a batch without spans: nothing changes. Not combined with ``chunk_size``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.causal, bool):
@@ -78,6 +85,11 @@ class MaskSpec:
             raise ValueError(f"softcap must be a positive finite float or None, got {self.softcap!r}")
         if self.scale is not None and not (math.isfinite(self.scale) and float(self.scale) != 0.0):
             raise ValueError(f"scale must be a finite non-zero float or None, got {self.scale!r}")
+        if not isinstance(self.spans, bool):
+            raise TypeError(f"spans must be a bool, got {type(self.spans).__name__}")
+        if self.spans and self.chunk_size is not None:
+            raise ValueError("spans (bidirectional spans) cannot be combined with chunk_size: no model builds such "
+                             "a mask; use one or the other")
 
     def band(self) -> tuple[float, float]:
         """Inclusive bounds ``(lo, hi)`` on ``k - q`` for visible pairs; ``±inf`` when unlimited.
@@ -88,6 +100,13 @@ class MaskSpec:
         reach = INF if self.window is None else self.window - 1
         return (-reach, 0 if self.causal else reach)
 
+    def span_band(self) -> tuple[float, float] | None:
+        """Inclusive bounds ``(lo, hi)`` on ``k - q`` of the pairs a span adds (both in one span): the
+        later keys beyond the band's upper end, ``(hi + 1, inf)``. None when the layer opens no span
+        or already sees every later key (bidirectional, unlimited)."""
+        hi = self.band()[1]
+        return None if not self.spans or hi == INF else (hi + 1, INF)
+
     def resolved_scale(self, head_dim: int) -> float:
         return float(self.scale) if self.scale is not None else head_dim ** -0.5
 
@@ -96,7 +115,7 @@ class MaskSpec:
         Softcap and scale act inside the kernels, so masks that differ only there share plans."""
         if self.softcap is None and self.scale is None:
             return self
-        return MaskSpec(causal=self.causal, window=self.window, chunk_size=self.chunk_size)
+        return MaskSpec(causal=self.causal, window=self.window, chunk_size=self.chunk_size, spans=self.spans)
 
 
 @dataclass(frozen=True, eq=False, init=False)
@@ -116,20 +135,28 @@ class SequenceMeta:
     ``position`` is None when positions count from 0 at each document's first token; otherwise a
     (B, L) int64 CPU tensor of every token's position (its ``position_ids``), which places chunk
     boundaries (see :attr:`MaskSpec.chunk_size`).
+
+    ``spans`` is None when the batch has no bidirectional span; otherwise a tuple of B ``(starts,
+    ends)`` pairs of sorted (N_s,) int64 numpy arrays: the global ``[start, end)`` ranges of tokens
+    that see each other inside a causal sequence (an image's tokens, a prefix), each inside one
+    document and at least two tokens long. Layers whose :attr:`MaskSpec.spans` is set apply them.
     """
 
     batch: int
     seq_len: int
     position: torch.Tensor | None = None
+    spans: tuple | None = None
     _runs: dict = field(default_factory=dict, repr=False, compare=False)  # segment_runs, per chunk size
 
     def __init__(self, batch: int, seq_len: int, doc_start: torch.Tensor | None = None,
-                 position: torch.Tensor | None = None, *, starts: tuple[np.ndarray, ...] | None = None) -> None:
+                 position: torch.Tensor | None = None, *, starts: tuple[np.ndarray, ...] | None = None,
+                 spans: tuple | None = None) -> None:
         if doc_start is not None and starts is not None:
             raise ValueError("SequenceMeta: give the documents as doc_start or as starts, not both")
         object.__setattr__(self, "batch", batch)
         object.__setattr__(self, "seq_len", seq_len)
         object.__setattr__(self, "position", position)
+        object.__setattr__(self, "spans", spans)
         object.__setattr__(self, "_runs", {})
         if doc_start is None and starts is None:  # one document per row
             self.__dict__.update(doc_start=None, starts=None)
@@ -153,7 +180,43 @@ class SequenceMeta:
     @classmethod
     def from_inputs(cls, batch: int, seq_len: int, *, position_ids: torch.Tensor | None = None,
                     cu_seqlens: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                    opens: torch.Tensor | None = None) -> SequenceMeta:
+                    opens: torch.Tensor | None = None, span_next: torch.Tensor | None = None) -> SequenceMeta:
+        """See :meth:`_from_inputs`; ``span_next`` (B or 1, L) bool: token ``i`` and token ``i + 1`` lie
+        in one bidirectional span (the last column is ignored); spans are cut where a document opens
+        (or at padding). None: no span."""
+        meta = cls._from_inputs(batch, seq_len, position_ids=position_ids, cu_seqlens=cu_seqlens, valid=valid,
+                                opens=opens)
+        if span_next is None:
+            return meta
+        return meta.with_spans(span_next)
+
+    def with_spans(self, span_next: torch.Tensor | None) -> SequenceMeta:
+        """This metadata with the bidirectional spans ``span_next`` (B or 1, L) bool describes (see
+        :meth:`from_inputs`), cut at documents; ``self`` when there is none."""
+        if span_next is None:
+            return self
+        B, L = self.batch, self.seq_len
+        nxt = np.broadcast_to(torch.as_tensor(span_next).detach().to("cpu", torch.bool).numpy(), (B, L)).copy()
+        nxt[:, -1] = False
+        if self.starts is not None:
+            for b, row in enumerate(self.starts):
+                cut = row[row > 0] - 1  # the token before a document's first one does not join it
+                nxt[b, cut] = False
+        if not nxt.any():
+            return self
+        rows = []
+        for b in range(B):
+            edge = np.diff(np.concatenate([[0], nxt[b].astype(np.int8), [0]]))
+            s, e = np.flatnonzero(edge == 1), np.flatnonzero(edge == -1) + 1  # runs [s, e - 1) join e - 1
+            rows.append((s.astype(np.int64), e.astype(np.int64)))
+        out = SequenceMeta(B, L, position=self.position, spans=tuple(rows),
+                           **({"starts": self.starts} if self.starts is not None else {}))
+        return out
+
+    @classmethod
+    def _from_inputs(cls, batch: int, seq_len: int, *, position_ids: torch.Tensor | None = None,
+                     cu_seqlens: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                     opens: torch.Tensor | None = None) -> SequenceMeta:
         """The metadata of ``batch`` rows of ``seq_len`` tokens in global order, from any input form
         (the one constructor every entry uses; each argument optional):
 
@@ -219,7 +282,20 @@ class SequenceMeta:
         for t in (self.doc_start, self.position):
             if t is not None:
                 h.update(t.expand(self.batch, self.seq_len).contiguous().numpy().tobytes())
+        for starts, ends in self.spans or ():
+            h.update(b"spans" + starts.tobytes() + b"|" + ends.tobytes())
         return h.digest()
+
+    def span_ends(self) -> torch.Tensor | None:
+        """(B, L) int64: for a token inside a bidirectional span, the span's exclusive end; -1 for any
+        other token. None when the batch has no span."""
+        if self.spans is None:
+            return None
+        end_BL = torch.full((self.batch, self.seq_len), -1, dtype=torch.int64)
+        for b, (starts, ends) in enumerate(self.spans):
+            for s, e in zip(starts.tolist(), ends.tolist()):
+                end_BL[b, s:e] = e
+        return end_BL
 
     def doc_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(start, end) of each token's document, both (B, L) int64, ``end`` exclusive."""
@@ -353,4 +429,26 @@ def dense_mask(meta: SequenceMeta, spec: MaskSpec) -> torch.Tensor:
     diff_LL = idx_L[None, :] - idx_L[:, None]  # k - q
     band_LL = (diff_LL >= lo) & (diff_LL <= hi)
     same_BLL = start_BL[:, :, None] == start_BL[:, None, :]
-    return same_BLL & band_LL[None]
+    mask = same_BLL & band_LL[None]
+    span_end_BL = meta.span_ends() if spec.spans else None
+    if span_end_BL is not None:  # a span's later keys: k > q, both in one span (same end)
+        in_span_BL = span_end_BL >= 0
+        same_span_BLL = (span_end_BL[:, :, None] == span_end_BL[:, None, :]) & in_span_BL[:, :, None]
+        mask |= same_span_BLL & (diff_LL > 0)[None]
+    return mask
+
+
+def mask_terms(meta: SequenceMeta, spec: MaskSpec) -> list[tuple[list, tuple[int, int]]]:
+    """The visible pairs as disjoint terms ``(segments, band)``, what the planner fits: per row
+    ``(starts, ends)`` runs (:func:`segment_runs`) and the inclusive band ``(lo, hi)`` on ``k - q``
+    (clipped to ``[-L, L]``) of the pairs inside one run. The attention segments under the mask's
+    band; for a layer that opens the batch's bidirectional spans, also the spans under the band of
+    the later keys they add (:meth:`MaskSpec.span_band`). A query's pairs from several terms are
+    merged by log-sum-exp like any two kernel calls over the same rows."""
+    L = meta.seq_len
+    lo, hi = spec.band()
+    terms = [(segment_runs(meta, spec.chunk_size), (int(max(lo, -L)), int(min(hi, L))))]
+    extra = spec.span_band()
+    if extra is not None and meta.spans is not None:
+        terms.append((list(meta.spans), (int(extra[0]), L)))
+    return terms

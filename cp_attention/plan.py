@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import layout as layout_mod
-from .masks import MaskSpec, SequenceMeta, segment_bounds, segment_runs
+from .masks import MaskSpec, SequenceMeta, mask_terms, segment_bounds
 
 __all__ = ["KernelCall", "Step", "Round", "PlanStats", "RankPlan", "build_plan", "build_local_plan", "verify_plan"]
 
@@ -521,17 +521,17 @@ def build_plan(
     B, P, L = meta.batch, world_size, meta.seq_len
     runs = [layout_mod.rank_ranges(L, P, layout, r) for r in range(P)]
     sizes = [sum(b - a for a, b in rr) for rr in runs]
-    segs = segment_runs(meta, spec.chunk_size)
-    band = _band(spec, L)
-    pieces: dict[int, list[_Pieces]] = {}
+    terms = mask_terms(meta, spec)  # (segments, band) of each part of the mask
+    pieces: dict[tuple[int, int], list[_Pieces]] = {}
 
-    def pieces_of(r: int) -> list[_Pieces]:
-        if r not in pieces:
-            pieces[r] = [_rank_pieces(runs[r], *segs[b]) for b in range(B)]
-        return pieces[r]
+    def pieces_of(r: int, t: int) -> list[_Pieces]:
+        if (r, t) not in pieces:
+            pieces[r, t] = [_rank_pieces(runs[r], *terms[t][0][b]) for b in range(B)]
+        return pieces[r, t]
 
-    def seqs(r: int, s: int) -> list[_Seq]:
-        return _pair_sequences(pieces_of(r), pieces_of(s), segs, band, sizes[r], sizes[s])
+    def seqs(r: int, s: int) -> list[_Seq]:  # every term's, in row order
+        return sorted((x for t, (segs, band) in enumerate(terms) for x in _pair_sequences(
+            pieces_of(r, t), pieces_of(s, t), segs, band, sizes[r], sizes[s])), key=lambda x: (x.q0, x.k0))
 
     width = head_dim + (head_dim if head_dim_v is None else head_dim_v)  # K and V, each with its own head dim
     token_bytes, grad_token_bytes = head_kv * width * itemsize * B, head_kv * width * grad_itemsize * B
@@ -588,12 +588,11 @@ def build_local_plan(
     tokens of a generation step (``q_idx``, (Lq,)) against the keys of a KV cache (``k_idx``,
     (Lk,), possibly a sliding window of it). ``meta`` covers every position up to
     ``max(q_idx[-1], k_idx[-1])``. Traffic statistics are zero."""
-    segs = segment_runs(meta, spec.chunk_size)
     q_runs, k_runs = _index_runs(q_idx), _index_runs(k_idx)
     Lq, Lk = q_idx.numel(), k_idx.numel()
-    qp = [_rank_pieces(q_runs, *segs[b]) for b in range(meta.batch)]
-    kp = [_rank_pieces(k_runs, *segs[b]) for b in range(meta.batch)]
-    seqs = _pair_sequences(qp, kp, segs, _band(spec, meta.seq_len), Lq, Lk)
+    seqs = sorted((x for segs, band in mask_terms(meta, spec) for x in _pair_sequences(
+        [_rank_pieces(q_runs, *segs[b]) for b in range(meta.batch)],
+        [_rank_pieces(k_runs, *segs[b]) for b in range(meta.batch)], segs, band, Lq, Lk)), key=lambda x: (x.q0, x.k0))
     local = Step(source=0, spans=((0, Lk),), calls=tuple(_calls(seqs, lambda k: k))) if seqs else None
     plan = _rank_plan(0, 1, meta.batch, [Lq], local, (), 0, 0)
     if verify or (verify is None and os.environ.get("CP_ATTENTION_VERIFY_PLANS") == "1"):
@@ -606,15 +605,18 @@ def build_local_plan(
 
 
 def _intervals(q_idx: torch.Tensor, k_idx: torch.Tensor, seg_start: torch.Tensor, seg_end: torch.Tensor,
-               spec: MaskSpec) -> tuple[torch.Tensor, torch.Tensor]:
+               spec: MaskSpec, span_end: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For each packed query row (``b * Lq + i``), the packed key rows (``b * Lk + j``) it sees.
 
     ``q_idx``/``k_idx``: increasing global positions of the query and key tokens; ``seg_start``/
-    ``seg_end`` (B, T): attention segment of every global position. Returns (R,), (R,)."""
+    ``seg_end`` (B, T): attention segment of every global position; ``span_end`` (B, T): the end of
+    a token's bidirectional span or -1 (its later keys extend the interval). Returns (R,), (R,)."""
     lo_i, hi_i = _band(spec, seg_start.shape[1])
     seg_s_BR, seg_e_BR = seg_start[:, q_idx], seg_end[:, q_idx]
     low_BR = torch.maximum(seg_s_BR, q_idx + lo_i)
     up_BR = torch.minimum(seg_e_BR, q_idx + hi_i + 1)
+    if span_end is not None and spec.span_band() is not None:
+        up_BR = torch.maximum(up_BR, span_end[:, q_idx])
     tlo_BR = torch.searchsorted(k_idx, low_BR.contiguous())
     thi_BR = torch.maximum(torch.searchsorted(k_idx, up_BR.contiguous()), tlo_BR)
     base_B1 = (torch.arange(seg_s_BR.shape[0]) * k_idx.numel()).unsqueeze(1)
@@ -629,7 +631,7 @@ def _verify_step(step: Step | None, q_idx: torch.Tensor, k_idx: torch.Tensor, me
     from .backends.base import row_key_intervals
 
     seg_start, seg_end = segment_bounds(meta, spec)
-    lo_R, hi_R = _intervals(q_idx, k_idx, seg_start, seg_end, spec)
+    lo_R, hi_R = _intervals(q_idx, k_idx, seg_start, seg_end, spec, meta.span_ends() if spec.spans else None)
     want = int((hi_R - lo_R).clamp(min=0).sum())
     calls = step.calls if step is not None else ()
     rows, los, his = [], [], []

@@ -10,6 +10,9 @@ object                  what and why                                guarded by  
 ``ACTIVE_CONTEXT``      the innermost ``context_parallel`` block    (contextvar) the ``with`` block
                         of this thread / task: a ``with`` block's
                         scope is dynamic, so a contextvar
+``FULL_BATCH``          True inside ``outside_context()``: a full-  (contextvar) the ``with`` block
+                        batch computation every rank runs alike
+                        (no data-parallel warning)
 ``STATS``               the most recent plan statistics             ``STATS_LOCK``  until the next call
                         (``last_plan_stats``: "in this process")
 ``FORWARD``             per thread: the plans of the current model  thread-local  until the next forward
@@ -62,13 +65,14 @@ import threading
 from .plan_cache import PlanCache
 from .torch_compat import WeakIdKeyDictionary
 
-__all__ = ["ACTIVE_CONTEXT", "STATS", "STATS_LOCK", "FORWARD", "LIVE_BATCHES", "LIVE_LOCK", "LOCAL_PLANS",
+__all__ = ["ACTIVE_CONTEXT", "FULL_BATCH", "STATS", "STATS_LOCK", "FORWARD", "LIVE_BATCHES", "LIVE_LOCK", "LOCAL_PLANS",
            "ANNOUNCED", "ANNOUNCED_LOCK", "CONFIG_CHECKSUMS", "CONFIG_LOCK", "BATCH_CONVENTIONS", "INTEGRATIONS",
            "INTEGRATIONS_LOCK", "FAILURE_SCOPES", "FAILURE_SCOPES_LOCK", "EXIT_DRAIN", "EXIT_DRAIN_LOCK",
            "CONTEXT_GUARDS", "MODEL_CHECKS", "KERNEL_CALLS",
            "MODEL_LOCK", "MODEL_GUARD", "MODEL_GUARD_HOOKS"]
 
 ACTIVE_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("cp_attention_ctx", default=None)
+FULL_BATCH: contextvars.ContextVar = contextvars.ContextVar("cp_attention_full_batch", default=False)
 
 STATS: dict = {"last": None}
 STATS_LOCK = threading.Lock()

@@ -136,7 +136,9 @@ def test_op_registration():
     k, v = (torch.randn(2, 12, 2, 8, generator=g, requires_grad=True) for _ in range(2))
     sinks = torch.randn(4, generator=g, requires_grad=True)
     pos = torch.cat([torch.arange(5), torch.arange(7)]).expand(2, 12)
-    args = (q, k, v, sinks, pos, None, None, None, 0, 0, True, 4, None, None, 0.3, "reference", -1, True)
+    spans = torch.zeros(2, 12, dtype=torch.bool)
+    spans[:, 1:3] = True  # tokens 1..3 see each other (a bidirectional span)
+    args = (q, k, v, sinks, pos, None, None, None, spans, 0, 0, True, True, 4, None, None, 0.3, "reference", -1, True)
     torch.library.opcheck(torch.ops.cp_attention.local_attention.default, args)
 
 

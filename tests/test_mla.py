@@ -186,7 +186,7 @@ def test_single_device_op_fake_and_eager_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     q, k, v = torch.randn(2, 11, 4, 24), torch.randn(2, 11, 2, 24), torch.randn(2, 11, 2, 16)
-    args = (None, None, None, None, None, 0, 0, True, None, None, None, 24 ** -0.5, "reference", -1, True)
+    args = (None, None, None, None, None, None, 0, 0, True, False, None, None, None, 24 ** -0.5, "reference", -1, True)
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
         out, lse = torch.ops.cp_attention.local_attention(fq, fk, fv, *args)

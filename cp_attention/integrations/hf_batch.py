@@ -15,6 +15,8 @@ import torch
 
 from .model_check import default_position_start
 from .models import model_masks
+from .multimodal import decoder_inputs, install_injection, media_inputs, shard_decoder_inputs
+from .overlays import batch_span_next
 
 __all__ = ["DOCUMENT_KEYS", "shard_batch"]
 
@@ -66,7 +68,20 @@ def _document_opens(documents: dict, seq_len: int) -> torch.Tensor | None:
 def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor | None = None, model=None,
                 **inputs) -> dict[str, torch.Tensor]:
     """:meth:`ContextParallel.shard_batch <cp_attention.ContextParallel.shard_batch>` (see there) for the
-    context ``cp``: transformers' conventions, then the engine's :meth:`~cp_attention.ContextParallel.shard_documents`."""
+    context ``cp``: transformers' conventions, then the engine's :meth:`~cp_attention.ContextParallel.shard_documents`.
+
+    Multimodal batches (a processor's output: ``pixel_values`` and the like, which are not along the
+    sequence) need ``model``: its own front-end runs on the full batch and the text decoder's inputs
+    are sharded (:mod:`.multimodal`); the returned batch then holds ``inputs_embeds`` instead of
+    ``input_ids``."""
+    media, front_positions = {}, None
+    if model is not None:
+        B0, L0 = _batch_shape(inputs)
+        media = media_inputs(model, inputs, B0, L0)
+        if isinstance(inputs.get("position_ids"), torch.Tensor) and inputs["position_ids"].dim() == 3:
+            front_positions = inputs["position_ids"]  # M-RoPE rows (k, B, L): the model's own
+            media["position_ids"] = front_positions
+        inputs = {name: value for name, value in inputs.items() if name not in media}
     tensors, opens, num_items_given = _translate_inputs(inputs)
     ref_name = "input_ids" if "input_ids" in tensors else next(iter(tensors))
     B, L = tensors[ref_name].shape[:2]
@@ -88,6 +103,7 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
                              f"{document_starts.dtype} {tuple(document_starts.shape)}")
         opens = document_starts.cpu() if opens is None else (opens | document_starts.cpu())
     position_ids = tensors.pop("position_ids", None)
+    given_positions = position_ids  # the front-end of a multimodal model numbers its own when none is given
     # without position_ids: numbered as the model numbers its default positions (RoBERTa-style models
     # from padding_idx + 1) when it is given, else from 0 (and a model that counts otherwise refuses)
     positions_given = position_ids is not None or model is not None
@@ -114,10 +130,48 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
     to_shard.update(tensors)
     # each rank's loss is P x its share, so the MEAN over ranks is the single-device loss
     scaled = {} if num_items is None else {"num_items_in_batch": num_items.to(device, torch.float32) / cp.world_size}
-    return cp.shard_documents(to_shard, position_ids=position_ids, opens=opens,
-                              valid=None if valid is None else valid.bool(),
-                              model_masks=None if model is None else (lambda: model_masks(model)),
-                              num_items=num_items, bind_also=scaled, positions_given=positions_given)
+    span_next, spans_read = batch_span_next(model, tensors)  # image blocks, as the model's mask opens them
+    derived = None
+    if media:
+        derived = _front_end(model, tensors, media, given_positions, B, L)
+    out = cp.shard_documents(to_shard, position_ids=position_ids, opens=opens,
+                             valid=None if valid is None else valid.bool(),
+                             model_masks=None if model is None else (lambda: model_masks(model)),
+                             num_items=num_items, bind_also=scaled, positions_given=positions_given,
+                             span_next=span_next, spans_read=spans_read, derived=derived)
+    if media:
+        out.pop("input_ids", None)  # the model gets inputs_embeds (ids and embeddings are exclusive)
+    return out
+
+
+def _batch_shape(inputs: dict) -> tuple[int, int]:
+    """(B, L) of a batch: its ``input_ids`` (else ``inputs_embeds``, else ``labels``)."""
+    for name in ("input_ids", "inputs_embeds", "labels"):
+        value = inputs.get(name)
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return value.shape[0], value.shape[1]
+    raise ValueError("shard_batch with model= needs input_ids (or inputs_embeds) of shape (B, L)")
+
+
+def _front_end(model, tensors: dict, media: dict, position_ids, B: int, L: int):
+    """Run ``model``'s multimodal front-end on the full batch (:func:`.multimodal.decoder_inputs`) and
+    return the ``derived`` function of :meth:`~cp_attention.ContextParallel.shard_documents` that
+    shards the decoder's inputs (the model's ``inputs_embeds`` among them) with the batch's layout."""
+    full = {name: t for name, t in tensors.items() if name not in ("labels", "shift_labels")}
+    full.update(media)
+    if position_ids is not None:
+        full["position_ids"] = position_ids
+    captured = decoder_inputs(model, full)
+    if not isinstance(captured.get("inputs_embeds"), torch.Tensor):
+        raise ValueError(f"shard_batch: {type(model).__name__}'s text decoder got no inputs_embeds from its "
+                         "multimodal front-end; its inputs cannot be sharded")
+    install_injection(model.get_decoder())
+
+    def derived(shard):
+        local = shard_decoder_inputs(captured, shard, B, L)
+        return {"inputs_embeds": local["inputs_embeds"], "decoder_inputs": local}
+
+    return derived
 
 
 def _translate_inputs(inputs: dict):

@@ -53,6 +53,7 @@ from ..masks import MaskSpec
 from .mixers import adapt_module as adapt_mixer_functions
 from .model_check import guard_position_start, install_guard, note_cp_flash_call
 from .models import config_crc, layer_mask, text_config
+from .overlays import check_spans, mask_pairs, overlay_structure, probe_adjacent, probe_whole_mask
 
 __all__ = ["NAME", "CPMask", "cp_flash_attention", "cp_flash_mask", "register", "FLASH_NAME_SITES",
            "adapted_sites"]
@@ -103,7 +104,9 @@ class CPMask:
     window (or chunk) transformers' sliding-window (chunked) mask builder applies, None for a full
     mask: a layer whose module passes no ``sliding_window`` (Qwen2-MoE, PhiMoE: the window lives
     only in the mask) takes its window from here. ``mask_function``: transformers' own mask function, probed by
-    :meth:`sees_no_later_key` for layers that declare themselves bidirectional.
+    :meth:`sees_no_later_key` for layers that declare themselves bidirectional. ``span_next`` (B, Lq)
+    bool: one device, no KV cache: query ``i`` sees key ``i + 1`` (the bidirectional spans of
+    :mod:`.overlays`), or None when no query sees a later key.
     """
 
     batch_size: int
@@ -117,7 +120,40 @@ class CPMask:
     local_size: int | None = None
     family: str = ""
     mask_function: object = field(default=None, repr=False)
+    span_next: torch.Tensor | None = field(default=None, repr=False)
     _no_later_key: object = field(default=_UNPROBED, repr=False)
+    _checked: dict = field(default_factory=dict, repr=False)
+
+    def opens_spans(self, window: int | None) -> bool:
+        """Whether a causal layer with this mask (and its own ``window``) opens bidirectional spans
+        (:mod:`.overlays`). One device: the probed ``span_next`` holds some, checked against the span
+        model once per window (an overlay of another shape raises NotImplementedError). Under context
+        parallelism, where the function is the shard's: it contains transformers' block overlay (the
+        batch's spans, which ``cp.shard_batch(..., model=model)`` reads, then apply); any other
+        overlay raises NotImplementedError naming it, on every rank (the function has the same shape
+        on each)."""
+        if torch.compiler.is_compiling():
+            # traced on one device: the probe is a tensor (no data-dependent branch); a layer opening no
+            # span plans as without spans, and the span model's check runs eagerly only. Traced inside
+            # context parallelism the function cannot be read: the multi-rank op refuses batches with spans
+            return self.span_next is not None if compiling_outside_cp() else False
+        if window in self._checked:
+            return self._checked[window]
+        if self.span_next is not None:
+            check_spans(self.mask_function, self.span_next, window, self.family)
+            opens = True
+        elif getattr(getattr(self.batch, "cp", None), "world_size", 1) > 1:
+            opens, foreign = overlay_structure(self.mask_function)
+            if foreign:
+                raise NotImplementedError(
+                    f"cp_flash: {self.family or 'this model'}'s causal mask contains {', '.join(sorted(set(foreign)))}, "
+                    "a mask function of the model's own that cp_flash cannot read under context parallelism (each "
+                    "rank's mask is built from its shard). Its overlay would be dropped; run this model on one device "
+                    "(cp_flash without context_parallel probes such masks), or with attn_implementation=\"eager\"")
+        else:
+            opens = False
+        self._checked[window] = opens
+        return opens
 
     @torch.compiler.disable
     def sees_no_later_key(self) -> bool | None:
@@ -175,16 +211,6 @@ class CPMask:
 _CPMASK_FIELDS = frozenset(f.name for f in fields(CPMask))  # looked up before __init__ (copy): AttributeError
 
 
-def _mask_pairs(mask_function, batch_size: int, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-    """(B, n) bool: which of the n (query, key) pairs ``(q_idx[i], kv_idx[i])`` transformers' mask
-    function lets each row see (one call per row, O(B * n))."""
-    seen = torch.zeros(batch_size, q_idx.numel(), dtype=torch.bool)
-    for b in range(batch_size):
-        row = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, kv_idx)
-        seen[b] = torch.as_tensor(row, dtype=torch.bool).expand(q_idx.numel())
-    return seen
-
-
 def _probe_no_later_key(mask_function, batch_size: int, q_length: int, q_offset: int, kv_end: int) -> bool | None:
     """For :meth:`CPMask.sees_no_later_key`: no query sees the key after it (probed on every row)."""
     if mask_function is None:
@@ -193,20 +219,7 @@ def _probe_no_later_key(mask_function, batch_size: int, q_length: int, q_offset:
     q_idx = q_idx[q_idx + 1 < kv_end]
     if q_idx.numel() == 0:
         return None
-    return not bool(_mask_pairs(mask_function, batch_size, q_idx, q_idx + 1).any())
-
-
-def _hf_document_starts(mask_function, batch_size: int, length: int, *, prune: bool = True) -> torch.Tensor | None:
-    """Document starts in transformers' own mask: a token opens one where it cannot see its
-    predecessor (probed on the ``length - 1`` adjacent pairs, O(L)). Chunk starts and window-1 masks
-    also register, which is harmless: the MaskSpec applies the same cuts again. ``prune``: None when
-    no token but the first opens a document (a data-dependent branch, skipped under torch.compile)."""
-    if mask_function is None or length < 2:
-        return None
-    q_idx = torch.arange(1, length)
-    opens = torch.ones(batch_size, length, dtype=torch.bool)
-    opens[:, 1:] = ~_mask_pairs(mask_function, batch_size, q_idx, q_idx - 1)
-    return opens if not prune or bool(opens[:, 1:].any()) else None
+    return not bool(mask_pairs(mask_function, batch_size, q_idx, q_idx + 1).any())
 
 
 def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -232,14 +245,15 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
                       mask_function=mask_function)
     # traced by torch.compile outside context parallelism: no data-dependent branch, no bookkeeping (the
     # single-device op notes the forward's plans itself)
-    opens = None
+    opens = span_next = None
     if q_offset == 0 and kv_offset == 0 and q_length == kv_length:
-        opens = _hf_document_starts(mask_function, batch_size, q_length, prune=False)
+        opens = probe_adjacent(mask_function, batch_size, q_length, later=False)
+        span_next = probe_adjacent(mask_function, batch_size, q_length, later=True)
     return CPMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
                   kv_offset=int(kv_offset), valid=None if attention_mask is None else attention_mask.detach().bool(),
                   opens=opens, batch=layer_mask_batch(attention_mask, batch_size, q_length),
                   local_size=None if local_size is None else int(local_size), family=family,
-                  mask_function=mask_function)
+                  mask_function=mask_function, span_next=span_next)
 
 
 @torch.compiler.disable
@@ -251,12 +265,12 @@ def _bound_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_funct
         valid = attention_mask.detach().to(torch.bool)
         if bool(valid.all()):
             valid = None
-    opens = None
-    if q_offset == 0 and kv_offset == 0 and q_length == kv_length:
-        opens = _hf_document_starts(mask_function, batch_size, q_length)
     batch = layer_mask_batch(attention_mask, batch_size, q_length)  # also starts the forward's statistics
+    opens, span_next = (None, None) if q_offset or kv_offset or q_length != kv_length else \
+        probe_whole_mask(mask_function, batch, batch_size, q_length)
     return CPMask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
-                  kv_offset=int(kv_offset), valid=valid, opens=opens, batch=batch, mask_function=mask_function)
+                  kv_offset=int(kv_offset), valid=valid, opens=opens, batch=batch, mask_function=mask_function,
+                  span_next=span_next)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,12 +278,14 @@ def _bound_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_funct
 
 
 def layer_mask_spec(module, *, sliding_window=None, softcap=None, scaling=None, is_causal=None,
-                    mask_window: int | None = None, mask_causal=None) -> MaskSpec:
+                    mask_window: int | None = None, mask_causal=None, mask_spans=None) -> MaskSpec:
     """The MaskSpec of one transformers attention layer: causal from the call or ``module.is_causal``
     (a layer declared bidirectional is causal when its mask is: ``mask_causal``, a callable,
     :meth:`CPMask.sees_no_later_key`), chunks from the configuration (:func:`~.models.layer_mask`),
     the window the layer passes, else the one its causal mask applies (``mask_window``:
-    :attr:`CPMask.local_size`; not on chunked layers, whose builder reports the chunk there)."""
+    :attr:`CPMask.local_size`; not on chunked layers, whose builder reports the chunk there), and
+    whether a causal layer's mask opens bidirectional spans (``mask_spans(window)``, a callable:
+    :meth:`CPMask.opens_spans`)."""
     config = getattr(module, "config", None)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal and mask_causal is not None and mask_causal():
@@ -280,9 +296,10 @@ def layer_mask_spec(module, *, sliding_window=None, softcap=None, scaling=None, 
         # transformers' causal sliding mask keeps 0 <= q - k < local_size: the MaskSpec window's meaning
         # (its bidirectional builder counts local_size differently; those layers pass their window)
         window = int(mask_window)
+    spans = bool(causal) and chunk is None and mask_spans is not None and mask_spans(window)
     return MaskSpec(causal=bool(causal), window=window, chunk_size=chunk,
                     softcap=float(softcap) if softcap is not None else None,
-                    scale=float(scaling) if scaling is not None else None)
+                    scale=float(scaling) if scaling is not None else None, spans=spans)
 
 
 def _llama4_temperature(positions: torch.Tensor, module) -> torch.Tensor:
@@ -366,14 +383,16 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     _refuse_score_tensors(kwargs, query.shape[2], key.shape[2], info)
     spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling,
                            is_causal=kwargs.get("is_causal"), mask_window=info.local_size if info is not None else None,
-                           mask_causal=info.sees_no_later_key if info is not None else None)
+                           mask_causal=info.sees_no_later_key if info is not None else None,
+                           mask_spans=info.opens_spans if info is not None else None)
     collator = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
     if info is None:
         docs = LayerDocs(cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator)
     else:
         docs = LayerDocs(mask=True, batch=info.batch, q_offset=info.q_offset,
                          kv_offset=info.kv_offset, kv_length=info.kv_length, valid=info.valid, opens=info.opens,
-                         cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator)
+                         cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator,
+                         span_next=info.span_next if spec.spans else None)
     out = attend_layer(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
                        position_ids=kwargs.get("position_ids"), docs=docs, sinks=s_aux,
                        layer=getattr(module, "layer_idx", None), model_crc=lambda: config_crc(module),
