@@ -615,7 +615,7 @@ def _intervals(q_idx: torch.Tensor, k_idx: torch.Tensor, seg_start: torch.Tensor
     seg_s_BR, seg_e_BR = seg_start[:, q_idx], seg_end[:, q_idx]
     low_BR = torch.maximum(seg_s_BR, q_idx + lo_i)
     up_BR = torch.minimum(seg_e_BR, q_idx + hi_i + 1)
-    if span_end is not None and spec.span_band() is not None:
+    if span_end is not None:
         up_BR = torch.maximum(up_BR, span_end[:, q_idx])
     tlo_BR = torch.searchsorted(k_idx, low_BR.contiguous())
     thi_BR = torch.maximum(torch.searchsorted(k_idx, up_BR.contiguous()), tlo_BR)

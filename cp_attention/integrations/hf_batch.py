@@ -15,7 +15,7 @@ import torch
 
 from .model_check import default_position_start
 from .models import model_masks
-from .multimodal import decoder_inputs, install_injection, media_inputs, shard_decoder_inputs
+from .multimodal import decoder_inputs, install_injection, media_inputs, outer_inputs, shard_decoder_inputs
 from .overlays import batch_span_next
 
 __all__ = ["DOCUMENT_KEYS", "shard_batch"]
@@ -167,9 +167,13 @@ def _front_end(model, tensors: dict, media: dict, position_ids, B: int, L: int):
                          "multimodal front-end; its inputs cannot be sharded")
     install_injection(model.get_decoder())
 
+    passed = outer_inputs(model, captured)
+
     def derived(shard):
         local = shard_decoder_inputs(captured, shard, B, L)
-        return {"inputs_embeds": local["inputs_embeds"], "decoder_inputs": local}
+        # what the model's forward takes by name goes in the batch too (Gemma 4's per-layer inputs, which it
+        # would otherwise recompute from the shard by reversing the embedding)
+        return {**{name: local[name] for name in passed if name in local}, "decoder_inputs": local}
 
     return derived
 

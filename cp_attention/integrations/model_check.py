@@ -65,7 +65,7 @@ from .. import state
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
 
 __all__ = ["Finding", "class_source", "model_findings", "check_model", "check_positions_one_rank", "default_position_start",
-           "install_guard", "note_cp_flash_call"]
+           "install_guard", "note_cp_flash_call", "guard_sub_model"]
 
 NAME = "cp_flash"
 
@@ -366,6 +366,23 @@ def note_cp_flash_call(module) -> None:
     guard = state.MODEL_GUARD
     if getattr(guard, "model", None) is not None:
         guard.reached.add(id(module))
+
+
+def guard_sub_model(module) -> str | None:
+    """Under the guard of a multi-rank block: the name of ``module`` when it is an attention layer of a
+    sub-model with a configuration of its own (a vision or audio tower), whose tokens are an image's or
+    a clip's, not the text sequence the block shards; None otherwise (and outside such a block)."""
+    guard = state.MODEL_GUARD
+    top = getattr(guard, "model", None)
+    if top is None or not getattr(guard, "counting", False):
+        return None
+    config = getattr(module, "config", None)
+    top_config = getattr(top, "config", None)
+    text = top_config.get_text_config() if hasattr(top_config, "get_text_config") else top_config
+    if config is None or config is top_config or config is text or \
+            getattr(config, "model_type", None) == getattr(text, "model_type", None):
+        return None
+    return f"{type(module).__name__} ({getattr(config, 'model_type', type(config).__name__)})"
 
 
 def guard_position_start() -> int:

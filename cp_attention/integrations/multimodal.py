@@ -27,13 +27,14 @@ Legend: ``B`` rows, ``L`` global tokens, ``N`` image tokens of the batch, ``D`` 
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 
 from ..batch import batch_of
 from ..context import outside_context
 
-__all__ = ["media_inputs", "decoder_inputs", "shard_decoder_inputs", "install_injection", "NOT_INJECTED"]
+__all__ = ["media_inputs", "outer_inputs", "decoder_inputs", "shard_decoder_inputs", "install_injection", "NOT_INJECTED"]
 
 NOT_INJECTED = frozenset({"attention_mask", "cache", "past_key_values", "use_cache", "return_dict",
                           "output_attentions", "output_hidden_states", "cache_position", "labels"})
@@ -54,17 +55,32 @@ def _accepted(model) -> set[str] | None:
     return names
 
 
+MEDIA_NAME = re.compile(r"^(pixel_|image_|video_|audio_|input_features)|_grid_thw$|_sizes$")
+"""Names of multimodal inputs, taken as media whatever their shape (a (num_images, patches, dim)
+``pixel_values`` may happen to have the batch's (B, L) leading dims)."""
+
+
 def media_inputs(model, inputs: dict, B: int, L: int) -> dict:
     """The entries of a batch that are not along its sequence and that ``model.forward`` takes by
     name: the images and their metadata (``pixel_values``, ``image_grid_thw``, ``image_sizes``, ...)."""
     accepted = _accepted(model)
     media = {}
     for name, value in inputs.items():
-        along = isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (B, L)
+        along = isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (B, L) \
+            and not MEDIA_NAME.search(name)
         rows = name == "position_ids" and isinstance(value, torch.Tensor) and value.shape[-1] == L
         if not along and not rows and name in accepted:
             media[name] = value
     return media
+
+
+def outer_inputs(model, captured: dict) -> list[str]:
+    """The decoder arguments the model's own forward also takes by name (besides ``position_ids``,
+    which stays the batch's 2-D positions there): ``inputs_embeds``, and e.g. Gemma 4's
+    ``per_layer_inputs``, which the model would otherwise recompute from the shard."""
+    accepted = _accepted(model)
+    return [name for name, value in captured.items() if name in accepted and isinstance(value, torch.Tensor)
+            and name not in NOT_INJECTED and name != "position_ids"]
 
 
 def decoder_inputs(model, full_inputs: dict) -> dict:

@@ -51,7 +51,7 @@ from .. import state
 from ..engine import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
 from .mixers import adapt_module as adapt_mixer_functions
-from .model_check import guard_position_start, install_guard, note_cp_flash_call
+from .model_check import guard_position_start, guard_sub_model, install_guard, note_cp_flash_call
 from .models import config_crc, layer_mask, text_config
 from .overlays import check_spans, mask_pairs, overlay_structure, probe_adjacent, probe_whole_mask
 
@@ -372,6 +372,14 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
             "padding mask (or none) and position_ids; if the model builds it itself (BLT's byte and patch masks), "
             "cp_flash does not support this family: use attn_implementation=\"eager\" or \"sdpa\"")
     info = attention_mask if isinstance(attention_mask, CPMask) else None
+    tower = guard_sub_model(module)
+    if tower is not None:
+        raise NotImplementedError(
+            f"cp_flash: the attention of a sub-model, {tower}, ran inside a multi-rank context_parallel block: its "
+            "tokens are an image's (or a clip's), not the sharded text sequence, and binding it to the text batch "
+            "would attend over the wrong tokens. Pass the images to cp.shard_batch(**processor_output, model=model) "
+            "instead: it runs the vision tower on the full batch before sharding, and the model then gets "
+            "inputs_embeds")
     note_cp_flash_call(module)
     if info is not None and not getattr(info.batch, "positions_given", True) and guard_position_start():
         raise NotImplementedError(
