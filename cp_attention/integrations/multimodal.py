@@ -49,7 +49,7 @@ class _Captured(Exception):
 
 
 def _accepted(model) -> set[str] | None:
-    """The keyword names ``model.forward`` takes (None: it takes ``**kwargs`` too)."""
+    """The names ``model.forward`` takes as named parameters (not what a ``**kwargs`` would swallow)."""
     params = inspect.signature(model.forward).parameters.values()
     names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     return names
