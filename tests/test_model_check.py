@@ -429,3 +429,47 @@ def test_one_rank_packed_documents_without_position_ids_are_refused(family):
         got = cp_model(**batch, use_cache=False).logits
         want = eager(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert float((got - want)[:, :-5].abs().max()) <= 1e-5
+
+
+NUMBER_OWN_POSITIONS = ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "musicgen",
+                        "musicgen_melody", "pegasus", "plbart")
+
+
+@pytest.mark.parametrize("family", NUMBER_OWN_POSITIONS)
+def test_decoders_numbering_their_own_positions_at_world_size_1(family, monkeypatch):
+    """Decoders whose models take no position_ids but accept them through keyword arguments: without
+    a context, packed position_ids handed to them are not their positions (they number the whole row),
+    so cp_flash runs the row as their own eager does (logits and gradients against eager given the same
+    call); a collator's cu_seq_lens (documents with the row's positions) are refused. Planted: the
+    position_ids read as documents, the result differs from the family's eager."""
+    from hf_cases import flat_grads, grad_tol
+
+    eager = _model(family)
+    cp_model = fs.build_model(fs.tiny_config(family), "cp_flash", eager.state_dict())
+    assert not model_check.family_takes_positions(type(cp_model).__module__)
+    ids, pos = fs.make_inputs()
+    R = torch.randn(*ids.shape, cp_model.config.get_text_config().vocab_size,
+                    generator=torch.Generator().manual_seed(5))
+
+    def run(model):
+        model.zero_grad(set_to_none=True)
+        logits = _logits(model, ids, pos)
+        (logits * R[..., :logits.shape[-1]]).sum().backward()
+        return logits.detach(), flat_grads(model)
+
+    (want, want_g), (got, got_g) = run(eager), run(cp_model)
+    assert float((got - want).abs().max()) <= 1e-4
+    assert float((got_g - want_g).abs().max()) <= grad_tol(float(want_g.abs().max()))
+    cu = torch.tensor([0, *torch.tensor(fs.DOCS).cumsum(0).tolist()], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="number positions over the whole row"):
+        cp_model(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(fs.DOCS),
+                 max_length_k=max(fs.DOCS), use_cache=False)
+    monkeypatch.setattr(model_check, "family_takes_positions", lambda name: True)
+    with torch.no_grad():
+        planted = _logits(cp_model, ids, pos)
+    assert float((planted - want).abs().max()) > 1e-3
+
+
+def test_families_taking_positions_keep_them():
+    assert model_check.family_takes_positions("transformers.models.llama.modeling_llama")
+    assert model_check.family_takes_positions("transformers.models.gpt2.modeling_gpt2")

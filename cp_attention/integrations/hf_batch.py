@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..batch import batch_of
 from .model_check import default_position_start
 from .models import model_masks
 from .multimodal import decoder_inputs, install_injection, media_inputs, outer_inputs, shard_decoder_inputs
@@ -131,14 +132,17 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
     # each rank's loss is P x its share, so the MEAN over ranks is the single-device loss
     scaled = {} if num_items is None else {"num_items_in_batch": num_items.to(device, torch.float32) / cp.world_size}
     span_next, spans_read = batch_span_next(model, tensors)  # image blocks, as the model's mask opens them
-    derived = None
+    derived, largest = None, position_ids
     if media:
-        derived = _front_end(model, tensors, media, given_positions, B, L)
+        derived, decoder_positions = _front_end(model, tensors, media, given_positions, B, L)
+        largest = position_ids if decoder_positions is None else decoder_positions
     out = cp.shard_documents(to_shard, position_ids=position_ids, opens=opens,
                              valid=None if valid is None else valid.bool(),
                              model_masks=None if model is None else (lambda: model_masks(model)),
                              num_items=num_items, bind_also=scaled, positions_given=positions_given,
                              span_next=span_next, spans_read=spans_read, derived=derived)
+    # the largest position the text decoder gets, for a rope that depends on it (.rope)
+    batch_of(*out.values()).extras["position_max"] = int(largest.max())
     if media:
         out.pop("input_ids", None)  # the model gets inputs_embeds (ids and embeddings are exclusive)
     return out
@@ -156,7 +160,8 @@ def _batch_shape(inputs: dict) -> tuple[int, int]:
 def _front_end(model, tensors: dict, media: dict, position_ids, B: int, L: int):
     """Run ``model``'s multimodal front-end on the full batch (:func:`.multimodal.decoder_inputs`) and
     return the ``derived`` function of :meth:`~cp_attention.ContextParallel.shard_documents` that
-    shards the decoder's inputs (the model's ``inputs_embeds`` among them) with the batch's layout."""
+    shards the decoder's inputs (the model's ``inputs_embeds`` among them) with the batch's layout,
+    and the full position ids the decoder gets (M-RoPE rows for Qwen-VL; None: none captured)."""
     full = {name: t for name, t in tensors.items() if name not in ("labels", "shift_labels")}
     full.update(media)
     if position_ids is not None:
@@ -175,7 +180,8 @@ def _front_end(model, tensors: dict, media: dict, position_ids, B: int, L: int):
         # would otherwise recompute from the shard by reversing the embedding)
         return {**{name: local[name] for name in passed if name in local}, "decoder_inputs": local}
 
-    return derived
+    positions = captured.get("position_ids")
+    return derived, positions if isinstance(positions, torch.Tensor) else None
 
 
 def _translate_inputs(inputs: dict):

@@ -23,6 +23,9 @@ family. What it refuses, each with the module that has it (:func:`model_findings
   flash-attn calls) and never calls the interface (GPT-1, XLNet, lightning attention, ...);
 * a score bias that needs the mask as a dense tensor: an attention forward that takes ``alibi`` or
   ``position_bias`` (BLOOM, MPT, CPM-Ant);
+* a length-dependent rope (``dynamic``, ``longrope``) in a rotary module whose forward takes no
+  ``position_ids``: it cannot be given the whole sequence's length (:mod:`.rope`; those that take
+  them are hooked on the first forward in a block and computed from the global largest position);
 * positions computed from the shard: the model's forward takes no ``position_ids``, so each rank
   numbers its learned or sinusoidal positions from 0 (the BART-family decoders, XGLM, ...);
 * no attention layer at all that reaches cp_flash (and no handled mixer either).
@@ -39,7 +42,9 @@ Vision, audio and other sub-models with a configuration of their own are not rea
 run over the text sequence.
 
 In a one-rank block only one finding changes the result: a model whose forward takes no
-``position_ids`` on a batch of packed documents (:func:`check_positions_one_rank`).
+``position_ids`` on a batch of packed documents (:func:`check_positions_one_rank`). Without a block,
+``position_ids`` such a family receives through keyword arguments are not its positions: its layers
+treat the row as one sequence, as its own eager does (:func:`layer_position_ids`).
 
 Checked once per model object (:data:`cp_attention.state.MODEL_CHECKS`) when a multi-rank
 :func:`~cp_attention.context_parallel` block runs its first forward, on every rank alike (the
@@ -57,15 +62,18 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import sys
 
 import torch
 from torch import nn
 
 from .. import state
+from ..batch import batch_of
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
+from .rope import rope_findings, tag_ropes
 
 __all__ = ["Finding", "class_source", "model_findings", "check_model", "check_positions_one_rank", "default_position_start",
-           "install_guard", "note_cp_flash_call", "guard_sub_model"]
+           "install_guard", "note_cp_flash_call", "guard_sub_model", "family_takes_positions", "layer_position_ids"]
 
 NAME = "cp_flash"
 
@@ -139,10 +147,14 @@ def _computes_scores(cls: type) -> bool:
     return product and (_TRANSPOSED.search(source) is not None or "softmax" in source)
 
 
+def _is_model_class(cls: type) -> bool:
+    return getattr(cls, "base_model_prefix", None) is not None
+
+
 def _is_model(module) -> bool:
     """A transformers PreTrainedModel (its class says so: wrappers such as torch.compile's forward
     attribute lookups to the model they wrap, and are not one)."""
-    return getattr(type(module), "base_model_prefix", None) is not None
+    return _is_model_class(type(module))
 
 
 def _text_configs(model) -> tuple:
@@ -223,6 +235,8 @@ def model_findings(model) -> tuple[Finding, ...]:
                                     "it computes its scores itself instead of calling transformers' attention "
                                     "interface, so it would attend within its own shard only"
                                     + (f" (and takes {', '.join(bias)})" if bias else "")))
+    for where, why in rope_findings(_modules(model)):
+        findings.append(Finding(where, "a rope computed from the shard's length", why))
     forward_args = _forward_args(type(model))
     if "position_ids" not in forward_args:
         findings.append(Finding(type(model).__name__, "positions computed from the shard",
@@ -288,6 +302,41 @@ def check_positions_one_rank(model, record) -> None:
             "implementation (\"eager\", \"sdpa\") outside a context_parallel block.")
 
 
+@functools.lru_cache(maxsize=None)
+def family_takes_positions(module_name: str) -> bool:
+    """Whether a model class of the modeling module ``module_name`` (an attention class's) takes
+    ``position_ids`` in its forward. False for families that number their positions themselves
+    (the BART-family decoders, MusicGen): ``position_ids`` reach their attention only through
+    keyword arguments, and their positions run over the whole row whatever they say."""
+    mod = sys.modules.get(module_name)
+    if mod is None or not module_name.startswith("transformers.models."):
+        return True
+    for value in vars(mod).values():
+        if isinstance(value, type) and value.__module__ == module_name and _is_model_class(value) and \
+                "position_ids" in _forward_args(value):
+            return True
+    return False
+
+
+def layer_position_ids(module, position_ids, collator_documents: bool):
+    """The ``position_ids`` a cp_flash layer of ``module`` reads its documents from: those it was
+    handed, except, outside a context (not from ``cp.shard_batch``), in a family that numbers its
+    positions itself (:func:`family_takes_positions`): there they are not its positions, and the row
+    is one sequence as in the family's own eager (None). Packed documents given by a collator's
+    ``cu_seq_lens`` raise NotImplementedError there: they would get the row's positions."""
+    if family_takes_positions(type(module).__module__):
+        return position_ids
+    if position_ids is not None and batch_of(position_ids) is not None:
+        return position_ids  # from shard_batch: the model check decides (refused when packed)
+    if collator_documents:
+        family = str(getattr(getattr(module, "config", None), "model_type", "") or type(module).__name__)
+        raise NotImplementedError(
+            f"cp_flash cannot run {family} on packed documents (cu_seq_lens): its models number positions over "
+            "the whole row and take no position_ids, so each document would get the row's positions instead of "
+            "its own. Give it one document per row (padding), or use attn_implementation=\"eager\"")
+    return None
+
+
 def default_position_start(model) -> int:
     """Where ``model`` numbers its default positions: 0, or ``padding_idx + 1`` for a position
     embedding with a padding index (RoBERTa, XLM-R, CamemBERT, data2vec-text, X-MOD)."""
@@ -320,7 +369,9 @@ def _before(module, args) -> None:
         if active is None or not _cp_flash_model(module):
             return
         if not getattr(module, "_cp_attention_mixers_tagged", False):
-            tag_mixers(module, list(_modules(module)))
+            modules = list(_modules(module))
+            tag_mixers(module, modules)
+            tag_ropes(modules)
             module._cp_attention_mixers_tagged = True
         state.FORWARD.mixers = []  # forward_mixer_stats: this forward's
         if active.world_size <= 1:  # one rank: only the packed-positions check, no counting

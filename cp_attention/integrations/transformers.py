@@ -51,7 +51,7 @@ from .. import state
 from ..engine import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
 from .mixers import adapt_module as adapt_mixer_functions
-from .model_check import guard_position_start, guard_sub_model, install_guard, note_cp_flash_call
+from .model_check import guard_position_start, guard_sub_model, install_guard, layer_position_ids, note_cp_flash_call
 from .models import config_crc, layer_mask, text_config
 from .overlays import check_spans, mask_pairs, overlay_structure, probe_adjacent, probe_whole_mask
 
@@ -394,6 +394,7 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                            mask_causal=info.sees_no_later_key if info is not None else None,
                            mask_spans=info.opens_spans if info is not None else None)
     collator = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
+    position_ids = layer_position_ids(module, kwargs.get("position_ids"), collator)
     if info is None:
         docs = LayerDocs(cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator)
     else:
@@ -402,7 +403,7 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                          cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator,
                          span_next=info.span_next if spec.spans else None)
     out = attend_layer(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
-                       position_ids=kwargs.get("position_ids"), docs=docs, sinks=s_aux,
+                       position_ids=position_ids, docs=docs, sinks=s_aux,
                        layer=getattr(module, "layer_idx", None), model_crc=lambda: config_crc(module),
                        adjust_q=_llama4_adjust(module))
     return out, None
