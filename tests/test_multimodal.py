@@ -109,6 +109,40 @@ def test_span_term_is_planned(monkeypatch):
 # one device
 
 
+def test_span_shape_checked_against_the_mask_function():
+    """check_spans reads a span's corners from the mask function, row by row: a block overlay passes
+    (under a window too), a chain (each token sees only the next), a block in the wrong row, or a
+    window the overlay ignores are refused."""
+    from cp_attention.integrations.overlays import check_spans
+
+    spans = {0: [(2, 5)], 1: [(1, 3), (6, 7)]}  # row -> (first, last) tokens of its spans
+    span_next = torch.zeros(2, 9, dtype=torch.bool)
+    for b, pairs in spans.items():
+        for s, e in pairs:
+            span_next[b, s:e] = True
+
+    def function(shape="block", window=None, rows=spans):
+        def mask(b, h, q, k):
+            out = []
+            for bi, qi, ki in zip(b.tolist(), q.tolist(), k.tolist()):
+                seen = ki <= qi
+                for s, e in rows.get(bi, []):
+                    if s <= qi <= e and s <= ki <= e and (shape == "block" or ki <= qi + 1):
+                        seen = True
+                if window is not None and qi - ki >= window:
+                    seen = False
+                out.append(seen)
+            return torch.tensor(out)
+        return mask
+
+    check_spans(function(), span_next, None, "t")
+    check_spans(function(window=3), span_next, 3, "t")
+    for bad, window in ((function("chain"), None), (function(rows={0: spans[1], 1: spans[0]}), None),
+                        (function(), 3)):
+        with pytest.raises(NotImplementedError, match="opens later keys"):
+            check_spans(bad, span_next, window, "t")
+
+
 def _assert_exact(got, ref, where: str):
     (logits, grads), (ref_logits, ref_grads) = got, ref
     err = (logits - ref_logits).abs().max().item()

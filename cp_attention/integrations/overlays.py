@@ -43,6 +43,13 @@ def mask_pairs(mask_function, batch_size: int, q_idx: torch.Tensor, kv_idx: torc
     return seen
 
 
+def _row_pairs(mask_function, rows: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+    """(n,) bool: whether row ``rows[i]`` of transformers' mask function lets query ``q_idx[i]`` see key
+    ``kv_idx[i]`` (one vectorised call)."""
+    seen = mask_function(rows, torch.zeros_like(q_idx), q_idx, kv_idx)
+    return torch.as_tensor(seen, dtype=torch.bool).expand(q_idx.numel())
+
+
 def probe_adjacent(mask_function, batch_size: int, length: int, *, later: bool) -> torch.Tensor | None:
     """(B, L) bool from the ``L - 1`` adjacent pairs of a mask without a KV cache: ``later`` False,
     token ``i`` cannot see token ``i - 1`` (it opens a document; token 0 always does); ``later``
@@ -122,23 +129,17 @@ def check_spans(mask_function, span_next: torch.Tensor, window: int | None, fami
     last (a span is a block, not a chain), and the last sees the first exactly when the layer's own
     window reaches it (the overlay adds later keys only, as transformers' ``AND(window, OR(causal,
     block))`` does). Raises NotImplementedError naming the family when the overlay is another shape."""
-    B, L = span_next.shape
     nxt = span_next.to(torch.int8)
     edge = torch.diff(torch.nn.functional.pad(nxt, (1, 1)), dim=1)  # +1 at a span's start, -1 after its last link
     rows, starts = torch.nonzero(edge == 1, as_tuple=True)
     ends = torch.nonzero(edge == -1, as_tuple=True)[1]  # the last token of each span, same order
     if rows.numel() == 0:
         return
-    ok = True
-    for b in range(B):
-        sel = rows == b
-        if not bool(sel.any()):
-            continue
-        s, e = starts[sel], ends[sel]
-        first_sees_last = mask_pairs(mask_function, B, s, e)[b]
-        last_sees_first = mask_pairs(mask_function, B, e, s)[b]
-        want = torch.ones_like(last_sees_first) if window is None else (e - s) < window
-        ok = ok and bool(first_sees_last.all()) and bool((last_sees_first == want).all())
+    # one vectorised call per direction over every span of every row (each pair in its own row)
+    first_sees_last = _row_pairs(mask_function, rows, starts, ends)
+    last_sees_first = _row_pairs(mask_function, rows, ends, starts)
+    want = torch.ones_like(last_sees_first) if window is None else (ends - starts) < window
+    ok = bool(first_sees_last.all()) and bool((last_sees_first == want).all())
     if not ok:
         raise NotImplementedError(
             f"cp_flash: {family or 'this model'}'s mask opens later keys to some tokens in a shape cp_flash does not "
