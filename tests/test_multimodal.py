@@ -199,6 +199,17 @@ def _cp_worker(rank, world_size, families, layout, plant):
                 results["tower"] = "ran"
             except NotImplementedError as exc:
                 results["tower"] = str(exc)
+        # Gemma 3's token types sharded without model=: its image blocks were not read, every rank refuses
+        m = vlm_cases.model("gemma3", "cp_flash")
+        full, _ = vlm_cases.batch("gemma3")
+        text = {k: v for k, v in full.items() if not k.startswith("pixel")}
+        with cp_attention.context_parallel(layout=layout) as cp:
+            local = cp.shard_batch(**text)
+            try:
+                m(**local, use_cache=False)
+                results["unread"] = "ran"
+            except ValueError as exc:
+                results["unread"] = str(exc)
     return results
 
 
@@ -218,6 +229,7 @@ def test_vision_language_models_under_cp(world_size, layout, families):
             got = tuple(torch.from_numpy(x) for x in results[family])
             _assert_exact(got, refs[family], f"{family}, CP = {world_size} {layout}, rank {rank}")
         assert "CLIPAttention" in results["tower"] and "cp.shard_batch" in results["tower"], results["tower"]
+        assert "did not read them" in results["unread"] and "model=" in results["unread"], results["unread"]
 
 
 def test_deepstack_features_reach_the_shards():
