@@ -237,3 +237,11 @@ def test_deepstack_features_reach_the_shards():
     ref = vlm_cases.reference("qwen3_vl")
     results = run_ranks(2, _cp_worker, ("qwen3_vl",), "zigzag", "no-deepstack", timeout=600)[0]
     assert (torch.from_numpy(results["qwen3_vl"][0]) - ref[0]).abs().max().item() > 1e-3
+
+
+def test_processor_output_without_the_model_says_how():
+    """A processor's output handed to shard_batch without model=: a ValueError naming the inputs and the fix."""
+    full, _ = vlm_cases.batch("qwen2_5_vl")
+    with cp_attention.context_parallel() as cp:
+        with pytest.raises(ValueError, match=r"image_grid_thw, pixel_values are a multimodal.*model=model"):
+            cp.shard_batch(**full)

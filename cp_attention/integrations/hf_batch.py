@@ -16,7 +16,7 @@ import torch
 from ..batch import batch_of
 from .model_check import default_position_start
 from .models import model_masks
-from .multimodal import decoder_inputs, install_injection, media_inputs, outer_inputs, shard_decoder_inputs
+from .multimodal import MEDIA_NAME, decoder_inputs, install_injection, media_inputs, outer_inputs, shard_decoder_inputs
 from .overlays import batch_span_next
 
 __all__ = ["DOCUMENT_KEYS", "shard_batch"]
@@ -76,6 +76,13 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
     are sharded (:mod:`.multimodal`); the returned batch then holds ``inputs_embeds`` instead of
     ``input_ids``."""
     media, front_positions = {}, None
+    if model is None:
+        named = sorted(name for name in inputs if MEDIA_NAME.search(name))
+        if named:
+            raise ValueError(f"shard_batch: {', '.join(named)} are a multimodal model's inputs (images, video or "
+                             "audio), which are not along the sequence: pass the model too, "
+                             "cp.shard_batch(**processor_output, model=model), so that its own front-end runs on "
+                             "the full batch and its text decoder's inputs are sharded")
     if model is not None:
         B0, L0 = _batch_shape(inputs)
         media = media_inputs(model, inputs, B0, L0)
