@@ -473,3 +473,19 @@ def test_decoders_numbering_their_own_positions_at_world_size_1(family, monkeypa
 def test_families_taking_positions_keep_them():
     assert model_check.family_takes_positions("transformers.models.llama.modeling_llama")
     assert model_check.family_takes_positions("transformers.models.gpt2.modeling_gpt2")
+
+
+def test_m_rope_rows_and_sinusoidal_position_starts():
+    """M-RoPE rows handed to a layer as position_ids (GLM-4V, ERNIE-VL) carry no documents (the mask's
+    do); a sinusoidal position table with a padding index (Kosmos-2.5) numbers from padding_idx + 1."""
+    layer = nn.Linear(2, 2)
+    assert model_check.layer_position_ids(layer, torch.zeros(3, 1, 5, dtype=torch.long), False) is None
+    two_d = torch.arange(5)[None]
+    assert model_check.layer_position_ids(layer, two_d, False) is two_d
+
+    class Sinusoidal(nn.Module):
+        padding_idx = 1
+
+    model = nn.Module()
+    model.embed_positions = Sinusoidal()
+    assert model_check.default_position_start(model) == 2

@@ -245,3 +245,28 @@ def test_processor_output_without_the_model_says_how():
     with cp_attention.context_parallel() as cp:
         with pytest.raises(ValueError, match=r"image_grid_thw, pixel_values are a multimodal.*model=model"):
             cp.shard_batch(**full)
+
+
+def test_window_overlays_and_spans_past_the_window_are_refused():
+    """One device: a mask showing keys at the window's distance (an overlay OR-ed over the window) is
+    refused, a plain sliding window passes. Under CP: an image block longer than the window is refused
+    (its composition with the window is not read from a shard), one that fits passes."""
+    from types import SimpleNamespace
+
+    from cp_attention.integrations.transformers import CPMask, _refuse_spans_past_window
+
+    def sliding(window, overlay=False):
+        return lambda b, h, q, k: (k <= q) & ((q - k < window) | overlay)
+
+    for overlay in (False, True):
+        info = CPMask(2, 12, 12, 0, 0, None, None, mask_function=sliding(4, overlay))
+        if overlay:
+            with pytest.raises(NotImplementedError, match="4 or more positions back"):
+                info.check_window(4)
+        else:
+            info.check_window(4)
+    meta = SequenceMeta.from_inputs(1, 12, span_next=torch.tensor([[False, True, True, True, False] + [False] * 7]))
+    batch = SimpleNamespace(meta=meta)  # one span of 4 tokens (1..4)
+    _refuse_spans_past_window(batch, 4, "t")
+    with pytest.raises(NotImplementedError, match="span .* of 4 tokens is longer than a sliding window of 3"):
+        _refuse_spans_past_window(batch, 3, "t")

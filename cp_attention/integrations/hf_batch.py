@@ -161,6 +161,9 @@ def _batch_shape(inputs: dict) -> tuple[int, int]:
         value = inputs.get(name)
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
             return value.shape[0], value.shape[1]
+    if any(name.startswith("decoder_") for name in inputs):
+        raise NotImplementedError("shard_batch: an encoder-decoder model's batch (decoder_input_ids): cp_attention shards "
+                                  "a decoder-only sequence; run this model without context_parallel")
     raise ValueError("shard_batch with model= needs input_ids (or inputs_embeds) of shape (B, L)")
 
 
@@ -175,8 +178,10 @@ def _front_end(model, tensors: dict, media: dict, position_ids, B: int, L: int):
         full["position_ids"] = position_ids
     captured = decoder_inputs(model, full)
     if not isinstance(captured.get("inputs_embeds"), torch.Tensor):
-        raise ValueError(f"shard_batch: {type(model).__name__}'s text decoder got no inputs_embeds from its "
-                         "multimodal front-end; its inputs cannot be sharded")
+        raise NotImplementedError(
+            f"shard_batch: {type(model).__name__}'s text decoder got no inputs_embeds from its multimodal front-end "
+            "(its images reach the decoder another way: cross-attention, image tokens in input_ids, or an "
+            "encoder-decoder), so its inputs cannot be sharded. Run this model without context_parallel")
     install_injection(model.get_decoder())
 
     passed = outer_inputs(model, captured)

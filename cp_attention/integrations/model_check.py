@@ -323,7 +323,11 @@ def layer_position_ids(module, position_ids, collator_documents: bool):
     handed, except, outside a context (not from ``cp.shard_batch``), in a family that numbers its
     positions itself (:func:`family_takes_positions`): there they are not its positions, and the row
     is one sequence as in the family's own eager (None). Packed documents given by a collator's
-    ``cu_seq_lens`` raise NotImplementedError there: they would get the row's positions."""
+    ``cu_seq_lens`` raise NotImplementedError there: they would get the row's positions. Rows of
+    M-RoPE positions ``(k, B, L)`` are None: their documents are the mask's (transformers' packed
+    detection on the text positions, or the batch ``cp.shard_batch`` recorded)."""
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:
+        return None  # M-RoPE rows (GLM-4V, ERNIE-VL): the documents are the mask's (its text positions, the batch's)
     if family_takes_positions(type(module).__module__):
         return position_ids
     if position_ids is not None and batch_of(position_ids) is not None:
@@ -339,10 +343,12 @@ def layer_position_ids(module, position_ids, collator_documents: bool):
 
 def default_position_start(model) -> int:
     """Where ``model`` numbers its default positions: 0, or ``padding_idx + 1`` for a position
-    embedding with a padding index (RoBERTa, XLM-R, CamemBERT, data2vec-text, X-MOD)."""
+    embedding with a padding index (RoBERTa, XLM-R, CamemBERT, data2vec-text, X-MOD; the sinusoidal
+    tables of Kosmos-2.5, M2M100 and XGLM)."""
     for name, module in _modules(model):
-        if isinstance(module, nn.Embedding) and "position" in name.rsplit(".", 1)[-1] and module.padding_idx is not None:
-            return int(module.padding_idx) + 1
+        padding_idx = getattr(module, "padding_idx", None)
+        if "position" in name.rsplit(".", 1)[-1] and isinstance(padding_idx, int) and not isinstance(padding_idx, bool):
+            return padding_idx + 1  # a learned (nn.Embedding) or sinusoidal table (Kosmos-2.5, M2M100, XGLM)
     return 0
 
 

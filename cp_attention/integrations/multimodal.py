@@ -106,8 +106,10 @@ def decoder_inputs(model, full_inputs: dict) -> dict:
     finally:
         handle.remove()
     if not captured:
-        raise ValueError(f"shard_batch: {type(model).__name__}'s forward did not call its text decoder "
-                         f"({type(decoder).__name__}); its multimodal inputs cannot be sharded")
+        raise NotImplementedError(
+            f"shard_batch: {type(model).__name__}'s forward did not call its text decoder ({type(decoder).__name__}) "
+            "the way cp_attention reads it (an encoder-decoder, or a decoder called through another module); its "
+            "multimodal inputs cannot be sharded. Run this model without context_parallel")
     return captured
 
 

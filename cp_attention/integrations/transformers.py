@@ -144,6 +144,8 @@ class CPMask:
             opens = True
         elif getattr(getattr(self.batch, "cp", None), "world_size", 1) > 1:
             opens, foreign = overlay_structure(self.mask_function)
+            if opens and window is not None:
+                _refuse_spans_past_window(self.batch, window, self.family)
             if foreign:
                 raise NotImplementedError(
                     f"cp_flash: {self.family or 'this model'}'s causal mask contains {', '.join(sorted(set(foreign)))}, "
@@ -154,6 +156,25 @@ class CPMask:
             opens = False
         self._checked[window] = opens
         return opens
+
+    @torch.compiler.disable
+    def check_window(self, window: int) -> None:
+        """One device: transformers' mask function hides every key ``window`` or more positions before
+        its query, as the layer's window does (probed on those pairs, O(B * L), once per window). A
+        mask that shows some (an overlay OR-ed over the window: unlimited_ocr's prefill keys) raises
+        NotImplementedError instead of being cut to the window. Under context parallelism the shard's
+        function is read by its structure instead (:meth:`opens_spans`)."""
+        key = ("window", window)
+        if key in self._checked or self.mask_function is None or \
+                getattr(getattr(self.batch, "cp", None), "world_size", 1) > 1:
+            return
+        self._checked[key] = True
+        q = torch.arange(max(self.kv_offset + window - self.q_offset, 0), self.q_length) + self.q_offset
+        if q.numel() and bool(mask_pairs(self.mask_function, self.batch_size, q, q - window).any()):
+            raise NotImplementedError(
+                f"cp_flash: {self.family or 'this model'}'s mask lets a token see keys {window} or more positions "
+                f"back in a layer with a window of {window} (an overlay over its sliding window), which cp_flash "
+                "would cut to the window. Use attn_implementation=\"eager\" or \"sdpa\" for this model")
 
     @torch.compiler.disable
     def sees_no_later_key(self) -> bool | None:
@@ -341,6 +362,20 @@ class DenseMaskError(NotImplementedError, ValueError):
     one is refused), and a wrong argument where the caller passed it (a ValueError, as before)."""
 
 
+def _refuse_spans_past_window(batch, window: int, family: str) -> None:
+    """Under context parallelism: a bidirectional span of the batch longer than a layer's window is
+    refused. Whether its first key stays visible to its last query (Gemma 3's window over the block
+    overlay) or not (Gemma 4-unified's overlay over the window) is not read from a shard's mask function."""
+    meta = getattr(batch, "meta", None)
+    longest = max((int((e - s).max()) for s, e in (getattr(meta, "spans", None) or ()) if len(s)), default=0)
+    if longest > window:  # (spans end exclusively) its last token is `window` or more past its first
+        raise NotImplementedError(
+            f"cp_flash: a bidirectional span (image block) of {longest} tokens is longer than a sliding window "
+            f"of {window} in {family or 'this model'}: how its mask combines the two cannot be read from a shard "
+            "under context parallelism. Use a model whose window covers its images, or run it on one device "
+            "(cp_flash without context_parallel checks the mask itself)")
+
+
 def _refuse_score_tensors(kwargs: dict, q_length: int, kv_length: int, info) -> None:
     """A keyword tensor over (query, key) pairs, ``(..., Lq, Lk)`` with at least 3 dims, is a score
     bias or a dense mask (Inkling's relative-position ``position_bias``): cp_flash cannot apply it,
@@ -393,6 +428,8 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                            is_causal=kwargs.get("is_causal"), mask_window=info.local_size if info is not None else None,
                            mask_causal=info.sees_no_later_key if info is not None else None,
                            mask_spans=info.opens_spans if info is not None else None)
+    if info is not None and spec.window is not None and spec.chunk_size is None:
+        info.check_window(spec.window)
     collator = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
     position_ids = layer_position_ids(module, kwargs.get("position_ids"), collator)
     if info is None:
