@@ -270,3 +270,39 @@ def test_window_overlays_and_spans_past_the_window_are_refused():
     _refuse_spans_past_window(batch, 4, "t")
     with pytest.raises(NotImplementedError, match="span .* of 4 tokens is longer than a sliding window of 3"):
         _refuse_spans_past_window(batch, 3, "t")
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_window_cut_read_from_the_mask_structure(monkeypatch, padded):
+    """Under CP the block overlay's composition with a sliding window is read from the function's
+    structure: transformers' own compositions (Gemma 3's AND(window, OR(causal, block)), Gemma
+    4-unified's OR(sliding causal, block), a full layer's OR(causal, block)), each with a block of 4
+    longer than a window of 3, against the function's own answer (does the block's last token see its
+    first?), computed on the whole sequence as one device sees it."""
+    from transformers import Gemma3TextConfig
+    from transformers import masking_utils as mu
+
+    from cp_attention.integrations.overlays import overlay_structure
+
+    got = []
+    monkeypatch.setitem(mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "capture",
+                        lambda **kw: got.append(kw["mask_function"]))
+    config = Gemma3TextConfig(sliding_window=3, num_hidden_layers=1)
+    config._attn_implementation = "capture"
+    blocks = torch.full((1, 12), -1)
+    blocks[0, 5:9] = 0  # one block of 4 tokens
+    common = dict(config=config, inputs_embeds=torch.zeros(1, 12, 8), cache=None,
+                  attention_mask=torch.ones(1, 12, dtype=torch.bool) if padded else None,
+                  position_ids=torch.arange(12)[None])
+    mu.create_causal_mask(**common, or_mask_function=mu.blockwise_overlay(blocks),
+                          and_mask_function=mu.sliding_window_overlay(3))
+    mu.create_sliding_window_causal_mask(**common, block_sequence_ids=blocks)
+    mu.create_causal_mask(**common, block_sequence_ids=blocks)
+    assert len(got) == 3
+    zero = torch.tensor(0)
+    for fn, name in zip(got, ("Gemma 3 sliding", "Gemma 4-unified sliding", "full")):
+        found, foreign, windowed = overlay_structure(fn)
+        assert found and not foreign, name
+        assert bool(fn(zero, zero, torch.tensor(5), torch.tensor(8))), name  # a block: its first sees its last
+        sees_first = bool(fn(zero, zero, torch.tensor(8), torch.tensor(5)))
+        assert windowed == (not sees_first), name

@@ -16,8 +16,8 @@ def _gemma3():
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=512,
-                layer_types=["sliding_attention", "full_attention"])
+                num_key_value_heads=2, head_dim=16, sliding_window=3, max_position_embeddings=512,
+                layer_types=["sliding_attention", "full_attention"])  # a window shorter than its image blocks
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
                   patch_size=4)
     return Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,

@@ -13,7 +13,8 @@ it reads what it needs in O(L):
   (:func:`check_spans`), and an overlay that does not fit it is refused;
 * under context parallelism the function a rank gets is built from its shard (local token types,
   the shard's positions), so it cannot be probed: its *structure* is read instead
-  (:func:`overlay_structure`): transformers' block overlay is recognised, and the spans come from the
+  (:func:`overlay_structure`): transformers' block overlay is recognised (and whether a sliding
+  window cuts it, as the engine's spans are cut), and the spans come from the
   full batch (``cp.shard_batch(..., model=model)`` computes the block ids with the family's own
   function, :func:`batch_span_next`); any other overlay on a causal layer is refused by name.
 
@@ -85,43 +86,67 @@ def probe_whole_mask(mask_function, batch, batch_size: int, length: int):
 
 @functools.lru_cache(maxsize=1)
 def _known_codes():
-    """(code of transformers' block overlay, file of masking_utils)."""
-    from transformers import masking_utils
+    """Codes of transformers' mask functions read here: the block overlay, AND, the sliding-window
+    overlay; and the file of masking_utils."""
+    from transformers import masking_utils as mu
 
-    block = masking_utils.blockwise_overlay(torch.zeros(1, 1, dtype=torch.long)).__code__
-    return block, masking_utils.__file__
+    one = torch.zeros(1, 1, dtype=torch.long)
+    return dict(block=mu.blockwise_overlay(one).__code__, both=mu.and_masks(mu.causal_mask_function).__code__,
+                window=mu.sliding_window_overlay(1).__code__), mu.__file__
 
 
-def overlay_structure(mask_function) -> tuple[bool, list[str]]:
+def _parts(fn) -> list:
+    """The mask functions a composed one closes over (``and_masks``/``or_masks`` tuples flattened)."""
+    parts = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if callable(item) and not isinstance(item, (torch.Tensor, type)):
+                parts.append(item)
+    return parts
+
+
+def overlay_structure(mask_function) -> tuple[bool, list[str], bool]:
     """Read a composed mask function: (it contains transformers' block overlay, the names of the
     functions in it that are not transformers' own mask functions: overlays cp_flash cannot read
-    under context parallelism). Walks closures (``and_masks``/``or_masks`` tuples included)."""
-    block_code, own_file = _known_codes()
-    found, foreign, seen = [False], [], set()
+    under context parallelism, every block overlay in it is cut by a sliding window). Walks closures.
 
-    def visit(fn, depth: int) -> None:
-        if depth > 16 or id(fn) in seen:
-            return
-        seen.add(id(fn))
+    The third answer is what a span longer than a layer's window needs: ``AND(window, OR(causal,
+    block))`` (Gemma 3, Gemma 4: the window cuts the block, as the engine's spans are cut) gives True;
+    ``OR(sliding causal, block)`` (the block seen whole past the window: Gemma 4-unified's sliding
+    layers) gives False. A block is cut when, on its path from the root, some AND has a sibling that is
+    a window (the sliding-window overlay, or an AND containing one)."""
+    codes, own_file = _known_codes()
+    found, foreign, cut, seen = [False], [], [], set()
+
+    def is_window(fn, depth: int = 0) -> bool:
         code = getattr(fn, "__code__", None)
-        if code is block_code:
+        return depth < 16 and (code is codes["window"] or (
+            code is codes["both"] and any(is_window(p, depth + 1) for p in _parts(fn))))
+
+    def visit(fn, depth: int, windowed: bool) -> None:
+        if depth > 16 or (id(fn), windowed) in seen:
+            return
+        seen.add((id(fn), windowed))
+        code = getattr(fn, "__code__", None)
+        if code is codes["block"]:
             found[0] = True
+            cut.append(windowed)
             return
         if code is None or code.co_filename != own_file:
             foreign.append(getattr(fn, "__qualname__", type(fn).__name__))
             return
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                if callable(item) and not isinstance(item, (torch.Tensor, type)):
-                    visit(item, depth + 1)
+        parts = _parts(fn)
+        for i, part in enumerate(parts):
+            beside = code is codes["both"] and any(is_window(p) for j, p in enumerate(parts) if j != i)
+            visit(part, depth + 1, windowed or beside)
 
     if mask_function is not None:
-        visit(mask_function, 0)
-    return found[0], foreign
+        visit(mask_function, 0, False)
+    return found[0], foreign, bool(cut) and all(cut)
 
 
 def check_spans(mask_function, span_next: torch.Tensor, window: int | None, family: str) -> None:

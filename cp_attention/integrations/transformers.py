@@ -143,8 +143,8 @@ class CPMask:
             check_spans(self.mask_function, self.span_next, window, self.family)
             opens = True
         elif getattr(getattr(self.batch, "cp", None), "world_size", 1) > 1:
-            opens, foreign = overlay_structure(self.mask_function)
-            if opens and window is not None:
+            opens, foreign, windowed = overlay_structure(self.mask_function)
+            if opens and window is not None and not windowed:
                 _refuse_spans_past_window(self.batch, window, self.family)
             if foreign:
                 raise NotImplementedError(
@@ -363,17 +363,17 @@ class DenseMaskError(NotImplementedError, ValueError):
 
 
 def _refuse_spans_past_window(batch, window: int, family: str) -> None:
-    """Under context parallelism: a bidirectional span of the batch longer than a layer's window is
-    refused. Whether its first key stays visible to its last query (Gemma 3's window over the block
-    overlay) or not (Gemma 4-unified's overlay over the window) is not read from a shard's mask function."""
+    """Under context parallelism, a layer whose mask ORs the block overlay over its sliding window
+    (:func:`~.overlays.overlay_structure`: a block seen whole, however far its first key lies behind a
+    query): a bidirectional span of the batch longer than the window is refused (the engine cuts
+    spans to the window); shorter ones are the same mask either way."""
     meta = getattr(batch, "meta", None)
     longest = max((int((e - s).max()) for s, e in (getattr(meta, "spans", None) or ()) if len(s)), default=0)
     if longest > window:  # (spans end exclusively) its last token is `window` or more past its first
         raise NotImplementedError(
             f"cp_flash: a bidirectional span (image block) of {longest} tokens is longer than a sliding window "
-            f"of {window} in {family or 'this model'}: how its mask combines the two cannot be read from a shard "
-            "under context parallelism. Use a model whose window covers its images, or run it on one device "
-            "(cp_flash without context_parallel checks the mask itself)")
+            f"of {window} in {family or 'this model'}, whose mask shows the whole block past the window; cp_flash "
+            "cuts spans to the window. Use a model whose window covers its images, or attn_implementation=\"eager\"")
 
 
 def _refuse_score_tensors(kwargs: dict, q_length: int, kv_length: int, info) -> None:
