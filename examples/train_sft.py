@@ -6,7 +6,8 @@
 The data: random pre-tokenized documents of 5-60 tokens, packed by SFTTrainer (BFD packing into
 rows of ``--max-length`` tokens; ``--no-packing``: documents as they are) and collated padding-free
 (``padding_free=True``: one row of documents per micro-batch, told apart by ``position_ids``); the model: a tiny random Mistral with a
-sliding window of 8 tokens on every layer; gradient checkpointing and gradient accumulation
+sliding window of 8 tokens on every layer (``--model qwen2_moe``: a tiny Qwen2-MoE, its router's load-balancing loss
+weighted 0.5); gradient checkpointing and gradient accumulation
 (``--accumulation`` micro-batches per optimizer step) on; SGD at a constant learning rate. The
 lines that differ from a plain SFTTrainer script are marked ``# CP``. With ``--single`` the same
 data trains on one process with ``attn_implementation="eager"`` and a per-device batch of
@@ -62,12 +63,15 @@ def main(argv=None) -> None:
     parser.add_argument("--max-length", type=int, default=64, help="tokens per packed row")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing")
+    parser.add_argument("--model", default="mistral", choices=("mistral", "qwen2_moe"),
+                        help="the tiny model: Mistral, or Qwen2-MoE trained with its router auxiliary loss (weight 0.5)")
     parser.add_argument("--no-packing", action="store_true",
                         help="padding-free without packing: each micro-batch is --batch whole documents")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    model = tiny_model("mistral", "eager" if args.single else "cp_flash", seed=0, window=8)  # CP: cp_flash
+    model = tiny_model(args.model, "eager" if args.single else "cp_flash", seed=0, window=8)  # CP: cp_flash
+    moe = {"router_aux_loss_coef": 0.5} if args.model == "qwen2_moe" else {}
     config = SFTConfig(
         output_dir=args.out, per_device_train_batch_size=args.batch * (args.world if args.single else 1),
         gradient_accumulation_steps=args.accumulation, max_steps=args.steps,
@@ -75,7 +79,7 @@ def main(argv=None) -> None:
         report_to=[], use_cpu=True, seed=0, dataloader_drop_last=True, ddp_backend=None if args.single else "gloo",
         bf16=False,  # SFTConfig turns on bf16 autocast by default: this float32 model trains in float32
         gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": args.reentrant},
-        packing=not args.no_packing, packing_strategy="bfd", padding_free=True,
+        packing=not args.no_packing, packing_strategy="bfd", padding_free=True, **moe,
         max_length=None if args.no_packing else args.max_length,  # SFTTrainer: no max_length without packing
         # the same batches in both runs (transformers >= 5.24; older releases sample at random)
         **({"train_sampling_strategy": "sequential"} if "train_sampling_strategy" in SFTConfig.__dataclass_fields__

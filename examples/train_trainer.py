@@ -5,7 +5,8 @@
 
 The data: random documents of 5-60 tokens packed by transformers' ``DataCollatorWithFlattening``
 (padding-free, one row per micro-batch); the model: a tiny random Mistral with a sliding window of
-8 tokens on every layer, gradient checkpointing on. The lines that differ from a plain Trainer
+8 tokens on every layer (``--model qwen2_moe``: a tiny Qwen2-MoE with its router's load-balancing loss,
+weight 0.5), gradient checkpointing on. The lines that differ from a plain Trainer
 script are marked ``# CP``. With ``--single`` the same data trains on one process with
 ``attn_implementation="eager"`` and a per-device batch of ``--batch x --world`` samples (the
 global batch of the CP run). Each run writes ``losses.json`` (Trainer's logged loss per step) and
@@ -22,7 +23,7 @@ import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from cp_attention.integrations.trainer import CPTrainer  # CP
-from cp_attention.tools.tiny_models import tiny_model
+from cp_attention.tools.tiny_models import tiny_config, tiny_model
 
 
 def dataset(n: int = 32, seed: int = 0, vocab: int = 128) -> list[dict]:
@@ -42,10 +43,15 @@ def main(argv=None) -> None:
     parser.add_argument("--world", type=int, default=2, help="with --single: the CP run's process count")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing")
+    parser.add_argument("--model", default="mistral", choices=("mistral", "qwen2_moe"),
+                        help="the tiny model: Mistral, or Qwen2-MoE trained with its router auxiliary loss (weight 0.5)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    model = tiny_model("mistral", "eager" if args.single else "cp_flash", seed=0, window=8)  # CP: cp_flash
+    config = tiny_config(args.model, window=8)
+    if args.model == "qwen2_moe":  # the router's load-balancing loss in the model's loss
+        config.output_router_logits, config.router_aux_loss_coef = True, 0.5
+    model = tiny_model(args.model, "eager" if args.single else "cp_flash", seed=0, config=config)  # CP: cp_flash
     training_args = TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=args.batch * (args.world if args.single else 1),
         max_steps=args.steps, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",

@@ -38,7 +38,9 @@ from transformers import Trainer
 from ..agreement import check_strategy
 from ..context import context_parallel
 from ..strategy import CostModel
+from ..batch import batch_of
 from .hf_batch import DOCUMENT_KEYS
+from .losses import LOSS_SCALE
 from .model_check import check_model
 
 __all__ = ["CPTrainer", "CPTrainerMixin", "join_micro_batches"]
@@ -159,8 +161,9 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
     up by Trainer work unchanged. Refused, because the loss would not be the single-device loss:
     label smoothing and ``compute_loss_func`` (they compute the loss outside the model from local
     labels); ``average_tokens_across_devices=False`` (Trainer would then normalise each process's
-    loss by its own tokens, not the global batch's); a MoE router auxiliary loss (a product of
-    per-batch means: each rank would take it over its shard alone). Evaluation and prediction run
+    loss by its own tokens, not the global batch's). A MoE router auxiliary loss is taken over the
+    joined batch (:mod:`.losses`), weighed as Trainer's or SFTTrainer's ``compute_loss`` weighs it
+    (another ``compute_loss`` with the auxiliary loss on is refused). Evaluation and prediction run
     without context parallelism, on each process's own batch.
     """
 
@@ -190,10 +193,12 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
                              f"{implementation!r}")
         if self.args.world_size > 1:  # the model check, at construction rather than at the first step
             check_model(self.accelerator.unwrap_model(self.model))
-        if _router_aux_loss(config):
-            raise ValueError(f"{name}: the MoE router auxiliary loss is a product of means over the batch's tokens; "
-                             f"under context parallelism each rank would take it over its shard alone: set the "
-                             f"config's output_router_logits=False (TRL: router_aux_loss_coef=0.0)")
+        self._cp_aux_loss_scale = _aux_loss_scale(self)
+        if self._cp_aux_loss_scale is _UNKNOWN and _router_aux_loss(config):
+            raise ValueError(f"{name} overrides compute_loss, so how it weighs the MoE router auxiliary loss across "
+                             f"processes is unknown and cp_attention cannot take it over the batch exactly: set the "
+                             f"config's output_router_logits=False, or subclass Trainer or TRL's SFTTrainer without "
+                             f"changing compute_loss")
         self.cp_group, self.cp_mesh_dim, self.cp_layout, self.cp_timeout = cp_group, cp_mesh_dim, cp_layout, cp_timeout
         self.cp_strategy, self.cp_ulysses_size, self.cp_cost_model = cp_strategy, cp_ulysses_size, cp_cost_model
 
@@ -205,6 +210,8 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
             parts = [inputs] if cp.world_size == 1 else cp.comm.all_gather_object(_to_cpu(inputs))
             joined, starts = join_micro_batches([inputs if r == cp.rank else p for r, p in enumerate(parts)])
             local = cp.shard_batch(**joined, document_starts=starts, model=self.accelerator.unwrap_model(model))
+            if self._cp_aux_loss_scale is not None and self._cp_aux_loss_scale is not _UNKNOWN:
+                batch_of(*local.values()).extras[LOSS_SCALE] = self._cp_aux_loss_scale
             if num_items_in_batch is not None:  # Trainer's count over every rank's micro-batch
                 local.pop("num_items_in_batch", None)
             return super().training_step(model, local, num_items_in_batch)
@@ -214,6 +221,23 @@ class CPTrainer(CPTrainerMixin, Trainer):
     """A :class:`transformers.Trainer` whose training steps run under context parallelism: the
     arguments and rules of :class:`CPTrainerMixin` (``cp_group``, ``cp_mesh_dim``, ``cp_layout``,
     ``cp_timeout``, ``cp_strategy``, ``cp_ulysses_size``, ``cp_cost_model``; a ``cp_flash`` model)."""
+
+
+_UNKNOWN = object()
+
+
+def _aux_loss_scale(trainer):
+    """The factor ``s`` of a rank's share of the MoE router loss (:mod:`.losses`) that makes ``trainer``'s
+    loss the single-device one: 1 where the model's loss, auxiliary loss included, is multiplied by the
+    process count (Trainer's ``compute_loss``); None (the batch's default, the CP size) where the trainer
+    adds the auxiliary loss to the scaled token loss itself, unscaled (TRL's ``SFTTrainer``); ``_UNKNOWN``
+    for any other ``compute_loss``."""
+    owner = next(c for c in type(trainer).__mro__ if "compute_loss" in c.__dict__)
+    if owner is Trainer:
+        return 1.0
+    if owner.__name__ == "SFTTrainer" and owner.__module__.startswith("trl."):
+        return None
+    return _UNKNOWN
 
 
 def _router_aux_loss(config) -> bool:

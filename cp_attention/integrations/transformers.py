@@ -50,6 +50,7 @@ import torch
 from .. import state
 from ..engine import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
+from .losses import adapt_module as adapt_loss_functions
 from .mixers import adapt_module as adapt_mixer_functions
 from .model_check import guard_position_start, guard_sub_model, install_guard, layer_position_ids, note_cp_flash_call
 from .models import config_crc, layer_mask, text_config
@@ -493,10 +494,12 @@ def adapt_modeling_module(mod) -> bool:
     by-name ``is_flash_attention_requested`` answers False for "cp_flash" (so no FlashAttention-2
     class is picked, with or without flash-attn installed), and every table of attention classes
     keyed by implementation name gets a "cp_flash" entry: its eager class (the model check then
-    tells whether that class reaches cp_flash), and its sequence-mixer functions run across ranks
-    under context parallelism (:mod:`.mixers`). Returns whether anything was adapted."""
+    tells whether that class reaches cp_flash), its sequence-mixer functions run across ranks
+    under context parallelism (:mod:`.mixers`), and so does its MoE router loss (:mod:`.losses`).
+    Returns whether anything was adapted."""
     adapted = _wrap_flash_name_check(mod) if hasattr(mod, "is_flash_attention_requested") else False
     adapted = adapt_mixer_functions(mod) or adapted
+    adapted = adapt_loss_functions(mod) or adapted
     for value in list(vars(mod).values()):
         if _is_class_table(value):
             value[NAME] = value["eager"]
