@@ -63,6 +63,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-length", type=int, default=64, help="tokens per packed row")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing")
+    parser.add_argument("--peft", default="", choices=("", "lora", "dora"),
+                        help="train a PEFT adapter (LoRA or DoRA on the attention and MLP projections) instead")
     parser.add_argument("--model", default="mistral", choices=("mistral", "qwen2_moe"),
                         help="the tiny model: Mistral, or Qwen2-MoE trained with its router auxiliary loss (weight 0.5)")
     parser.add_argument("--no-packing", action="store_true",
@@ -85,7 +87,15 @@ def main(argv=None) -> None:
         **({"train_sampling_strategy": "sequential"} if "train_sampling_strategy" in SFTConfig.__dataclass_fields__
            else {}))
     trainer_class = SFTTrainer if args.single else CPSFTTrainer  # CP
-    trainer = trainer_class(model=model, args=config, train_dataset=dataset(), processing_class=tokenizer())
+    peft = {}
+    if args.peft:  # SFTTrainer wraps the model itself
+        from train_trainer import lora
+
+        peft = {"peft_config": lora(args.peft)}
+    trainer = trainer_class(model=model, args=config, train_dataset=dataset(), processing_class=tokenizer(), **peft)
+    if int(os.environ.get("RANK", 0)) == 0:  # the weights before training: training must move them
+        torch.save({k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()},
+                   os.path.join(args.out, "initial.pt"))
     trainer.train()
     if int(os.environ.get("RANK", 0)) == 0:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -6,11 +6,11 @@
 The data: random documents of 5-60 tokens packed by transformers' ``DataCollatorWithFlattening``
 (padding-free, one row per micro-batch); the model: a tiny random Mistral with a sliding window of
 8 tokens on every layer (``--model qwen2_moe``: a tiny Qwen2-MoE with its router's load-balancing loss,
-weight 0.5), gradient checkpointing on. The lines that differ from a plain Trainer
-script are marked ``# CP``. With ``--single`` the same data trains on one process with
+weight 0.5; ``--peft lora|dora``: a PEFT adapter trained on it), gradient checkpointing on. The lines
+that differ from a plain Trainer script are marked ``# CP``. With ``--single`` the same data trains on one process with
 ``attn_implementation="eager"`` and a per-device batch of ``--batch x --world`` samples (the
 global batch of the CP run). Each run writes ``losses.json`` (Trainer's logged loss per step) and
-``params.pt`` (the final weights) to ``--out``; the two runs match to float32 rounding.
+``params.pt`` (the final weights, ``initial.pt`` the first) to ``--out``; the two runs match to float32 rounding.
 """
 
 from __future__ import annotations
@@ -35,6 +35,15 @@ def dataset(n: int = 32, seed: int = 0, vocab: int = 128) -> list[dict]:
     return out
 
 
+def lora(kind: str):
+    """A LoRA (``kind="dora"``: DoRA) config over the attention and MLP projections, its B matrices
+    initialised at random (PEFT's default zeros would make the first steps' adapters no-ops)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, use_dora=kind == "dora", init_lora_weights="gaussian",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder for losses.json and params.pt")
@@ -43,6 +52,8 @@ def main(argv=None) -> None:
     parser.add_argument("--world", type=int, default=2, help="with --single: the CP run's process count")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing")
+    parser.add_argument("--peft", default="", choices=("", "lora", "dora"),
+                        help="train a PEFT adapter (LoRA or DoRA on the attention and MLP projections) instead")
     parser.add_argument("--model", default="mistral", choices=("mistral", "qwen2_moe"),
                         help="the tiny model: Mistral, or Qwen2-MoE trained with its router auxiliary loss (weight 0.5)")
     args = parser.parse_args(argv)
@@ -52,6 +63,10 @@ def main(argv=None) -> None:
     if args.model == "qwen2_moe":  # the router's load-balancing loss in the model's loss
         config.output_router_logits, config.router_aux_loss_coef = True, 0.5
     model = tiny_model(args.model, "eager" if args.single else "cp_flash", seed=0, config=config)  # CP: cp_flash
+    if args.peft:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora(args.peft))
     training_args = TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=args.batch * (args.world if args.single else 1),
         max_steps=args.steps, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
@@ -64,6 +79,9 @@ def main(argv=None) -> None:
     trainer_class = Trainer if args.single else CPTrainer  # CP
     trainer = trainer_class(model=model, args=training_args, train_dataset=dataset(),
                             data_collator=DataCollatorWithFlattening())
+    if int(os.environ.get("RANK", 0)) == 0:  # the weights before training: training must move them
+        torch.save({k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()},
+                   os.path.join(args.out, "initial.pt"))
     trainer.train()
     if int(os.environ.get("RANK", 0)) == 0:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

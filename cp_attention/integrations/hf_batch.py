@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..batch import batch_of
-from .model_check import default_position_start
+from .model_check import default_position_start, unwrap_adapters
 from .models import model_masks
 from .multimodal import MEDIA_NAME, decoder_inputs, install_injection, media_inputs, outer_inputs, shard_decoder_inputs
 from .overlays import batch_span_next
@@ -76,6 +76,7 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
     are sharded (:mod:`.multimodal`); the returned batch then holds ``inputs_embeds`` instead of
     ``input_ids``."""
     media, front_positions = {}, None
+    model = None if model is None else unwrap_adapters(model)  # a PEFT wrapper: its transformers model
     if model is None:
         named = sorted(name for name in inputs if MEDIA_NAME.search(name))
         if named:

@@ -72,8 +72,9 @@ from ..batch import batch_of
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
 from .rope import rope_findings, tag_ropes
 
-__all__ = ["Finding", "class_source", "model_findings", "check_model", "check_positions_one_rank", "default_position_start",
-           "install_guard", "note_cp_flash_call", "guard_sub_model", "family_takes_positions", "layer_position_ids"]
+__all__ = ["Finding", "class_source", "model_findings", "check_model", "check_positions_one_rank",
+           "default_position_start", "unwrap_adapters", "install_guard", "note_cp_flash_call", "guard_sub_model",
+           "family_takes_positions", "layer_position_ids"]
 
 NAME = "cp_flash"
 
@@ -339,6 +340,24 @@ def layer_position_ids(module, position_ids, collator_documents: bool):
             "the whole row and take no position_ids, so each document would get the row's positions instead of "
             "its own. Give it one document per row (padding), or use attn_implementation=\"eager\"")
     return None
+
+
+def unwrap_adapters(model):
+    """The transformers model inside a PEFT wrapper (``PeftModel``: its forward hands the batch to the
+    base model unchanged for the weight adapters, LoRA, DoRA, IA3, ...), or ``model`` itself. Prompt
+    learning (prompt, prefix and p-tuning) raises NotImplementedError naming the PEFT type: its virtual
+    tokens would be prepended to each rank's shard instead of to the sequence."""
+    config = getattr(model, "active_peft_config", None)
+    get_base = getattr(model, "get_base_model", None)
+    if config is None or not callable(get_base):
+        return model
+    if getattr(config, "is_prompt_learning", False):
+        kind = getattr(getattr(config, "peft_type", None), "value", None) or type(config).__name__
+        raise NotImplementedError(
+            f"cp_attention: PEFT {kind} adds {getattr(config, 'num_virtual_tokens', 'its')} virtual tokens in front "
+            "of the sequence (or of the keys), which under context parallelism would go in front of every rank's "
+            "shard. Use a weight adapter (LoRA, DoRA, IA3, ...), or train this adapter without context_parallel")
+    return get_base()
 
 
 def default_position_start(model) -> int:

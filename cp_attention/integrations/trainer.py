@@ -41,7 +41,7 @@ from ..strategy import CostModel
 from ..batch import batch_of
 from .hf_batch import DOCUMENT_KEYS
 from .losses import LOSS_SCALE
-from .model_check import check_model
+from .model_check import check_model, unwrap_adapters
 
 __all__ = ["CPTrainer", "CPTrainerMixin", "join_micro_batches"]
 
@@ -192,7 +192,7 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
             raise ValueError(f"{name} trains models loaded with attn_implementation='cp_flash', this one uses "
                              f"{implementation!r}")
         if self.args.world_size > 1:  # the model check, at construction rather than at the first step
-            check_model(self.accelerator.unwrap_model(self.model))
+            check_model(unwrap_adapters(self.accelerator.unwrap_model(self.model)))
         self._cp_aux_loss_scale = _aux_loss_scale(self)
         if self._cp_aux_loss_scale is _UNKNOWN and _router_aux_loss(config):
             raise ValueError(f"{name} overrides compute_loss, so how it weighs the MoE router auxiliary loss across "

@@ -18,8 +18,9 @@ SFTTrainer)`` and ``class X(SFTTrainer, CPTrainerMixin)`` are the same trainer a
 
 What the configuration needs: nothing beyond CPTrainerMixin's rules (a ``cp_flash`` model,
 ``average_tokens_across_devices=True``, no label smoothing, no ``compute_loss_func``; a MoE router
-auxiliary loss, ``router_aux_loss_coef``, is taken over the joined batch). ``padding_free=True`` (or BFD packing, which implies
-it) is the configuration to use: each micro-batch is one row of documents told apart by
+auxiliary loss, ``router_aux_loss_coef``, is taken over the joined batch; PEFT: a ``peft_config`` of a
+weight adapter, LoRA, DoRA, ...; prompt learning is refused). ``padding_free=True`` (or BFD packing, which
+implies it) is the configuration to use: each micro-batch is one row of documents told apart by
 ``position_ids``, and nothing but tokens is sharded. A padded batch works too, but its padding is
 joined into the middle of the rows and computed on, and the ranks need the same number of rows
 (``dataloader_drop_last=True``). SFTConfig turns on ``bf16`` autocast by default; under autocast a
