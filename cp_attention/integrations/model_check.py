@@ -69,6 +69,7 @@ from torch import nn
 
 from .. import state
 from ..batch import batch_of
+from .heads import call_kwargs, check_call
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
 from .rope import rope_findings, tag_ropes
 
@@ -404,6 +405,7 @@ def _before(module, args) -> None:
             guard.model, guard.ran, guard.reached, guard.counting, guard.position_start = module, set(), set(), False, 0
             return
         check_model(module)
+        check_call(module, call_kwargs())  # what its head does with the shard (.heads)
         guard.model, guard.ran, guard.reached, guard.counting = module, set(), set(), True
         guard.position_start = default_position_start(module)
         return
