@@ -1,4 +1,4 @@
-"""PEFT models under context parallelism: the weight adapters (LoRA, DoRA) exact through the bare API
+"""PEFT models under context parallelism: the weight adapters (LoRA, DoRA, IA3) exact through the bare API
 with ``cp.shard_batch(..., model=peft_model)`` (the trainers: tests/test_training.py and
 tests/test_trl.py), prompt learning refused naming its PEFT type.
 
@@ -18,13 +18,16 @@ L = 48
 
 
 def _peft_model(kind: str, impl: str):
-    from peft import LoraConfig, PrefixTuningConfig, PromptTuningConfig, get_peft_model
+    from peft import IA3Config, LoraConfig, PrefixTuningConfig, PromptTuningConfig, get_peft_model
 
     model = tiny_model("mistral", impl, seed=0, window=8).train()
     if kind == "prompt":
         config = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
     elif kind == "prefix":
         config = PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    elif kind == "ia3":
+        config = IA3Config(task_type="CAUSAL_LM", target_modules=["k_proj", "v_proj", "down_proj"],
+                           feedforward_modules=["down_proj"], init_ia3_weights=False)
     else:
         config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, use_dora=kind == "dora", init_lora_weights="gaussian",
                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -72,8 +75,8 @@ def _worker(rank: int, world_size: int, kinds):
 
 
 def test_weight_adapters_exact_under_cp():
-    """LoRA and DoRA: mean over ranks of the loss and of the adapters' gradients equal one device."""
-    kinds = ("lora", "dora")
+    """LoRA, DoRA and IA3: mean over ranks of the loss and of the adapters' gradients equal one device."""
+    kinds = ("lora", "dora", "ia3")
     refs = {k: _reference(k) for k in kinds}
     per_rank = run_ranks(2, _worker, kinds, timeout=600)
     for kind in kinds:

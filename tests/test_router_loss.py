@@ -158,3 +158,89 @@ def test_router_loss_functions_checked_against_the_family():
         return getattr(original, "__wrapped__", original)(gate_logits, num_experts, top_k, attention_mask) ** 2
 
     assert "Switch-Transformer" in losses._fits(squared, 6, 2)
+
+
+def _moe_families() -> list[str]:
+    """The causal-LM families whose text config has ``output_router_logits`` (a router auxiliary loss)."""
+    import family_sweep as fs
+
+    out = []
+    for family in fs.families():
+        try:
+            config = fs.tiny_config(family)
+        except Exception:  # noqa: BLE001 - unbuildable families (tests/test_family_sweep.py lists them)
+            continue
+        text = config.get_text_config()
+        if hasattr(text, "output_router_logits"):
+            out.append(family)
+    return out
+
+
+def _sweep_config(family: str):
+    import family_sweep as fs
+
+    config = fs.tiny_config(family)
+    text = config.get_text_config()
+    text.output_router_logits, text.router_aux_loss_coef = True, COEF
+    if hasattr(text, "router_jitter_noise"):
+        text.router_jitter_noise = 0.0
+    return config
+
+
+def _sweep_loss(model, batch: dict):
+    out = model(**batch, use_cache=False)
+    if getattr(out, "aux_loss", None) is None:
+        raise AssertionError("no auxiliary loss in the model's output")
+    return out.loss
+
+
+def _sweep_worker(rank: int, world_size: int, family: str, state_dict: dict):
+    import family_sweep as fs
+
+    import cp_attention
+
+    model = fs.build_model(_sweep_config(family), "cp_flash", state_dict).train()
+    try:
+        with cp_attention.context_parallel() as cp:
+            loss = _sweep_loss(model, cp.shard_batch(**_batch(False)))
+        loss.backward()
+    except NotImplementedError as exc:
+        return ("refused", str(exc)[:200])
+    return ("ran", float(loss.detach()), _grads(model).numpy())
+
+
+@pytest.mark.families
+def test_every_moe_family_router_loss_exact_or_refused():
+    """Every causal-LM family with a router auxiliary loss (family_sweep's tiny model, the loss weighted
+    0.5): at CP = 2 the mean over ranks of the loss and gradients equals one-device eager, or the
+    family is refused (NotImplementedError, alike on both ranks)."""
+    import family_sweep as fs
+
+    bad, outcomes = [], {}
+    for family in _moe_families():
+        try:
+            eager = fs.build_model(_sweep_config(family), "eager").train()
+            ref = _sweep_loss(eager, _batch(False))
+        except Exception as exc:  # noqa: BLE001 - a family whose eager forward fails is not ours to judge
+            outcomes[family] = f"eager fails: {type(exc).__name__}"
+            continue
+        ref.backward()
+        per_rank = run_ranks(2, _sweep_worker, family, eager.state_dict(), timeout=300)
+        kinds = {r[0] for r in per_rank}
+        if kinds == {"refused"}:
+            outcomes[family] = "refused"
+            continue
+        if kinds != {"ran"}:
+            bad.append(f"{family}: ranks disagree {kinds}")
+            continue
+        loss = sum(r[1] for r in per_rank) / 2
+        grads = sum(torch.from_numpy(r[2]) for r in per_rank) / 2
+        ref_grads = _grads(eager)
+        ok = abs(loss - float(ref)) <= TOL * abs(float(ref)) and \
+            float((grads - ref_grads).abs().max()) <= 1e-4 * float(ref_grads.abs().max())
+        outcomes[family] = "exact" if ok else "wrong"
+        if not ok:
+            bad.append(f"{family}: loss {loss} vs {float(ref)}")
+    print(outcomes)
+    assert len(outcomes) >= 25, outcomes
+    assert not bad, bad
