@@ -2,8 +2,8 @@
 
 A head that reads positions or reduces over tokens by itself sees only this rank's shard:
 
-* sequence classification (reward models) pools the score at each row's last non-padding token,
-  which one rank holds: every other rank would pool its own shard's last token;
+* sequence classification (reward models) pools one token of each row (its last non-padding
+  token, or the first: [CLS]), which one rank holds: every other rank would pool one of its own;
 * question answering takes ``start_positions``/``end_positions`` of the sequence as indices into the
   shard;
 * token classification and masked-LM heads that take the mean of their cross entropy over their own
@@ -91,9 +91,9 @@ def check_call(model, kwargs: dict | None) -> None:
             "ranks that hold them")
     if name in heads["sequence"]:
         raise NotImplementedError(
-            f"cp_flash: {name} pools each row's score at its last non-padding token, which only one rank holds; "
-            "under context parallelism every other rank would pool its own shard's last token. Run sequence "
-            "classification (reward models) without context_parallel")
+            f"cp_flash: {name} pools one token of each row (its last non-padding token, or its first: [CLS]), which "
+            "only one rank holds; under context parallelism every other rank would pool a token of its own shard. "
+            "Run sequence classification (reward models) without context_parallel")
     if name in heads["qa"] and (_given(kwargs, "start_positions") or _given(kwargs, "end_positions")):
         raise NotImplementedError(
             f"cp_flash: {name} reads start_positions/end_positions as indices into the sequence, but each rank holds "
