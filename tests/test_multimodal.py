@@ -301,8 +301,28 @@ def test_window_cut_read_from_the_mask_structure(monkeypatch, padded):
     assert len(got) == 3
     zero = torch.tensor(0)
     for fn, name in zip(got, ("Gemma 3 sliding", "Gemma 4-unified sliding", "full")):
-        found, foreign, windowed = overlay_structure(fn)
-        assert found and not foreign, name
+        found, foreign, windowed, ids = overlay_structure(fn)
+        assert found and not foreign and all(t is blocks for t in ids) and ids, name
         assert bool(fn(zero, zero, torch.tensor(5), torch.tensor(8))), name  # a block: its first sees its last
         sees_first = bool(fn(zero, zero, torch.tensor(8), torch.tensor(5)))
         assert windowed == (not sees_first), name
+
+
+def test_block_overlay_without_blocks_on_a_rank_opens_nothing():
+    """Under CP, a batch sharded without model= (no spans read) whose layer mask ORs a block overlay
+    with ids of -1 on this rank's tokens (Gemma 4-unified on text) opens no span there; a rank whose
+    ids hold a block still reports one (the engine then refuses the batch: spans not read)."""
+    from types import SimpleNamespace
+
+    from transformers import masking_utils as mu
+
+    from cp_attention.integrations.transformers import CPMask
+
+    batch = SimpleNamespace(cp=SimpleNamespace(world_size=2), spans_read=False, meta=SimpleNamespace(spans=None))
+    for has_block in (False, True):
+        ids = torch.full((1, 10), -1)
+        if has_block:
+            ids[0, 2:5] = 0
+        fn = mu.or_masks(mu.sliding_window_causal_mask_function(4), mu.blockwise_overlay(ids))
+        info = CPMask(1, 10, 10, 0, 0, None, None, batch=batch, mask_function=fn)
+        assert info.opens_spans(4) is has_block

@@ -188,10 +188,7 @@ def _sweep_config(family: str):
 
 
 def _sweep_loss(model, batch: dict):
-    out = model(**batch, use_cache=False)
-    if getattr(out, "aux_loss", None) is None:
-        raise AssertionError("no auxiliary loss in the model's output")
-    return out.loss
+    return model(**batch, use_cache=False).loss
 
 
 def _sweep_worker(rank: int, world_size: int, family: str, state_dict: dict):
@@ -218,12 +215,12 @@ def test_every_moe_family_router_loss_exact_or_refused():
 
     bad, outcomes = [], {}
     for family in _moe_families():
-        try:
-            eager = fs.build_model(_sweep_config(family), "eager").train()
-            ref = _sweep_loss(eager, _batch(False))
-        except Exception as exc:  # noqa: BLE001 - a family whose eager forward fails is not ours to judge
-            outcomes[family] = f"eager fails: {type(exc).__name__}"
+        eager = fs.build_model(_sweep_config(family), "eager").train()
+        out = eager(**_batch(False), use_cache=False)
+        if getattr(out, "aux_loss", None) is None:  # the family computes no router loss (DeepSeek-V3, ...)
+            outcomes[family] = "no router loss"
             continue
+        ref = out.loss
         ref.backward()
         per_rank = run_ranks(2, _sweep_worker, family, eager.state_dict(), timeout=300)
         kinds = {r[0] for r in per_rank}
@@ -242,5 +239,5 @@ def test_every_moe_family_router_loss_exact_or_refused():
         if not ok:
             bad.append(f"{family}: loss {loss} vs {float(ref)}")
     print(outcomes)
-    assert len(outcomes) >= 25, outcomes
+    assert sum(v == "exact" for v in outcomes.values()) >= 20, outcomes
     assert not bad, bad

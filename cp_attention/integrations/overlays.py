@@ -109,10 +109,11 @@ def _parts(fn) -> list:
     return parts
 
 
-def overlay_structure(mask_function) -> tuple[bool, list[str], bool]:
+def overlay_structure(mask_function) -> tuple[bool, list[str], bool, list[torch.Tensor]]:
     """Read a composed mask function: (it contains transformers' block overlay, the names of the
     functions in it that are not transformers' own mask functions: overlays cp_flash cannot read
-    under context parallelism, every block overlay in it is cut by a sliding window). Walks closures.
+    under context parallelism, every block overlay in it is cut by a sliding window, the block ids
+    each block overlay reads: this rank's, -1 outside a block). Walks closures.
 
     The third answer is what a span longer than a layer's window needs: ``AND(window, OR(causal,
     block))`` (Gemma 3, Gemma 4: the window cuts the block, as the engine's spans are cut) gives True;
@@ -120,7 +121,7 @@ def overlay_structure(mask_function) -> tuple[bool, list[str], bool]:
     layers) gives False. A block is cut when, on its path from the root, some AND has a sibling that is
     a window (the sliding-window overlay, or an AND containing one)."""
     codes, own_file = _known_codes()
-    found, foreign, cut, seen = [False], [], [], set()
+    found, foreign, cut, seen, ids = [False], [], [], set(), []
 
     def is_window(fn, depth: int = 0) -> bool:
         code = getattr(fn, "__code__", None)
@@ -135,6 +136,7 @@ def overlay_structure(mask_function) -> tuple[bool, list[str], bool]:
         if code is codes["block"]:
             found[0] = True
             cut.append(windowed)
+            ids.extend(c.cell_contents for c in fn.__closure__ or () if isinstance(c.cell_contents, torch.Tensor))
             return
         if code is None or code.co_filename != own_file:
             foreign.append(getattr(fn, "__qualname__", type(fn).__name__))
@@ -146,7 +148,7 @@ def overlay_structure(mask_function) -> tuple[bool, list[str], bool]:
 
     if mask_function is not None:
         visit(mask_function, 0, False)
-    return found[0], foreign, bool(cut) and all(cut)
+    return found[0], foreign, bool(cut) and all(cut), ids
 
 
 def check_spans(mask_function, span_next: torch.Tensor, window: int | None, family: str) -> None:

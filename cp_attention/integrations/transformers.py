@@ -144,7 +144,12 @@ class CPMask:
             check_spans(self.mask_function, self.span_next, window, self.family)
             opens = True
         elif getattr(getattr(self.batch, "cp", None), "world_size", 1) > 1:
-            opens, foreign, windowed = overlay_structure(self.mask_function)
+            opens, foreign, windowed, ids = overlay_structure(self.mask_function)
+            if opens and not getattr(self.batch, "spans_read", True) and not any(bool((t >= 0).any()) for t in ids):
+                # shard_batch read no spans (no model=) and this rank's tokens hold no block (Gemma 4-unified
+                # hands its overlay ids of -1 on text): nothing opens here. A rank whose tokens hold one
+                # refuses the batch (the engine's local error), and every rank with it
+                opens = False
             if opens and window is not None and not windowed:
                 _refuse_spans_past_window(self.batch, window, self.family)
             if foreign:
