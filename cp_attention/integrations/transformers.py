@@ -163,19 +163,24 @@ class CPMask:
         self._checked[window] = opens
         return opens
 
-    @torch.compiler.disable
     def check_window(self, window: int) -> None:
         """One device: transformers' mask function hides every key ``window`` or more positions before
         its query, as the layer's window does (probed on those pairs, O(B * L), once per window). A
         mask that shows some (an overlay OR-ed over the window: unlimited_ocr's prefill keys) raises
         NotImplementedError instead of being cut to the window. Under context parallelism the shard's
-        function is read by its structure instead (:meth:`opens_spans`)."""
+        function is read by its structure instead (:meth:`opens_spans`); traced by torch.compile the
+        probe does not run (it would break the graph): such a model is refused when run eagerly."""
+        if torch.compiler.is_compiling():
+            return
         key = ("window", window)
         if key in self._checked or self.mask_function is None or \
                 getattr(getattr(self.batch, "cp", None), "world_size", 1) > 1:
             return
         self._checked[key] = True
-        q = torch.arange(max(self.kv_offset + window - self.q_offset, 0), self.q_length) + self.q_offset
+        first = max(self.kv_offset + window - self.q_offset, 0)
+        if first >= self.q_length:  # no query has a key `window` or more positions back
+            return
+        q = torch.arange(first, self.q_length) + self.q_offset
         if q.numel() and bool(mask_pairs(self.mask_function, self.batch_size, q, q - window).any()):
             raise NotImplementedError(
                 f"cp_flash: {self.family or 'this model'}'s mask lets a token see keys {window} or more positions "
