@@ -39,7 +39,7 @@ def _nondeterministic(per_rank: tuple) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_rerun_is_bit_identical(world_size: int):
     per_rank = group_report(world_size, "reference")
     assert set(per_rank[0]) == set(LAYOUTS)

@@ -23,7 +23,7 @@ def _check(per_rank: list[list[dict]], tol: float) -> None:
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_float32_matches_oracle(world_size: int, layout: str):
     cases = named_cases(world_size, layout) + random_cases(world_size, layout, count=24, seed=7)
     per_rank = run_ranks(world_size, run_cases, cases, layout, timeout=900)
@@ -32,7 +32,7 @@ def test_float32_matches_oracle(world_size: int, layout: str):
 
 
 @pytest.mark.parametrize("dtype,world_size,layout", [("bfloat16", 3, "zigzag"), ("bfloat16", 4, "contiguous"),
-                                                     ("float16", 4, "zigzag")])
+                                                     pytest.param("float16", 4, "zigzag", marks=pytest.mark.slow)])
 def test_low_precision_within_2x_of_plain_torch(dtype: str, world_size: int, layout: str):
     cases = [c for c in named_cases(world_size, layout) if c["B"] == 1][::2]
     per_rank = run_ranks(world_size, run_cases, cases, layout, dtype, timeout=900)
@@ -51,7 +51,7 @@ def test_low_precision_within_2x_of_plain_torch(dtype: str, world_size: int, lay
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world_size,layout", [(2, "zigzag"), (3, "contiguous")])
+@pytest.mark.parametrize("world_size,layout", [(2, "zigzag"), pytest.param(3, "contiguous", marks=pytest.mark.slow)])
 def test_triton_backend_multi_rank(world_size: int, layout: str):
     """The same engine on the Triton kernels (CPU interpreter): a reduced grid."""
     pytest.importorskip("triton")

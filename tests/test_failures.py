@@ -172,7 +172,7 @@ def _failure_worker(rank, world_size, phase, action, timeout, strategy="ring", v
 
 
 @pytest.mark.parametrize("phase, strategy", [("forward", "ring"), ("backward", "ring"), ("backward", "ulysses"),
-                                             ("backward", "usp")])
+                                             pytest.param("backward", "usp", marks=pytest.mark.slow)])
 def test_rank_raising_inside_attention_is_named_by_the_others(phase, strategy):
     """ulysses: 4 heads over 2 ranks; usp: 4 ranks in head groups of 2, rank 3 (member 1 of its head
     group, rank 1 of its ring) failing in its ring's backward is named by its group rank, 3."""

@@ -34,7 +34,7 @@ def refs() -> dict:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_hybrid_families_match_docs_alone_eager(world_size, refs):
     per_rank = run_ranks(world_size, hc.run_cases, hc.HYBRIDS, refs, LAYOUTS, timeout=900)
     results = [r for rank in per_rank for r in rank]

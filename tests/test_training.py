@@ -117,9 +117,9 @@ def test_errors_leave_the_group_usable_and_exit_cleanly(repeat):
     assert failure[0].startswith("RankFailedError rank=1") and "injected failure on rank 1" in failure[0]
 
 
-@pytest.mark.parametrize("reentrant, model, peft", [(False, "mistral", ""), (True, "mistral", ""),
+@pytest.mark.parametrize("reentrant, model, peft", [(False, "mistral", ""), pytest.param(True, "mistral", "", marks=pytest.mark.slow),
                                                     (False, "qwen2_moe", ""), (False, "mistral", "lora"),
-                                                    (False, "mistral", "dora")])
+                                                    pytest.param(False, "mistral", "dora", marks=pytest.mark.slow)])
 def test_trainer_under_torchrun_equals_single_device(tmp_path, reentrant, model, peft):
     """examples/train_trainer.py: CPTrainer on 2 gloo processes (cp_flash, packing collator, gradient
     checkpointing) against a plain single-process Trainer (eager) on the same global batches; Qwen2-MoE

@@ -84,7 +84,7 @@ def test_world_size_1_without_context(refs):
     _assert_ok(results)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_cp_flash_matches_docs_alone_eager(world_size: int, refs):
     layouts = ("zigzag", "contiguous")
     per_rank = run_ranks(world_size, hf_cases.run_cp_cases, CASES, refs, layouts, timeout=600)
@@ -95,7 +95,7 @@ def test_cp_flash_matches_docs_alone_eager(world_size: int, refs):
 
 
 @pytest.mark.parametrize("world_size, layout, strategy", [
-    (2, "contiguous", "ulysses"), (4, "zigzag", "ulysses"), (2, "zigzag", "auto"),
+    (2, "contiguous", "ulysses"), pytest.param(4, "zigzag", "ulysses", marks=pytest.mark.slow), (2, "zigzag", "auto"),
     pytest.param(4, "contiguous", "auto", marks=pytest.mark.strategies)])
 def test_cp_flash_under_ulysses_and_auto_matches_docs_alone_eager(world_size: int, layout: str, strategy: str, refs):
     """Every family under strategy="ulysses" (all-to-all head parallelism: 4 query heads, 2 K/V
