@@ -41,7 +41,8 @@ object                  what and why                                guarded by  
                         computed once per model object
 ``MODEL_GUARD``         per thread: the outermost cp_flash model   thread-local  one model forward
                         forward running under a guard, and how
-                        many attention layers ran / reached cp_flash;
+                        many attention layers ran / reached cp_flash,
+                        and its head's substitutions (``.heads``);
                         ``MODEL_GUARD_HOOKS``: its module hooks,
                         installed by the first multi-rank block
 ``FAILURE_SCOPES``      per group (its global ranks): how many      ``FAILURE_SCOPES_LOCK``  the process

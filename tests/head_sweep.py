@@ -3,7 +3,8 @@
 Per head kind (sequence classification, token classification, question answering, masked LM) and
 family of transformers' auto mapping: a tiny model (family_sweep's shrinking rules on the config class's
 defaults, ``num_labels=3``), one row of 40 tokens with the head's labels (uneven: the token and
-masked-LM labels all fall in the first quarter of the row, most of it on rank 0), and its loss and
+masked-LM labels all fall in the first quarter of the row, most of it on rank 0; the sequence row padded
+so that its last real token is rank 1's; the QA span from rank 0 to rank 1), and its loss and
 gradients on two gloo ranks (``cp.shard_batch``, zigzag, cp_flash) against eager on one process:
 the mean over ranks of the loss and of the gradients must equal it (``exact``), or the forward is
 refused with NotImplementedError (``refused``); anything else is ``wrong`` or ``crash``; a family
@@ -81,10 +82,11 @@ def batch(kind: str) -> tuple[dict, dict]:
     """(tensors to shard, arguments handed to the model as they are)."""
     g = torch.Generator().manual_seed(6)
     ids = torch.randint(3, 96, (1, L), generator=g)
-    if kind == "sequence":
+    if kind == "sequence":  # padded on the right: the pooled token (24) is rank 1's under zigzag
+        ids[0, 25:] = 0
         return dict(input_ids=ids), dict(labels=torch.tensor([1]))
-    if kind == "qa":
-        return dict(input_ids=ids), dict(start_positions=torch.tensor([3]), end_positions=torch.tensor([30]))
+    if kind == "qa":  # the start on rank 0, the end on rank 1
+        return dict(input_ids=ids), dict(start_positions=torch.tensor([3]), end_positions=torch.tensor([22]))
     labels = torch.full_like(ids, -100)
     labels[0, 1:9] = (ids[0, 1:9] % LABELS) if kind == "token" else ids[0, 1:9]
     return dict(input_ids=ids, labels=labels), {}

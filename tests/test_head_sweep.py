@@ -2,7 +2,7 @@
 token-classification, question-answering and masked-LM mappings under CP = 2 is exact (loss and
 gradients, mean over ranks, against one-device eager) or refused before its forward; never wrong.
 
-The default run covers one head per kind (one exact, the others refused by the rule of their kind);
+The default run covers a head or two per kind (exact, or refused by the rule of their kind);
 ``python -m pytest -m families tests/test_head_sweep.py`` runs every entry (about 360, 40 minutes)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import head_sweep as hs
 
 FAST = [("masked", "modernbert", "ModernBertForMaskedLM"), ("token", "llama", "LlamaForTokenClassification"),
         ("qa", "bert", "BertForQuestionAnswering"), ("sequence", "qwen2", "Qwen2ForSequenceClassification"),
-        ("masked", "roberta", "RobertaForMaskedLM")]
+        ("masked", "roberta", "RobertaForMaskedLM"), ("sequence", "distilbert", "DistilBertForSequenceClassification")]
 EXPECTED = {"modernbert": ("exact", ""), "llama": ("refused", "mean of its loss"),
-            "bert": ("refused", "start_positions"), "qwen2": ("refused", "one token of each row"),
-            "roberta": ("refused", "mean of its loss")}
+            "bert": ("exact", ""), "qwen2": ("exact", ""), "roberta": ("refused", "mean of its loss"),
+            "distilbert": ("refused", "[CLS] pooler")}
 
 
 def test_fast_heads_exact_or_refused_by_their_rule():

@@ -126,6 +126,23 @@ def test_both_base_orders_accept_the_cp_options_and_train_the_same(tmp_path):
     assert losses["mixin first"] == losses["mixin last"] == losses["CPSFTTrainer"], losses
 
 
+def _sequence_classifier():
+    import transformers as tf
+
+    config = tf.MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0, num_labels=2)
+    return tf.MistralForSequenceClassification._from_config(config, attn_implementation="cp_flash")
+
+
+def test_cp_trainer_refuses_heads_that_read_one_output_per_row(tmp_path):
+    """The CP trainers join the ranks' rows along the sequence: a pooled or span head is refused at
+    construction (it runs exactly through cp.shard_batch, tests/test_heads.py)."""
+    from cp_attention.integrations.trainer import CPTrainer
+
+    with pytest.raises(ValueError, match="one output per row"):
+        CPTrainer(model=_sequence_classifier(), args=_sft_args(tmp_path))
+
+
 @pytest.mark.parametrize("order", ["CPSFTTrainer", "mixin first", "mixin last"])
 def test_the_mixin_refuses_what_it_cannot_make_exact(tmp_path, order):
     import train_sft

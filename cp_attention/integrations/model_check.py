@@ -69,7 +69,7 @@ from torch import nn
 
 from .. import state
 from ..batch import batch_of
-from .heads import call_kwargs, check_call
+from .heads import call_kwargs, prepare_call
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
 from .rope import rope_findings, tag_ropes
 
@@ -382,9 +382,19 @@ def _cp_flash_model(module) -> bool:
     return any(getattr(c, "_attn_implementation", None) == NAME for c in _text_configs(module))
 
 
-def _before(module, args) -> None:
+def _top(module):
+    """The transformers model a call of ``module`` runs: itself, or the one inside a PEFT wrapper
+    (whose forward calls the model's ``forward`` directly, past its hooks)."""
+    if not _is_model(module) and callable(getattr(module, "get_base_model", None)) and \
+            getattr(module, "active_peft_config", None) is not None:
+        return module.get_base_model()
+    return module
+
+
+def _before(module, args):
     if torch.compiler.is_compiling():  # traced code: nothing to count, no state for dynamo to guard on
-        return
+        return None
+    compiled = hasattr(module, "_orig_mod")
     module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: the model it compiles
     guard = state.MODEL_GUARD
     if getattr(module, MIXER_ATTR, False):  # a tagged mixer runs: its functions go across ranks
@@ -392,38 +402,50 @@ def _before(module, args) -> None:
     top = getattr(guard, "model", None)
     if top is None:
         active = state.ACTIVE_CONTEXT.get()
-        if active is None or not _cp_flash_model(module):
-            return
-        if not getattr(module, "_cp_attention_mixers_tagged", False):
-            modules = list(_modules(module))
-            tag_mixers(module, modules)
+        inner = _top(module) if active is not None else module
+        if active is None or not _cp_flash_model(inner):
+            return None
+        if not getattr(inner, "_cp_attention_mixers_tagged", False):
+            modules = list(_modules(inner))
+            tag_mixers(inner, modules)
             tag_ropes(modules)
-            module._cp_attention_mixers_tagged = True
+            inner._cp_attention_mixers_tagged = True
         state.FORWARD.mixers = []  # forward_mixer_stats: this forward's
+        guard.head = None
         if active.world_size <= 1:  # one rank: only the packed-positions check, no counting
-            check_positions_one_rank(module, active.current_batch())
+            check_positions_one_rank(inner, active.current_batch())
             guard.model, guard.ran, guard.reached, guard.counting, guard.position_start = module, set(), set(), False, 0
-            return
-        check_model(module)
-        check_call(module, call_kwargs())  # what its head does with the shard (.heads)
+            return None
+        if inner is not module:
+            unwrap_adapters(module)  # prompt learning: refused, naming its PEFT type
+        check_model(inner)
+        # what its head does with the shard (.heads): refused, or the substitutions of this forward
+        guard.head, new_args = prepare_call(inner, args, call_kwargs(), active, compiled=compiled)
         guard.model, guard.ran, guard.reached, guard.counting = module, set(), set(), True
-        guard.position_start = default_position_start(module)
-        return
+        guard.position_start = default_position_start(inner)
+        return new_args
+    head = getattr(guard, "head", None)
+    if head is not None and module is head.base:
+        return head.base_args(args, call_kwargs())
     if getattr(getattr(module, "config", None), "_attn_implementation", None) == NAME and \
             not _is_model(module) and uses_attention_interface(type(module)):
         guard.ran.add(id(module))
+    return None
 
 
-def _after(module, args, output) -> None:
+def _after(module, args, output):
     if torch.compiler.is_compiling():
-        return
+        return None
     module = getattr(module, "_orig_mod", module)
     guard = state.MODEL_GUARD
     if getattr(module, MIXER_ATTR, False):
         guard.mixers = max(0, getattr(guard, "mixers", 0) - 1)
+    head = getattr(guard, "head", None)
+    if head is not None and id(module) in head.targets:
+        return head.gathered(output)  # a head module's per-token output, in sequence order on every rank
     if getattr(guard, "model", None) is not module:
-        return
-    guard.model = None
+        return None
+    guard.model, guard.head = None, None
     # every attention module that ran must have reached cp_flash (some call it more than once: DiffLlama's
     # two softmaxes); a module that hands the interface another module object counts as that one
     missing, foreign = guard.ran - guard.reached, guard.reached - guard.ran
@@ -454,6 +476,7 @@ def guard_sub_model(module) -> str | None:
     top = getattr(guard, "model", None)
     if top is None or not getattr(guard, "counting", False):
         return None
+    top = _top(top)
     config = getattr(module, "config", None)
     top_config = getattr(top, "config", None)
     text = top_config.get_text_config() if hasattr(top_config, "get_text_config") else top_config
@@ -482,7 +505,7 @@ def _enter(cp):
                                           module_mod.register_module_forward_hook(_after, always_call=True)]
 
     def leave() -> None:
-        state.MODEL_GUARD.model = None
+        state.MODEL_GUARD.model = state.MODEL_GUARD.head = None
 
     return leave
 

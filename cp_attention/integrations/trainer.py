@@ -41,6 +41,7 @@ from ..strategy import CostModel
 from ..batch import batch_of
 from .hf_batch import DOCUMENT_KEYS
 from .losses import LOSS_SCALE
+from .heads import head_kind
 from .model_check import check_model, unwrap_adapters
 
 __all__ = ["CPTrainer", "CPTrainerMixin", "join_micro_batches"]
@@ -191,8 +192,13 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
         if implementation != "cp_flash":
             raise ValueError(f"{name} trains models loaded with attn_implementation='cp_flash', this one uses "
                              f"{implementation!r}")
+        inner = unwrap_adapters(self.accelerator.unwrap_model(self.model))
         if self.args.world_size > 1:  # the model check, at construction rather than at the first step
-            check_model(unwrap_adapters(self.accelerator.unwrap_model(self.model)))
+            check_model(inner)
+        if head_kind(inner) is not None:
+            raise ValueError(f"{name} joins the ranks' micro-batches along the sequence, but {type(inner).__name__} "
+                             f"reads one output per row (a pooled token or a span): run it with cp.shard_batch and "
+                             f"the model's forward (exact under context parallelism), or train it without {name}")
         self._cp_aux_loss_scale = _aux_loss_scale(self)
         if self._cp_aux_loss_scale is _UNKNOWN and _router_aux_loss(config):
             raise ValueError(f"{name} overrides compute_loss, so how it weighs the MoE router auxiliary loss across "
