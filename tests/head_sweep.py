@@ -5,7 +5,8 @@ family of transformers' auto mapping: a tiny model (family_sweep's shrinking rul
 defaults, ``num_labels=3``), one row of 40 tokens with the head's labels (uneven: the token and
 masked-LM labels all fall in the first quarter of the row, most of it on rank 0; the sequence row padded
 so that its last real token is rank 1's; the QA span from rank 0 to rank 1), and its loss and
-gradients on two gloo ranks (``cp.shard_batch``, zigzag, cp_flash) against eager on one process:
+gradients on two gloo ranks (``cp.shard_batch``, zigzag, cp_flash) against eager on one process (both
+in eval mode, so that no forward draws random numbers; gradients flow all the same):
 the mean over ranks of the loss and of the gradients must equal it (``exact``), or the forward is
 refused with NotImplementedError (``refused``); anything else is ``wrong`` or ``crash``; a family
 whose tiny model or eager forward cannot be built is ``unbuildable``.
@@ -75,7 +76,7 @@ def build(name: str, config, impl: str, state_dict=None):
     model = getattr(tf, name)._from_config(copy.deepcopy(config), attn_implementation=impl, dtype=torch.float32)
     if state_dict is not None:
         model.load_state_dict(state_dict)
-    return model.train()
+    return model.eval()  # no sampling in the forward (PhiMoE's router draws Gumbel noise in training)
 
 
 def batch(kind: str) -> tuple[dict, dict]:

@@ -10,6 +10,7 @@ mean over the tokens a head is given averages per rank."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cp_attention.tools.launch import run_ranks
@@ -114,8 +115,6 @@ def _reference(name: str, peft: bool):
     return _out(result) + (_grads(model),)
 
 
-import pytest  # noqa: E402
-
 
 @pytest.mark.parametrize("layout,peft", [("zigzag", False), ("contiguous", True)])
 def test_position_heads_exact_under_cp(layout, peft):
@@ -207,3 +206,41 @@ def test_heads_refused_or_exact_under_cp():
     ref = _modernbert_mlm("eager")(input_ids=ids, labels=_mlm_labels(ids)).loss
     got = (per_rank[0]["modernbert mlm loss"] + per_rank[1]["modernbert mlm loss"]) / 2
     assert abs(got - float(ref)) <= 1e-5 * abs(float(ref)), (got, float(ref))
+
+
+def _bamba(impl: str):
+    import family_sweep as fs
+
+    config = fs.tiny_config("bamba")
+    config.z_loss_coefficient = 0.5
+    model = fs.build_model(config, impl).eval()
+    model.config._attn_implementation = impl
+    return model
+
+
+def _z_worker(rank: int, world_size: int, length: int, layout: str, state_dict: dict):
+    import cp_attention
+
+    model = _bamba("cp_flash")
+    model.load_state_dict(state_dict)
+    ids = torch.randint(3, 64, (1, length), generator=torch.Generator().manual_seed(2))
+    try:
+        with cp_attention.context_parallel(layout=layout) as cp:
+            loss = model(**cp.shard_batch(input_ids=ids, labels=ids), use_cache=False).loss
+    except NotImplementedError as exc:
+        return str(exc)
+    loss.backward()
+    return float(loss.detach())
+
+
+def test_output_z_loss_exact_on_even_shards_refused_on_uneven():
+    """Bamba's z-loss (z_loss_coefficient x the mean over the tokens of logsumexp(logits)^2): with even
+    shards the mean over ranks of the loss is one device's; with uneven ones (33 tokens, contiguous)
+    the forward is refused."""
+    eager = _bamba("eager")
+    ids = torch.randint(3, 64, (1, 32), generator=torch.Generator().manual_seed(2))
+    ref = float(eager(input_ids=ids, labels=ids, use_cache=False).loss)
+    even = run_ranks(2, _z_worker, 32, "zigzag", eager.state_dict(), timeout=600)
+    assert abs(sum(even) / 2 - ref) <= 1e-5 * abs(ref), (even, ref)
+    uneven = run_ranks(2, _z_worker, 33, "contiguous", eager.state_dict(), timeout=600)
+    assert all(isinstance(u, str) and "z_loss_coefficient" in u for u in uneven), uneven

@@ -191,14 +191,14 @@ def _sweep_loss(model, batch: dict):
     return model(**batch, use_cache=False).loss
 
 
-def _sweep_worker(rank: int, world_size: int, family: str, state_dict: dict):
+def _sweep_worker(rank: int, world_size: int, family: str, state_dict: dict, layout: str):
     import family_sweep as fs
 
     import cp_attention
 
     model = fs.build_model(_sweep_config(family), "cp_flash", state_dict).train()
     try:
-        with cp_attention.context_parallel() as cp:
+        with cp_attention.context_parallel(layout=layout) as cp:
             loss = _sweep_loss(model, cp.shard_batch(**_batch(False)))
         loss.backward()
     except NotImplementedError as exc:
@@ -207,10 +207,11 @@ def _sweep_worker(rank: int, world_size: int, family: str, state_dict: dict):
 
 
 @pytest.mark.families
-def test_every_moe_family_router_loss_exact_or_refused():
+@pytest.mark.parametrize("world_size, layout", [(2, "zigzag"), (4, "contiguous")])
+def test_every_moe_family_router_loss_exact_or_refused(world_size, layout):
     """Every causal-LM family with a router auxiliary loss (family_sweep's tiny model, the loss weighted
-    0.5): at CP = 2 the mean over ranks of the loss and gradients equals one-device eager, or the
-    family is refused (NotImplementedError, alike on both ranks)."""
+    0.5): at CP = 2 (zigzag) and 4 (contiguous) the mean over ranks of the loss and gradients equals
+    one-device eager, or the family is refused (NotImplementedError, alike on every rank)."""
     import family_sweep as fs
 
     bad, outcomes = [], {}
@@ -222,7 +223,7 @@ def test_every_moe_family_router_loss_exact_or_refused():
             continue
         ref = out.loss
         ref.backward()
-        per_rank = run_ranks(2, _sweep_worker, family, eager.state_dict(), timeout=300)
+        per_rank = run_ranks(world_size, _sweep_worker, family, eager.state_dict(), layout, timeout=300)
         kinds = {r[0] for r in per_rank}
         if kinds == {"refused"}:
             outcomes[family] = "refused"
@@ -230,14 +231,14 @@ def test_every_moe_family_router_loss_exact_or_refused():
         if kinds != {"ran"}:
             bad.append(f"{family}: ranks disagree {kinds}")
             continue
-        loss = sum(r[1] for r in per_rank) / 2
-        grads = sum(torch.from_numpy(r[2]) for r in per_rank) / 2
+        loss = sum(r[1] for r in per_rank) / world_size
+        grads = sum(torch.from_numpy(r[2]) for r in per_rank) / world_size
         ref_grads = _grads(eager)
         ok = abs(loss - float(ref)) <= TOL * abs(float(ref)) and \
             float((grads - ref_grads).abs().max()) <= 1e-4 * float(ref_grads.abs().max())
         outcomes[family] = "exact" if ok else "wrong"
         if not ok:
             bad.append(f"{family}: loss {loss} vs {float(ref)}")
-    print(outcomes)
+    print(f"CP = {world_size}", outcomes)
     assert sum(v == "exact" for v in outcomes.values()) >= 20, outcomes
     assert not bad, bad

@@ -21,7 +21,10 @@ a multi-rank forward, :func:`prepare_call` makes each of these exact or refuses 
   tokens (not through ``self.loss_function(..., **kwargs)``, which divides a sum by the batch's
   ``num_items_in_batch``) would average per rank: refused with ``labels``;
 * a ``num_items_in_batch`` handed to the model that is not the one ``cp.shard_batch`` bound to the
-  batch (label tokens / P) scales the loss wrongly: ValueError.
+  batch (label tokens / P) scales the loss wrongly: ValueError;
+* an output z-loss (Bamba's ``z_loss_coefficient``: the mean over the tokens of
+  ``logsumexp(logits)^2``) is each rank's mean, the batch's when the ranks hold as many tokens:
+  refused for uneven shards (and by the CP trainers, whose loss scaling would multiply it by P).
 
 The gathered outputs follow the loss convention of the batch: a loss computed from them is the
 whole loss on every rank (the mean over ranks is the single-device loss, as for the token losses,
@@ -252,6 +255,13 @@ def prepare_call(model, args: tuple, kwargs: dict | None, cp, *, compiled: bool 
             "the loss from the logits (sum over the shard / the batch's label count), or run without "
             "context_parallel")
     _check_num_items(kwargs, record)
+    if (getattr(model, "z_loss_coefficient", 0) or 0) > 0 and _given(kwargs, "labels") and record is not None \
+            and len(set(layout_mod.local_lengths(record.seq_len, cp.world_size, record.layout))) > 1:
+        raise NotImplementedError(
+            f"cp_flash: {name} adds z_loss_coefficient times the mean over its tokens of logsumexp(logits)^2, which "
+            "under context parallelism is each rank's mean: it equals the batch's only when every rank holds as many "
+            f"tokens, and this layout gives them {layout_mod.local_lengths(record.seq_len, cp.world_size, record.layout)}. "
+            "Use a sequence length the layout splits evenly, or set z_loss_coefficient=0")
     if keeps:
         return _keep_call(model, args, kwargs, cp, record, keep), None
     if kind is None or (kind == "qa" and not _spans_scores(cls)):

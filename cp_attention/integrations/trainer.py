@@ -199,6 +199,10 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
             raise ValueError(f"{name} joins the ranks' micro-batches along the sequence, but {type(inner).__name__} "
                              f"reads one output per row (a pooled token or a span): run it with cp.shard_batch and "
                              f"the model's forward (exact under context parallelism), or train it without {name}")
+        if (getattr(inner, "z_loss_coefficient", 0) or 0) > 0:
+            raise ValueError(f"{name}: {type(inner).__name__} adds a z-loss (z_loss_coefficient) that is a mean over each "
+                             f"rank's tokens; Trainer's loss scaling would multiply it by the number of processes. Set "
+                             f"z_loss_coefficient=0, or train it through cp.shard_batch and the model's forward")
         self._cp_aux_loss_scale = _aux_loss_scale(self)
         if self._cp_aux_loss_scale is _UNKNOWN and _router_aux_loss(config):
             raise ValueError(f"{name} overrides compute_loss, so how it weighs the MoE router auxiliary loss across "
