@@ -114,9 +114,11 @@ def _forward_source(cls: type) -> str:
 def _pools_scores(cls: type) -> bool:
     """Whether a sequence classifier's forward pools the per-token scores of the base model's output at
     the last non-padding token of ``input_ids`` (transformers' shared forward, or one that computes
-    ``last_non_pad_token`` / ``sequence_lengths`` itself), not a pooler inside the base model."""
+    ``last_non_pad_token`` / ``sequence_lengths`` itself), not a pooler inside the base model, and
+    hands ``input_ids`` to nothing but the base model and the pooling (an encoder-decoder's forward
+    also derives the decoder's inputs from them: T5Gemma)."""
     source = _forward_source(cls)
-    return bool(_LAST_TOKEN_POOLING.search(source)) and "pooler" not in source
+    return bool(_LAST_TOKEN_POOLING.search(source)) and "pooler" not in source and "decoder_input_ids" not in source
 
 
 def _spans_scores(cls: type) -> bool:
