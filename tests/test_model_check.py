@@ -88,6 +88,15 @@ def test_each_rule_on_a_planted_mixer():
         model = _model("llama")
         model.model.layers[0].mixer = plant
         assert what in {f.what for f in model_check.model_findings(model)}
+    # a token shift written inline: MobileBERT's trigram input (its embeddings read each token's neighbours)
+    import transformers as tf
+
+    config = tf.MobileBertConfig(vocab_size=64, hidden_size=32, embedding_size=16, intermediate_size=32,
+                                 num_hidden_layers=1, num_attention_heads=4, intra_bottleneck_size=32,
+                                 true_hidden_size=32)
+    assert "a token shift" in {f.what for f in model_check.model_findings(tf.MobileBertModel(config))}
+    config.trigram_input = False
+    assert "a token shift" not in {f.what for f in model_check.model_findings(tf.MobileBertModel(config))}
     # a pointwise convolution mixes no tokens
     model = _model("llama")
     model.model.layers[0].mixer = nn.Conv1d(4, 4, kernel_size=1)

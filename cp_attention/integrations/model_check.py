@@ -86,6 +86,7 @@ _FUSED = re.compile(r"scaled_dot_product_attention|flash_attn_(?:func|varlen_fun
 _STATE_ARGS = ("cache_params", "state", "recurrent_state", "ssm_state", "conv_state")
 _STATE_PARAMS = ("A_log", "time_decay", "time_first")
 _BIAS_ARGS = ("alibi", "position_bias")
+_SHIFTED_PAD = re.compile(r"\bpad\(\s*[\w.]+\[:,\s*(?:1:|:-1)\]")  # F.pad(x[:, 1:], ...): x shifted a token
 _BIAS_KEYWORD = re.compile(r"\b(alibi|position_bias)\s*=(?!=)")
 # sequence operations a mixer class might do itself besides the adapted functions
 _INLINE_SEQUENCE = re.compile(r"(?<!causal_)conv1d\(|\bcumsum\(|\btorch\.roll\(|\bsegment_sum\(|\.unfold\(|"
@@ -206,6 +207,12 @@ def model_findings(model) -> tuple[Finding, ...]:
         args = _forward_args(cls)
         own_params = {p for p, _ in module.named_parameters(recurse=False)}
         if _is_model(module):  # a (sub-)model: its forward only calls its layers
+            continue
+        if cls.__module__.startswith("transformers.models.") and _SHIFTED_PAD.search(class_source(cls)) and \
+                getattr(module, "trigram_input", True):  # MobileBERT shifts only with its trigram input
+            findings.append(Finding(where, "a token shift", "its forward pads a slice of the sequence shifted by one "
+                                    "token (MobileBERT's trigram input: each token's neighbours' embeddings), so a "
+                                    "shard's first and last tokens would read zeros instead of the next shards' tokens"))
             continue
         if uses_attention_interface(cls):
             attention += 1

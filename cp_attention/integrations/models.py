@@ -28,9 +28,12 @@ def layer_mask(config, layer_idx: int | None) -> MaskSpec:
     (``"sliding_attention"`` with ``sliding_window``, ``"chunked_attention"`` with
     ``attention_chunk_size``, anything else full) and ``is_causal`` (ModernBERT is bidirectional).
     A config without ``layer_types`` but with a ``sliding_window`` (Mistral, Phi-3) slides on every
-    layer; without either, or for ``layer_idx`` None, a layer is full."""
+    layer; without either, or for ``layer_idx`` None, a layer is full. A heterogeneous config
+    (transformers' ``per_layer_config``: NeoMME) is read at the layer."""
     causal = bool(getattr(config, "is_causal", True)) and getattr(config, "model_type", "") != "modernbert"
     types = getattr(config, "layer_types", None)
+    if getattr(config, "is_heterogeneous", False):  # per-layer values (transformers' heterogeneous configs)
+        config = config.per_layer_config[layer_idx] if layer_idx is not None else None
     window = getattr(config, "sliding_window", None)
     if types is None:
         kind = "sliding_attention" if layer_idx is not None else None
