@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import training_workers as tw
-from cp_attention.tools.launch import free_port, run_ranks
+from cp_attention.tools.launch import free_port, run_command, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -99,7 +100,7 @@ def test_torch_context_parallel_active_is_refused(extras):
 def _torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", script, *args]
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_command(cmd, env=ENV, timeout=timeout, cwd=ROOT)  # on a timeout, torchrun's workers die too
 
 
 @pytest.mark.parametrize("repeat", range(2))
@@ -307,3 +308,20 @@ def test_tensor_fact_is_weak_and_versioned():
     u = torch.ones(3)
     Record.facts[("x", id(u))] = (lambda: None, u._version, True)  # a dead tensor's entry under u's id
     assert not tensor_fact(Record, u, "x", lambda: False)
+
+
+def test_run_command_kills_the_whole_group_on_timeout(tmp_path):
+    """A timed-out torchrun must not leave its workers behind: run_command kills the process group."""
+    import pytest
+
+    marker = tmp_path / "child.pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_command(["bash", "-c", f"sleep 60 >/dev/null 2>&1 & echo $! > {marker}; wait"], timeout=1.0)
+    pid = int(marker.read_text())
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the timed-out command's child {pid} is still alive")

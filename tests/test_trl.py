@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from cp_attention.tools.launch import free_port  # noqa: E402
+from cp_attention.tools.launch import free_port, run_command  # noqa: E402
 from cp_attention.tools.tiny_models import tiny_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,12 +33,11 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))  # train_sft's dataset and to
 def _torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", script, *args]
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_command(cmd, env=ENV, timeout=timeout, cwd=ROOT)  # on a timeout, torchrun's workers die too
 
 
 def _python(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, script, *args], env=ENV, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return run_command([sys.executable, script, *args], env=ENV, timeout=timeout, cwd=ROOT)
 
 
 # reentrant checkpointing (--reentrant) is left out: in one CI run rank 0 hung after training, in the

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import signal
 import socket
+import subprocess
 import time
 import traceback
 
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "run_ranks", "run_command"]
 
 
 def free_port() -> int:
@@ -81,3 +83,21 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
     if errors:
         raise RuntimeError("\n".join(f"rank {r}: {msg}" for r, msg in sorted(errors.items())))
     return [results[r][1] for r in range(world_size)]
+
+
+def run_command(cmd: list[str], *, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own: on ``timeout``
+    the whole process group is killed (torchrun's workers with it, not only torchrun) before
+    ``subprocess.TimeoutExpired`` is raised."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
