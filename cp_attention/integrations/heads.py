@@ -17,9 +17,12 @@ a multi-rank forward, :func:`prepare_call` makes each of these exact or refuses 
 * ``logits_to_keep=k`` (or a 1-D tensor of positions) keeps the last ``k`` tokens of the sequence:
   each rank computes the logits of the kept tokens it holds and the group gathers them (exact; with
   ``labels`` refused, as the logits no longer match them);
-* token classification and masked-LM heads that take the mean of their cross entropy over their own
-  tokens (not through ``self.loss_function(..., **kwargs)``, which divides a sum by the batch's
-  ``num_items_in_batch``) would average per rank: refused with ``labels``;
+* token classification heads that take the mean of their cross entropy over the tokens they are
+  given (not through ``self.loss_function(..., **kwargs)``, which divides a sum by the batch's
+  ``num_items_in_batch``) would average per rank: their scores are gathered the same way and the
+  forward gets the whole sequence's ``labels`` (exact; the logits are the whole sequence's). A
+  masked-LM head's scores are the vocabulary's, too large to gather: with such a loss it is refused
+  with ``labels``;
 * a ``num_items_in_batch`` handed to the model that is not the one ``cp.shard_batch`` bound to the
   batch (label tokens / P) scales the loss wrongly: ValueError;
 * an output z-loss (Bamba's ``z_loss_coefficient``: the mean over the tokens of
@@ -231,8 +234,12 @@ def prepare_call(model, args: tuple, kwargs: dict | None, cp, *, compiled: bool 
     trainer = record is not None and LOSS_SCALE in record.extras
     keep, kind = kwargs.get("logits_to_keep"), head_kind(model)
     keeps = keep is not None and not (isinstance(keep, int) and keep == 0)
+    if kind is None and _given(kwargs, "labels") and name in heads["token"] and name not in heads["causal"] \
+            and not _loss_takes_num_items(cls) and isinstance(kwargs["labels"], torch.Tensor):
+        kind = "token"  # a mean over the tokens it is given: taken over the gathered scores and labels
     if (keeps or kind) and (compiled or trainer):
-        what = f"logits_to_keep={keep!r}" if keeps else f"its {'pooled' if kind == 'sequence' else 'span'} head"
+        what = f"logits_to_keep={keep!r}" if keeps else \
+            f"its {dict(sequence='pooled', qa='span', token='token-mean')[kind]} head"
         raise NotImplementedError(
             f"cp_flash: {name} with {what} under context parallelism gathers its outputs over the group "
             + ("in module hooks that a compiled forward does not run: call the model uncompiled"
@@ -249,7 +256,7 @@ def prepare_call(model, args: tuple, kwargs: dict | None, cp, *, compiled: bool 
             f"cp_flash: {name} reads start_positions/end_positions as indices into the sequence, but each rank holds "
             "a shard of it and its span logits are not per-token outputs of a qa_outputs module that cp_attention "
             "can gather. Compute the span loss from the gathered logits, or run without context_parallel")
-    if _given(kwargs, "labels") and name not in heads["causal"] and \
+    if _given(kwargs, "labels") and name not in heads["causal"] and kind != "token" and \
             (name in heads["token"] or name in heads["masked"]) and not _loss_takes_num_items(cls):
         raise NotImplementedError(
             f"cp_flash: {name} takes the mean of its loss over the tokens it is given, which under context "
@@ -276,9 +283,12 @@ def prepare_call(model, args: tuple, kwargs: dict | None, cp, *, compiled: bool 
     base = getattr(model, "base_model", None)
     index, _ = _positions(cp, record, int(local.shape[1]))
     head = HeadCall(cp.comm, index, _children(model, base), int(local.shape[1]), base=base)
+    layout = record.layout if record is not None else None
+    if kind == "token":  # the loss's mean over the whole batch's labels, on every rank
+        kwargs["labels"] = cp.gather(kwargs["labels"], dim=1, layout=layout)
     if kind == "sequence" and ids is not None:  # the pooling reads the whole row's padding
         head.local_ids = ids
-        head.global_ids = cp.gather(ids, dim=1, layout=record.layout if record is not None else None)
+        head.global_ids = cp.gather(ids, dim=1, layout=layout)
         if kwargs.get("input_ids") is ids:
             kwargs["input_ids"] = head.global_ids
         else:
