@@ -14,7 +14,7 @@ import head_sweep as hs
 FAST = [("masked", "modernbert", "ModernBertForMaskedLM"), ("token", "llama", "LlamaForTokenClassification"),
         ("qa", "bert", "BertForQuestionAnswering"), ("sequence", "qwen2", "Qwen2ForSequenceClassification"),
         ("masked", "roberta", "RobertaForMaskedLM"), ("sequence", "distilbert", "DistilBertForSequenceClassification")]
-EXPECTED = {"modernbert": ("exact", ""), "llama": ("refused", "mean of its loss"),
+EXPECTED = {"modernbert": ("exact", ""), "llama": ("exact", ""),
             "bert": ("exact", ""), "qwen2": ("exact", ""), "roberta": ("refused", "mean of its loss"),
             "distilbert": ("refused", "[CLS] pooler")}
 
