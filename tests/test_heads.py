@@ -135,7 +135,7 @@ def _reference(name: str, peft: bool):
 
 
 
-@pytest.mark.parametrize("layout,peft", [("zigzag", False), ("contiguous", True)])
+@pytest.mark.parametrize("layout,peft", [("zigzag", True), pytest.param("contiguous", False, marks=pytest.mark.slow)])
 def test_position_heads_exact_under_cp(layout, peft):
     """Token classification with uneven labels (its loss a mean over its tokens), pooled sequence
     classification (with LoRA: a reward model's usual set-up), QA spans and logits_to_keep: every
