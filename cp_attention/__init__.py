@@ -4,22 +4,21 @@ Sliding windows, chunked attention, packed documents, soft-capping, sinks and GQ
 exactly under context parallelism: a planner derives, for every pair of ranks, the varlen kernel
 calls and the K/V halo the mask needs, and one ring autograd function executes the plan.
 
-The modules, in the order a newcomer reads them, are listed in README.md ("How it works").
+The folders, one layer each, are drawn in docs/architecture.md.
 """
 
 from . import layout
 from .api import attention
-from .balance import balanced_layout
 from .comm import RankFailedError
-from .context import ContextParallel, context_parallel
-from .layout import Balanced, Contiguous, Layout, Zigzag
+from .engine.context import ContextParallel, context_parallel
+from .engine.stats import forward_mixer_stats, forward_plan_stats, last_plan_stats, plan_stats
+from .layout import Balanced, Contiguous, Layout, Zigzag, balanced_layout
 from .masks import MaskSpec, SequenceMeta
 from .plan import PlanStats, RankPlan, build_plan
-from .stats import forward_mixer_stats, forward_plan_stats, last_plan_stats, plan_stats
-from .strategy import CostModel
+from .strategies import CostModel
 
-__all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats", "forward_plan_stats", "forward_mixer_stats", "MaskSpec",
-           "RankFailedError", "SequenceMeta", "PlanStats", "RankPlan", "build_plan", "layout", "Layout", "Zigzag",
+__all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats", "forward_plan_stats",
+           "forward_mixer_stats", "MaskSpec", "RankFailedError", "SequenceMeta", "PlanStats", "RankPlan", "build_plan", "layout", "Layout", "Zigzag",
            "Contiguous", "Balanced", "balanced_layout", "plan_stats", "CostModel"]
 __version__ = "0.1.0"
 

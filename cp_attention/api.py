@@ -1,4 +1,4 @@
-"""The public entry point :func:`attention` (the context object is in :mod:`cp_attention.context`,
+"""The public entry point :func:`attention` (the context object is in :mod:`cp_attention.engine.context`,
 the engine behind both in :mod:`cp_attention.engine`).
 
 Legend: ``B`` batch, ``L`` local (this rank's) length, ``H`` query heads, ``K`` K/V heads,
@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from . import engine
-from .batch import BatchRecord, batch_of
-from .context import ContextParallel, context_parallel
+from .engine.attend import attend
 from .masks import MaskSpec
-from .stats import forward_plan_stats, last_plan_stats
 
-# the names this module exported before the engine was split by responsibility, for old imports
-__all__ = ["attention", "context_parallel", "ContextParallel", "last_plan_stats", "forward_plan_stats", "BatchRecord",
-           "batch_of"]
+__all__ = ["attention"]
 
 
 def attention(
@@ -73,7 +68,7 @@ def attention(
             ``ulysses_size`` ranks, the ring across them) or "auto" (the cheapest by the context's
             cost model); None: the active context's (``context_parallel(strategy=...)``, with its
             ``ulysses_size``), else "ring". Every strategy computes the same attention; they differ
-            in traffic and balance (:mod:`cp_attention.strategy`).
+            in traffic and balance (:mod:`cp_attention.strategies.choice`).
         ulysses_size: strategy "usp"'s head-group size (must divide the world size and ``H``).
 
     Returns:
@@ -94,6 +89,6 @@ def attention(
         elif keywords != dict(causal=True, window=None, chunk_size=None, softcap=None, scale=None):
             local_error = ValueError("pass the mask either as mask=MaskSpec(...) or as the keywords causal, window, "
                                      "chunk_size, softcap and scale, not both")
-    return engine.attend(q, k, v, mask if mask is not None and local_error is None else keywords,
+    return attend(q, k, v, mask if mask is not None and local_error is None else keywords,
                   position_ids=position_ids, cu_seqlens=cu_seqlens, sinks=sinks, group=group, layout=layout,
                   backend=backend, local_error=local_error, strategy=strategy, ulysses_size=ulysses_size)

@@ -33,12 +33,11 @@ recorded; nor is a transport error, which is about a peer, not about the rank th
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
+import contextlib
 import datetime
 import os
 import pickle
-import queue
 import threading
 import time
 import zlib
@@ -46,7 +45,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import state
+from .torch_compat import default_store
+from .waits import PeerError, Waiters, drain_at_exit
 
 __all__ = ["Comm", "SubComm", "Pending", "RankFailedError", "DEFAULT_TIMEOUT", "process_count", "is_transport_error"]
 
@@ -59,10 +59,14 @@ _POLL_STORE_EVERY = 0.1  # seconds between store checks while polling a collecti
 _PUBLISH_WAIT_AFTER = 1.0  # seconds a wait lasts before it publishes the peer it waits on
 _GLOO_WAIT_GRACE = 30.0  # a waiter thread's gloo deadline is the comm's plus this: the calling
 #                          thread gives up (and records why) before gloo closes any connection
-_EXIT_DRAIN_SECONDS = 2.0  # seconds the exit of a rank that gave up waits for its blocked waiter threads
 _COLLECTIVE_TAG = 1 << 24  # point-to-point tag of the collectives on gloo (the ring's are < 2 P)
 _ALL_TO_ALL_TAG = (1 << 24) + 1  # ... and of the all-to-all exchanges (head parallelism)
 _TRANSPORT_ERRORS = ("gloo/transport", "caused pair closure")  # gloo's errors of a connection
+
+FAILURE_SCOPES: dict = {}
+"""Per group (its global ranks): how many contexts were opened on it, so a failure reported in one
+context does not reach a later one (the same count on every rank). Guarded by ``FAILURE_SCOPES_LOCK``."""
+FAILURE_SCOPES_LOCK = threading.Lock()
 
 
 class RankFailedError(RuntimeError):
@@ -81,14 +85,6 @@ def is_transport_error(exc: BaseException) -> bool:
     """Whether ``exc`` is gloo's error of a connection to a peer (closed, reset, timed out): about a
     peer, never recorded as this rank's own failure."""
     return isinstance(exc, RuntimeError) and any(words in str(exc) for words in _TRANSPORT_ERRORS)
-
-
-class _PeerError(Exception):
-    """A waiter thread's report: the wait on a work with ``peer`` raised ``cause``."""
-
-    def __init__(self, peer: int, cause: BaseException):
-        super().__init__(peer, cause)
-        self.peer, self.cause = peer, cause
 
 
 def process_count() -> int:
@@ -158,7 +154,7 @@ class Comm:
         self._store = None
         self._failed_key = ""
         if self.distributed and self.world_size > 1:
-            self._store = _default_store()
+            self._store = default_store()
             members = ",".join(str(self._global(r)) for r in range(self.world_size))
             self._failed_key = f"cp_attention/failed/{zlib.crc32(members.encode()):08x}/{_scope(members, fresh_scope)}"
 
@@ -190,6 +186,17 @@ class Comm:
                 or is_transport_error(exc)):
             return
         self._record(self.rank, f"rank {self.rank} failed in {where}: {type(exc).__name__}: {exc}")
+
+    @contextlib.contextmanager
+    def reporting(self, where: str):
+        """The one failure wrapper: an exception escaping the block is recorded for the group
+        (:meth:`report_failure`, naming ``where``) and re-raised, so peers waiting on this rank learn
+        who failed, and why, at once."""
+        try:
+            yield
+        except BaseException as exc:
+            self.report_failure(where, exc)
+            raise
 
     def _record(self, rank: int, message: str) -> None:
         """Record ``rank``'s failure (never raises). The first record of the group's scope is the one
@@ -230,7 +237,7 @@ class Comm:
         """This rank gives up on the group: later exchanges of this comm raise ``error`` without
         posting anything, and the waiter threads it leaves blocked are drained at exit."""
         self._error = error
-        _drain_at_exit()
+        drain_at_exit()
         return error
 
     def _peer_died(self, peer: int, what: str, cause: BaseException) -> RankFailedError:
@@ -313,7 +320,7 @@ class Comm:
         # gloo waits cannot be polled: a waiter thread blocks on them while this thread watches the
         # store and the deadline (the waiter's own gloo deadline is later, so that this rank records
         # why it gives up before gloo closes any connection)
-        job = _Waiters.shared().submit(works, datetime.timedelta(seconds=self.timeout + _GLOO_WAIT_GRACE))
+        job = Waiters.shared().submit(works, datetime.timedelta(seconds=self.timeout + _GLOO_WAIT_GRACE))
         start = time.monotonic()
         published = None
         try:
@@ -328,7 +335,7 @@ class Comm:
                         self._publish_wait(published)
                     if waited >= self.timeout:
                         raise self._hung(job.peer, what) from None
-                except _PeerError as exc:
+                except PeerError as exc:
                     if not is_transport_error(exc.cause):  # a local error of this rank (recorded as its own)
                         raise exc.cause from None
                     if time.monotonic() - start >= self.timeout:
@@ -340,7 +347,7 @@ class Comm:
                     return
         finally:
             if not job.done.done():  # left blocked (an error, an interrupt): drained at exit
-                _drain_at_exit()
+                drain_at_exit()
 
     def _nccl_failed(self, what: str, exc: BaseException) -> RankFailedError:
         """An error of an NCCL exchange: the failure a rank recorded, else an unnamed one (NCCL's
@@ -504,114 +511,15 @@ class SubComm:
     def _post(self, ops: list, what: str) -> Pending:
         return self.parent._post([(kind, t, self.members[peer], tag) for kind, t, peer, tag in ops], what)
 
-    send, recv, commit, all_to_all = Comm.send, Comm.recv, Comm.commit, Comm.all_to_all
-
-
-def _drain_at_exit() -> None:
-    """Register (once per process) :func:`_drain_waiters` to run when the interpreter exits."""
-    with state.EXIT_DRAIN_LOCK:
-        if not state.EXIT_DRAIN:
-            atexit.register(_drain_waiters)
-            state.EXIT_DRAIN.append(True)
-
-
-def _drain_waiters() -> None:
-    """At exit, after a failure: give the waiter threads still blocked in a gloo wait up to
-    :data:`_EXIT_DRAIN_SECONDS` seconds to end. A blocked wait ends when its peer's connection closes; if
-    that happened while the interpreter finalizes, the daemon thread could not re-enter Python and
-    the process would abort (SIGABRT) instead of exiting normally. Survivors of one failure exit
-    together, so their closing connections end each other's waits within this grace."""
-    _Waiters.shared().drain(_EXIT_DRAIN_SECONDS)
+    send, recv, commit, all_to_all, reporting = Comm.send, Comm.recv, Comm.commit, Comm.all_to_all, Comm.reporting
 
 
 def _scope(members: str, fresh: bool) -> int:
     """The failure scope of a group (by its global ranks): a per-process counter of the contexts
     opened on it, the same on every rank because every rank opens them in the same order. Guarded
     by a lock (contexts may be opened from several threads)."""
-    with state.FAILURE_SCOPES_LOCK:
-        scopes = state.FAILURE_SCOPES
+    with FAILURE_SCOPES_LOCK:
+        scopes = FAILURE_SCOPES
         if fresh:
             scopes[members] = scopes.get(members, 0) + 1
         return scopes.get(members, 0)
-
-
-class _Job:
-    """One batch of (work, peer) waits for a waiter thread; ``peer``: the one being waited on."""
-
-    def __init__(self, works: list, timeout: datetime.timedelta):
-        self.works, self.timeout = works, timeout
-        self.peer: int | None = works[0][1] if works else None
-        self.done: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run(self) -> None:
-        for work, peer in self.works:
-            self.peer = peer
-            try:
-                work.wait(timeout=self.timeout)
-            except BaseException as exc:  # handed to the waiting thread, with the peer
-                self.done.set_exception(_PeerError(peer, exc))
-                return
-        self.done.set_result(None)
-
-
-class _Waiters:
-    """Daemon threads that complete gloo works, one job (batch of works) at a time each. A job goes
-    to an idle thread, or to a new one: a thread left blocked by a failed peer (until its gloo
-    deadline) never delays a later job, e.g. on another group; daemons never delay the exit. One
-    pool per process."""
-
-    _instance: _Waiters | None = None
-    _lock = threading.Lock()
-
-    @classmethod
-    def shared(cls) -> _Waiters:
-        with cls._lock:  # a forked child does not inherit the parent's threads: start its own
-            if cls._instance is None or cls._instance._pid != os.getpid():
-                cls._instance = cls()
-            return cls._instance
-
-    def __init__(self):
-        self._pid = os.getpid()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = 0
-        self._busy = 0
-        self._idle_lock = threading.Condition()
-
-    def submit(self, works: list, timeout: datetime.timedelta) -> _Job:
-        job = _Job(works, timeout)
-        with self._idle_lock:
-            self._busy += 1
-            start = self._idle == 0
-            if not start:
-                self._idle -= 1
-        if start:
-            try:
-                threading.Thread(target=self._run, name="cp_attention_wait", daemon=True).start()
-            except BaseException:
-                with self._idle_lock:
-                    self._busy -= 1
-                raise
-        self._jobs.put(job)
-        return job
-
-    def _run(self) -> None:
-        while True:
-            self._jobs.get().run()
-            with self._idle_lock:
-                self._idle += 1
-                self._busy -= 1
-                self._idle_lock.notify_all()
-
-    def drain(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds until no job is running; whether none is."""
-        with self._idle_lock:
-            return self._idle_lock.wait_for(lambda: self._busy == 0, timeout)
-
-
-def _default_store():
-    """The default process group's key-value store, or None (private torch API, checked here only)."""
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    try:
-        return getter() if getter is not None else None
-    except Exception:
-        return None

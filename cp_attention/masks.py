@@ -35,6 +35,8 @@ __all__ = [
     "segment_runs",
     "mask_terms",
     "dense_mask",
+    "row_key_intervals",
+    "accumulation_dtype",
 ]
 
 INF = math.inf
@@ -452,3 +454,37 @@ def mask_terms(meta: SequenceMeta, spec: MaskSpec) -> list[tuple[list, tuple[int
     if extra is not None and meta.spans is not None:
         terms.append((list(meta.spans), (int(extra[0]), L)))
     return terms
+
+
+# ----------------------------------------------------------------------------------------------
+# the varlen contract's semantics (every backend, the ring, the planner and the kernels use them)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results, ``lse`` and gradients accumulate in: float64 for float64 inputs, else
+    float32 (the contract's rule, used by every backend, the ring and the compiled op)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_key_intervals(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, causal: bool, window: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every packed query row, the packed key rows ``[lo, hi)`` it sees (CPU int64, (Tq,) each).
+
+    Implements the bottom-right alignment of the contract; ``hi <= lo`` means the row sees nothing.
+    """
+    cu_q = cu_seqlens_q.detach().to("cpu", torch.int64)
+    cu_k = cu_seqlens_k.detach().to("cpu", torch.int64)
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    total_q = int(cu_q[-1])
+    seq_of_T = torch.repeat_interleave(torch.arange(len(len_q)), len_q, output_size=total_q)
+    i_T = torch.arange(total_q) - cu_q[seq_of_T]
+    lk_T = len_k[seq_of_T]
+    diag_T = i_T + lk_T - len_q[seq_of_T]  # key aligned with query i (bottom-right)
+    left, right = window
+    if causal:
+        right = 0
+    lo_T = torch.zeros_like(i_T) if left < 0 else (diag_T - left).clamp(min=0)
+    hi_T = lk_T.clone() if right < 0 else torch.minimum(lk_T, diag_T + right + 1)
+    base_T = cu_k[:-1][seq_of_T]
+    return lo_T + base_T, torch.maximum(hi_T, lo_T) + base_T

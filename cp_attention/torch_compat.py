@@ -13,7 +13,7 @@ import torch._dynamo
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["WeakIdKeyDictionary", "assume_constant_result", "in_backward", "tensor_version", "cpu_flash_kernels",
-           "torch_context_parallel_active"]
+           "torch_context_parallel_active", "default_store"]
 
 assume_constant_result = torch._dynamo.assume_constant_result
 """Decorator: dynamo calls the function once per trace and bakes its result into the graph (no guard)."""
@@ -61,3 +61,12 @@ def cpu_flash_kernels():
     if not hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu"):
         return None, None
     return ops._scaled_dot_product_flash_attention_for_cpu, ops._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def default_store():
+    """The default process group's key-value store, or None (a private torch API)."""
+    getter = getattr(torch.distributed.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except Exception:
+        return None

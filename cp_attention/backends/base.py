@@ -1,4 +1,6 @@
-"""The varlen contract every backend implements, and what a backend declares about itself.
+"""The varlen contract every backend implements, and what a backend declares about itself (its
+semantics, :func:`~cp_attention.masks.row_key_intervals` and
+:func:`~cp_attention.masks.accumulation_dtype`, live with the masks).
 
 Tensors are packed as (total_tokens, heads, head_dim); K/V heads are not repeated for GQA
 (``H_q`` must be a multiple of ``H_kv``; query head ``h`` uses K/V head ``h // (H_q // H_kv)``).
@@ -39,38 +41,7 @@ import torch
 
 from ..masks import MaskSpec
 
-__all__ = ["VarlenBackend", "accumulation_dtype", "row_key_intervals"]
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype partial results, ``lse`` and gradients accumulate in: float64 for float64 inputs, else
-    float32 (the contract's rule, used by every backend, the ring and the compiled op)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def row_key_intervals(
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, causal: bool, window: tuple[int, int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """For every packed query row, the packed key rows ``[lo, hi)`` it sees (CPU int64, (Tq,) each).
-
-    Implements the bottom-right alignment of the contract; ``hi <= lo`` means the row sees nothing.
-    """
-    cu_q = cu_seqlens_q.detach().to("cpu", torch.int64)
-    cu_k = cu_seqlens_k.detach().to("cpu", torch.int64)
-    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    total_q = int(cu_q[-1])
-    seq_of_T = torch.repeat_interleave(torch.arange(len(len_q)), len_q, output_size=total_q)
-    i_T = torch.arange(total_q) - cu_q[seq_of_T]
-    lk_T = len_k[seq_of_T]
-    diag_T = i_T + lk_T - len_q[seq_of_T]  # key aligned with query i (bottom-right)
-    left, right = window
-    if causal:
-        right = 0
-    lo_T = torch.zeros_like(i_T) if left < 0 else (diag_T - left).clamp(min=0)
-    hi_T = lk_T.clone() if right < 0 else torch.minimum(lk_T, diag_T + right + 1)
-    base_T = cu_k[:-1][seq_of_T]
-    return lo_T + base_T, torch.maximum(hi_T, lo_T) + base_T
-
+__all__ = ["VarlenBackend"]
 
 
 class VarlenBackend(Protocol):

@@ -42,12 +42,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..masks import MaskSpec
-from ..state import KERNEL_CALLS
+from ..masks import MaskSpec, accumulation_dtype, row_key_intervals
+from ..plan import PlanCache
 from ..torch_compat import cpu_flash_kernels
-from .base import accumulation_dtype, row_key_intervals
 
-__all__ = ["CPUFlashBackend", "TILE_Q", "MAX_ROWS", "MAX_SPAN_ROWS", "BACKWARD_SPAN", "plan_calls", "backward_calls"]
+__all__ = ["CPUFlashBackend", "TILE_Q", "MAX_ROWS", "MAX_SPAN_ROWS", "BACKWARD_SPAN", "plan_calls", "backward_calls",
+           "KERNEL_CALLS"]
+
+KERNEL_CALLS = PlanCache(256)
+"""This backend's kernel calls, keyed by the documents' bounds, the mask and the tile sizes (LRU, 256
+entries; thread-safe): a layer's backward, the other layers and the next step of a layout reuse them."""
 
 TILE_Q = 64
 """Query rows per tile of a banded sequence. On CPU, short query tiles over a window's span ran

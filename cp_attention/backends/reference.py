@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..masks import MaskSpec
-from .base import accumulation_dtype, row_key_intervals
+from ..masks import accumulation_dtype, row_key_intervals
 
 __all__ = ["ReferenceBackend", "row_key_intervals", "TILE_Q"]  # row_key_intervals: defined by the contract (base)
 

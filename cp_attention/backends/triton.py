@@ -18,7 +18,7 @@ import os
 import torch
 
 from ..masks import MaskSpec
-from .base import accumulation_dtype
+from ..masks import accumulation_dtype
 
 __all__ = ["TritonBackend"]
 

@@ -1,7 +1,7 @@
 """Integrations with other libraries, registered lazily so ``import cp_attention`` stays cheap.
 
 The engine never imports this package: what it needs from an integration (how ``cp.shard_batch``
-reads a collator's batch) is registered into :mod:`cp_attention.state` by :func:`install`."""
+reads a collator's batch) is registered into :mod:`cp_attention.engine.context` by :func:`install`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
+
+from ..engine.context import register_batch_convention
+from . import state
 
 __all__ = ["install"]
 
@@ -47,7 +50,6 @@ class _LoaderThenAdapt(_LoaderThenRegister):
     def exec_module(self, module):
         self._loader.exec_module(module)
         from .transformers import NAME, adapt_modeling_module
-        from .. import state
 
         if NAME in state.INTEGRATIONS["registered"]:
             adapt_modeling_module(module)
@@ -88,10 +90,9 @@ class _AfterTransformersImport(importlib.abc.MetaPathFinder):
 def install() -> None:
     """Register transformers' batch conventions for ``cp.shard_batch`` (plain torch, no transformers
     import) and "cp_flash" now if transformers' modeling code is loaded, else when it loads."""
-    from .. import state
     from .hf_batch import shard_batch
 
-    state.BATCH_CONVENTIONS.setdefault("transformers", shard_batch)
+    register_batch_convention("transformers", shard_batch)
     if not any(isinstance(f, _ModelingImports) for f in sys.meta_path):
         sys.meta_path.insert(0, _ModelingImports())
     if _TRIGGER in sys.modules:

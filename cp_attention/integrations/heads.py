@@ -49,7 +49,8 @@ import sys
 import torch
 
 from .. import layout as layout_mod
-from ..batch import AMBIGUOUS, batch_of
+from . import source
+from ..engine.batch import AMBIGUOUS, batch_of
 from .losses import LOSS_SCALE
 
 __all__ = ["HeadCall", "call_kwargs", "prepare_call"]
@@ -99,9 +100,7 @@ def head_kind(model) -> str | None:
 def _loss_takes_num_items(cls: type) -> bool:
     """Whether ``cls.forward`` computes its loss through ``self.loss_function(..., **kwargs)`` (the
     batch's ``num_items_in_batch`` reaches the loss)."""
-    from .model_check import class_source
-
-    return bool(_NUM_ITEMS_LOSS.search(class_source(cls)))
+    return bool(_NUM_ITEMS_LOSS.search(source.class_source(cls)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,7 @@
 """transformers' batch conventions under context parallelism: what ``cp.shard_batch`` does.
 
 A data collator's whole batch (padding collators, or transformers' ``DataCollatorWithFlattening``
-with its document keys) becomes this rank's shard plus a :class:`~cp_attention.batch.BatchRecord`
+with its document keys) becomes this rank's shard plus a :class:`~cp_attention.engine.batch.BatchRecord`
 of the batch's documents; transformers' loss conventions are applied here: labels shifted
 globally into ``shift_labels`` (-100 where nothing is predicted), ``num_items_in_batch`` such that
 the mean of the ranks' losses is the single-device loss.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..batch import batch_of
+from ..engine.batch import batch_of
 from .model_check import default_position_start, unwrap_adapters
 from .models import model_masks
 from .multimodal import MEDIA_NAME, decoder_inputs, install_injection, media_inputs, outer_inputs, shard_decoder_inputs

@@ -37,8 +37,8 @@ import inspect
 
 import torch
 
-from .. import state
-from ..batch import AMBIGUOUS, batch_of
+from ..engine.batch import AMBIGUOUS, batch_of, live_records
+from ..engine.context import active_context
 
 __all__ = ["LOSS_FUNCTIONS", "adapt_module", "router_balance_parts", "LOSS_SCALE"]
 
@@ -112,15 +112,12 @@ def _record_for(attention_mask, rows: int):
     (a forward run after its block); None outside context parallelism."""
     record = batch_of(attention_mask)
     if record is None:
-        active = state.ACTIVE_CONTEXT.get()
+        active = active_context()
         if active is not None:
             record = active.records.only()
         else:
-            with state.LIVE_LOCK:
-                found = {id(rec): rec for refs, rec in state.LIVE_BATCHES
-                         if any(r() is not None for r in refs) and rec.cp.world_size > 1
-                         and rows % (rec.meta.batch * rec.local_position_ids.shape[-1]) == 0}
-            record = None if not found else next(iter(found.values())) if len(found) == 1 else AMBIGUOUS
+            found = live_records(lambda rec: rows % (rec.meta.batch * rec.local_position_ids.shape[-1]) == 0)
+            record = None if not found else found[0] if len(found) == 1 else AMBIGUOUS
     if record is AMBIGUOUS:
         raise ValueError("cp_flash: several batches returned by cp.shard_batch are alive and the MoE router loss "
                          "cannot tell which one it runs on; run each batch's forward before sharding the next one")

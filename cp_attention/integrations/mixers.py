@@ -1,5 +1,5 @@
 """transformers' sequence mixers under context parallelism: short convolutions, Mamba, Mamba-2 and
-gated DeltaNet, exact across ranks and packed documents (the engine's :mod:`cp_attention.mixers`).
+gated DeltaNet, exact across ranks and packed documents (the engine's :mod:`cp_attention.strategies.scan`).
 
 transformers' hybrid families call their sequence mixing through a few module-level functions of
 their modeling module (each with a torch path, or a fast kernel when one is installed; checked on
@@ -23,7 +23,7 @@ that calls the original unchanged unless a mixer of a ``cp_flash`` model runs in
 block's sharded batch through the engine, with the original function computing every segment (the
 recurrences' ``initial_state`` arguments carry the incoming states). Which batch: the active
 context's only live one, or, recomputed after the block, the only live multi-rank batch of the
-call's shape (the rule of :mod:`cp_attention.batch`). Which mixers: the modules the model check
+call's shape (the rule of :mod:`cp_attention.engine.batch`). Which mixers: the modules the model check
 tagged (:func:`tag_mixers`): those whose class calls one of these functions.
 """
 
@@ -34,11 +34,12 @@ import inspect
 
 import torch
 
-from .. import state
-from ..batch import AMBIGUOUS, recomputed_batch
-from ..engine import compiling_outside_cp
-from ..mixers import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan
-from ..stats import note_mixer
+from . import source, state
+from ..engine.batch import AMBIGUOUS, recomputed_batch
+from ..engine.context import active_context
+from ..engine.layer import compiling_outside_cp
+from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan
+from ..engine.stats import note_mixer
 from ..torch_compat import in_backward
 
 __all__ = ["CONVOLUTIONS", "RECURRENCES", "SHORTCUTS", "DECODING", "adapt_module", "adapted", "handled_calls",
@@ -60,7 +61,7 @@ def _batch_for(batch_size: int, length: int, compiled: bool = False):
     hooks that mark a running mixer do not run in compiled code): any call there of this shape."""
     if not compiled and not getattr(state.MODEL_GUARD, "mixers", 0):
         return None
-    active = state.ACTIVE_CONTEXT.get()
+    active = active_context()
     if active is not None:
         record = active.records.only()
     elif in_backward():
@@ -334,7 +335,7 @@ def _recurrence(name: str, original):
 def _shortcut(original):
     def eager(compiled, *args, **kwargs):
         if (compiled or getattr(state.MODEL_GUARD, "mixers", 0)) and \
-                (state.ACTIVE_CONTEXT.get() is not None or in_backward()):
+                (active_context() is not None or in_backward()):
             return None  # a fused kernel over the whole sequence: the mixer takes its unfused path
         return original(*args, **kwargs)
 
@@ -343,7 +344,7 @@ def _shortcut(original):
 
 def _decoding(name: str, original):
     def eager(compiled, *args, **kwargs):
-        if (compiled or getattr(state.MODEL_GUARD, "mixers", 0)) and state.ACTIVE_CONTEXT.get() is not None:
+        if (compiled or getattr(state.MODEL_GUARD, "mixers", 0)) and active_context() is not None:
             _refuse_cache(name)
         return original(*args, **kwargs)
 
@@ -420,6 +421,4 @@ def tag_mixers(model, modules) -> None:
     for _, module in modules:
         cls = type(module)
         if cls.__module__.startswith("transformers.models.") and getattr(module, MIXER_ATTR, None) is None:
-            from .model_check import class_source
-
-            setattr(module, MIXER_ATTR, bool(handled_calls(cls, class_source(cls))))
+            setattr(module, MIXER_ATTR, bool(handled_calls(cls, source.class_source(cls))))

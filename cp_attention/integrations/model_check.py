@@ -46,7 +46,7 @@ In a one-rank block only one finding changes the result: a model whose forward t
 ``position_ids`` such a family receives through keyword arguments are not its positions: its layers
 treat the row as one sequence, as its own eager does (:func:`layer_position_ids`).
 
-Checked once per model object (:data:`cp_attention.state.MODEL_CHECKS`) when a multi-rank
+Checked once per model object (:data:`cp_attention.integrations.state.MODEL_CHECKS`) when a multi-rank
 :func:`~cp_attention.context_parallel` block runs its first forward, on every rank alike (the
 model is the same everywhere), so every rank raises the same ``NotImplementedError`` before a K/V
 block moves. A second guard counts, during each forward of a cp_flash model inside such a block,
@@ -67,13 +67,16 @@ import sys
 import torch
 from torch import nn
 
-from .. import state
-from ..batch import batch_of
+from . import source as model_source
+from . import state
+from ..engine.batch import batch_of
+from ..engine.context import active_context, register_context_guard
+from ..engine.stats import begin_mixers
 from .heads import call_kwargs, prepare_call
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
 from .rope import rope_findings, tag_ropes
 
-__all__ = ["Finding", "class_source", "model_findings", "check_model", "check_positions_one_rank",
+__all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank",
            "default_position_start", "unwrap_adapters", "install_guard", "note_cp_flash_call", "guard_sub_model",
            "family_takes_positions", "layer_position_ids"]
 
@@ -107,22 +110,6 @@ class Finding(tuple):
 
 
 @functools.lru_cache(maxsize=None)
-def class_source(cls: type) -> str:
-    """The source of ``cls`` and of its bases that are model code (not torch's, not transformers'
-    shared base classes such as ``PreTrainedModel``); "" where it cannot be read."""
-    parts = []
-    for klass in cls.__mro__:
-        where = klass.__module__
-        if klass is object or where.startswith("torch.") or (
-                where.startswith("transformers.") and not where.startswith("transformers.models.")):
-            continue
-        try:
-            parts.append(inspect.getsource(klass))
-        except (OSError, TypeError):
-            pass
-    return "\n".join(parts)
-
-
 @functools.lru_cache(maxsize=None)
 def _forward_args(cls: type) -> frozenset:
     try:
@@ -134,7 +121,7 @@ def _forward_args(cls: type) -> frozenset:
 @functools.lru_cache(maxsize=None)
 def uses_attention_interface(cls: type) -> bool:
     """Whether ``cls`` dispatches its attention through transformers' attention interface."""
-    source = class_source(cls)
+    source = model_source.class_source(cls)
     return any(word in source for word in _INTERFACE)
 
 
@@ -143,7 +130,7 @@ def _computes_scores(cls: type) -> bool:
     """Whether ``cls`` (not using the interface) computes attention scores itself."""
     if uses_attention_interface(cls):
         return False
-    source = class_source(cls)
+    source = model_source.class_source(cls)
     if _FUSED.search(source):
         return True
     product = _PRODUCT.search(source) is not None
@@ -208,7 +195,7 @@ def model_findings(model) -> tuple[Finding, ...]:
         own_params = {p for p, _ in module.named_parameters(recurse=False)}
         if _is_model(module):  # a (sub-)model: its forward only calls its layers
             continue
-        if cls.__module__.startswith("transformers.models.") and _SHIFTED_PAD.search(class_source(cls)) and \
+        if cls.__module__.startswith("transformers.models.") and _SHIFTED_PAD.search(model_source.class_source(cls)) and \
                 getattr(module, "trigram_input", True):  # MobileBERT shifts only with its trigram input
             findings.append(Finding(where, "a token shift", "its forward pads a slice of the sequence shifted by one "
                                     "token (MobileBERT's trigram input: each token's neighbours' embeddings), so a "
@@ -216,22 +203,22 @@ def model_findings(model) -> tuple[Finding, ...]:
             continue
         if uses_attention_interface(cls):
             attention += 1
-            bias = sorted(args.intersection(_BIAS_ARGS) | set(_BIAS_KEYWORD.findall(class_source(cls))))
+            bias = sorted(args.intersection(_BIAS_ARGS) | set(_BIAS_KEYWORD.findall(model_source.class_source(cls))))
             if bias:
                 findings.append(Finding(where, "a score bias", f"it computes {', '.join(bias)}: a bias over "
                                         "(query, key) positions that needs the mask as a dense tensor"))
             continue
         state_args = sorted(args.intersection(_STATE_ARGS)) or sorted(own_params.intersection(_STATE_PARAMS))
-        calls = handled_calls(cls, class_source(cls)) if cls.__module__.startswith("transformers.models.") \
+        calls = handled_calls(cls, model_source.class_source(cls)) if cls.__module__.startswith("transformers.models.") \
             else frozenset()
-        inline = _INLINE_SEQUENCE.search(class_source(cls)) if calls else None
+        inline = _INLINE_SEQUENCE.search(model_source.class_source(cls)) if calls else None
         if inline:
             findings.append(Finding(where, "a sequence operation outside the adapted mixer functions",
                                     f"it calls {', '.join(sorted(calls))} (computed across ranks) but also "
                                     f"{inline.group(0).strip('(')} itself, over its own shard only"))
             continue
         if calls.intersection(CONVOLUTIONS):  # only the convolutions whose weight it hands over
-            convolving[name] = set(re.findall(r"self\.(\w+)\.weight", class_source(cls)))
+            convolving[name] = set(re.findall(r"self\.(\w+)\.weight", model_source.class_source(cls)))
         if state_args and calls.intersection(RECURRENCES) and not _computes_scores(cls):
             mixing += 1
             continue  # a Mamba / Mamba-2 / gated DeltaNet mixer: the scan over pieces (integrations.mixers)
@@ -408,7 +395,7 @@ def _before(module, args):
         guard.mixers = getattr(guard, "mixers", 0) + 1
     top = getattr(guard, "model", None)
     if top is None:
-        active = state.ACTIVE_CONTEXT.get()
+        active = active_context()
         inner = _top(module) if active is not None else module
         if active is None or not _cp_flash_model(inner):
             return None
@@ -417,7 +404,7 @@ def _before(module, args):
             tag_mixers(inner, modules)
             tag_ropes(modules)
             inner._cp_attention_mixers_tagged = True
-        state.FORWARD.mixers = []  # forward_mixer_stats: this forward's
+        begin_mixers()  # forward_mixer_stats: this forward's
         guard.head = None
         if active.world_size <= 1:  # one rank: only the packed-positions check, no counting
             check_positions_one_rank(inner, active.current_batch())
@@ -519,5 +506,4 @@ def _enter(cp):
 
 def install_guard() -> None:
     """Register the guard with the engine's multi-rank contexts (idempotent)."""
-    if _enter not in state.CONTEXT_GUARDS:
-        state.CONTEXT_GUARDS.append(_enter)
+    register_context_guard(_enter)

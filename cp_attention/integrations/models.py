@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import zlib
 
-from .. import state
+from . import state
 from ..masks import MaskSpec
 
 __all__ = ["text_config", "layer_mask", "layer_masks", "model_masks", "config_crc"]
@@ -87,7 +87,7 @@ def config_crc(module) -> int:
     transformers version), agreed by the ranks on a batch's first call: two ranks whose models
     differ (a window, the layer types) then raise together instead of one of them waiting for an
     agreement the others skip. -1 when the module has no config. Computed once per config object
-    (:data:`cp_attention.state.CONFIG_CHECKSUMS`)."""
+    (:data:`cp_attention.integrations.state.CONFIG_CHECKSUMS`)."""
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return -1

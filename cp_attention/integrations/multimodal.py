@@ -31,8 +31,8 @@ import re
 
 import torch
 
-from ..batch import batch_of
-from ..context import outside_context
+from ..engine.batch import batch_of
+from ..engine.context import outside_context
 
 __all__ = ["media_inputs", "outer_inputs", "decoder_inputs", "shard_decoder_inputs", "install_injection", "NOT_INJECTED"]
 

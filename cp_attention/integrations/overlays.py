@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from ..compiled import multi_rank_context_active
+from ..engine.local import multi_rank_context_active
 
 __all__ = ["mask_pairs", "probe_adjacent", "probe_whole_mask", "overlay_structure", "check_spans", "batch_span_next"]
 

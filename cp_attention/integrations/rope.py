@@ -38,7 +38,7 @@ import threading
 
 import torch
 
-from .. import state
+from ..engine.context import active_context
 
 __all__ = ["length_dependent", "updates_per_forward", "rope_types", "tag_ropes", "rope_findings", "ROPE_ATTR"]
 
@@ -135,7 +135,7 @@ def _largest_position(cp, position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _append_largest(module, args, kwargs):
-    cp = state.ACTIVE_CONTEXT.get()
+    cp = active_context()
     stack = getattr(_APPENDED, "stack", None)
     if stack is None:
         stack = _APPENDED.stack = []

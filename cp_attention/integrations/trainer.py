@@ -35,10 +35,10 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from ..agreement import check_strategy
-from ..context import context_parallel
-from ..strategy import CostModel
-from ..batch import batch_of
+from ..engine.agreement import check_strategy
+from ..engine.context import context_parallel
+from ..strategies.choice import CostModel
+from ..engine.batch import batch_of
 from .hf_batch import DOCUMENT_KEYS
 from .losses import LOSS_SCALE
 from .heads import head_kind
@@ -152,7 +152,7 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
         cp_strategy: "ring" (default), "ulysses" (all-to-all head parallelism; the model's query
             heads must be a multiple of the CP size), "usp" (with ``cp_ulysses_size``) or "auto"
             (per layer mask, the cheapest by ``cp_cost_model``, a :class:`~cp_attention.CostModel`),
-            see :func:`~cp_attention.context_parallel` and :mod:`cp_attention.strategy`.
+            see :func:`~cp_attention.context_parallel` and :mod:`cp_attention.strategies.choice`.
         cp_ulysses_size: the head-group size of ``cp_strategy="usp"`` (divides the CP size and the
             model's query heads).
         cp_cost_model: a :class:`~cp_attention.CostModel` for ``cp_strategy="auto"`` (None: its defaults).

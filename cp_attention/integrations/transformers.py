@@ -24,15 +24,15 @@ This module only translates: kwargs -> MaskSpec, the tensor transposes, family q
 temperature), :class:`CPMask` and registration. Everything else (which batch a layer runs on, the
 checks every rank raises together, the strategy) is the engine's one entry for integrations,
 :func:`cp_attention.engine.attend_layer`; the rule by which a layer finds its batch is written down in
-:mod:`cp_attention.batch`.
+:mod:`cp_attention.engine.batch`.
 
-``torch.compile``. On one device a layer is the custom op of :mod:`cp_attention.compiled`, which gets
+``torch.compile``. On one device a layer is the custom op of :mod:`cp_attention.engine.local`, which gets
 the documents as tensors and builds its plan inside: traced outside context parallelism, the mask
 function and the layers contain nothing dynamo cannot trace (no data-dependent branch, no context
 lookup), so a model compiles without a graph break and a new document layout does not recompile.
 Whether a context is active is asked once per trace (dynamo cannot guard on a contextvar) and checked
 again by the op when it runs. Traced inside context parallelism, a layer is the multi-rank op
-(:func:`cp_attention.compiled.bound_attention`), which binds the batch, agrees, plans and runs the
+(:func:`cp_attention.engine.layer.bound_attention`), which binds the batch, agrees, plans and runs the
 strategy's exchanges when it runs: no graph break either, and no recompilation per batch. Llama 4's
 layers (a query adjustment that is a function of the module) still run eagerly there, one break each.
 
@@ -47,8 +47,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from .. import state
-from ..engine import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
+from . import state
+from ..engine.layer import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
 from .losses import adapt_module as adapt_loss_functions
 from .mixers import adapt_module as adapt_mixer_functions

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backends.base import accumulation_dtype
+from ..masks import accumulation_dtype
 
 __all__ = ["varlen_fwd", "varlen_bwd", "INTERPRET", "SUPPORTED_HEAD_DIMS"]
 

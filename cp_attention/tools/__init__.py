@@ -3,11 +3,11 @@
 * :mod:`~cp_attention.tools.cli`: the ``cp-attention`` command (also ``python -m cp_attention``),
   which hands its command line to one of the three commands below.
 * :mod:`~cp_attention.tools.probe`: does context parallelism keep a tiny model's masks?
-  (``python -m cp_attention.probe``, ``cp-attention probe``)
+  (``python -m cp_attention probe``, ``cp-attention probe``)
 * :mod:`~cp_attention.tools.demo`: attention on gloo ranks, its error and K/V traffic
-  (``python -m cp_attention.demo``, ``cp-attention demo``)
+  (``python -m cp_attention demo``, ``cp-attention demo``)
 * :mod:`~cp_attention.tools.bench`: single-device ``attention`` against SDPA with a dense mask
-  (``python -m cp_attention.bench``, ``cp-attention bench``)
+  (``python -m cp_attention bench``, ``cp-attention bench``)
 * :mod:`~cp_attention.tools.harness`: what every benchmark shares (the bench above,
   ``benchmarks/*.py`` and ``benchmarks/gpu_check.py``): timing, the dense-mask oracle, FLOPs of
   the visible pairs, devices and dtypes.

@@ -71,7 +71,7 @@ def dense_mask(kind: str, value: int | None, seq_len: int, device=None) -> torch
     return mask_case(kind, value, seq_len).dense(seq_len, "cpu" if device is None else device)
 
 
-def parse_args(argv=None, *, prog: str = "python -m cp_attention.bench") -> argparse.Namespace:
+def parse_args(argv=None, *, prog: str = "python -m cp_attention bench") -> argparse.Namespace:
     """The bench's options; a bad value exits 2 with a one-line ``parser.error`` message."""
     parser = argparse.ArgumentParser(prog=prog, description=(
         "Time single-device cp_attention.attention against its peers (SDPA with the same mask as a dense boolean "
@@ -106,7 +106,7 @@ def parse_args(argv=None, *, prog: str = "python -m cp_attention.bench") -> argp
     return args
 
 
-def main(argv=None, *, prog: str = "python -m cp_attention.bench") -> int:
+def main(argv=None, *, prog: str = "python -m cp_attention bench") -> int:
     args = parse_args(argv, prog=prog)
     (kind, value), L, H, D = args.mask, args.seq_len, args.heads, args.head_dim
     device = pick_device()

@@ -5,7 +5,7 @@ Prints the largest difference between the context-parallel result and the single
 wrong, and the K/V traffic of each rank against a full ring. Exits 1 if CP and single device
 disagree.
 
-    python -m cp_attention.demo [--nproc 2] [--seq-len 2048] [--window 256]
+    python -m cp_attention demo [--nproc 2] [--seq-len 2048] [--window 256]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _rank_main(rank, world_size, args):
     return dict(errors=errors, dropped=dropped_err, stats=stats)
 
 
-def parse_args(argv=None, *, prog: str = "python -m cp_attention.demo") -> argparse.Namespace:
+def parse_args(argv=None, *, prog: str = "python -m cp_attention demo") -> argparse.Namespace:
     """The demo's options; a bad value exits 2 with a one-line ``parser.error`` message."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="number of gloo ranks spawned on CPU (default 2)")
@@ -79,7 +79,7 @@ def parse_args(argv=None, *, prog: str = "python -m cp_attention.demo") -> argpa
     return args
 
 
-def main(argv=None, *, prog: str = "python -m cp_attention.demo") -> int:
+def main(argv=None, *, prog: str = "python -m cp_attention demo") -> int:
     args = parse_args(argv, prog=prog)
     _, _, _, _, _, lengths = _inputs(args)
     results = run_ranks(args.nproc, _rank_main, args, timeout=600)

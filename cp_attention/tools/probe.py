@@ -22,7 +22,7 @@ is ~1e-7). Exits 1 if, in any case, CP and single device disagree on which posit
 positions whose changes differ by at most ``CHANGED``: an influence at the noise floor may round
 either way), if their logits differ by more than ``--tol``, or if a rank fails.
 
-    python -m cp_attention.probe [--model qwen3] [--nproc 2] [--seq-len 512] [--layout zigzag]
+    python -m cp_attention probe [--model qwen3] [--nproc 2] [--seq-len 512] [--layout zigzag]
     cp-attention probe [options]
 
 Test-only: ``CP_ATTENTION_PROBE_BREAK_MASK=1`` (or the hidden ``--break-mask``) runs the CP column
@@ -252,7 +252,7 @@ def format_table(rows: list[CaseResult]) -> str:
 MAX_SEQ_LEN = 4096  # max_position_embeddings of every tiny_config
 
 
-def parse_args(argv=None, *, prog: str = "python -m cp_attention.probe") -> argparse.Namespace:
+def parse_args(argv=None, *, prog: str = "python -m cp_attention probe") -> argparse.Namespace:
     """The probe's options; a bad value exits 2 with a one-line ``parser.error`` message."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3", choices=FAMILIES, metavar="FAMILY",
@@ -281,7 +281,7 @@ def parse_args(argv=None, *, prog: str = "python -m cp_attention.probe") -> argp
     return args
 
 
-def main(argv=None, *, prog: str = "python -m cp_attention.probe") -> int:
+def main(argv=None, *, prog: str = "python -m cp_attention probe") -> int:
     args = parse_args(argv, prog=prog)
     break_mask = args.break_mask or os.environ.get(BREAK_MASK_ENV, "") not in ("", "0")
     try:

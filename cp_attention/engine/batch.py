@@ -25,14 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import state
 from .agreement import meta_crc
-from .masks import SequenceMeta
-from .torch_compat import in_backward, tensor_version
+from ..masks import SequenceMeta
+from ..torch_compat import in_backward, tensor_version
 
 __all__ = ["BatchRecord", "LiveRecords", "batch_of", "bind", "resolve", "resolve_for_mask", "AMBIGUOUS", "NO_MASK",
-           "tokens_checksum",
-           "recomputed_batch"]
+           "tokens_checksum", "recomputed_batch", "live_records", "LIVE_BATCHES", "LIVE_LOCK"]
 
 AMBIGUOUS = object()
 """Returned where several live sharded batches could be meant (a forward must then name its batch
@@ -42,6 +40,12 @@ NO_MASK = object()
 active context's only live batch."""
 
 _BATCH_ATTR = "_cp_attention_batch"
+
+LIVE_BATCHES: list = []
+"""``(weak references to a batch's tensors, its BatchRecord)`` of every live sharded batch: the fallback
+of a forward recomputed by checkpointing after its block exited, in a model whose layers get no
+position_ids. Guarded by ``LIVE_LOCK``; pruned when the batch's tensors die."""
+LIVE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,10 +175,19 @@ def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_
         setattr(t, _BATCH_ATTR, record)
     refs = [weakref.ref(t) for t in local.values()]
     cp.records.add(refs, record)
-    with state.LIVE_LOCK:
-        state.LIVE_BATCHES[:] = [(r, rec) for r, rec in state.LIVE_BATCHES if _alive(r)]
-        state.LIVE_BATCHES.append((refs, record))
+    with LIVE_LOCK:
+        LIVE_BATCHES[:] = [(r, rec) for r, rec in LIVE_BATCHES if _alive(r)]
+        LIVE_BATCHES.append((refs, record))
     return record
+
+
+def live_records(keep) -> list:
+    """The records of live multi-rank batches (a tensor ``cp.shard_batch`` returned for them is alive)
+    for which ``keep(record)`` holds, each once, in the order they were made."""
+    with LIVE_LOCK:
+        LIVE_BATCHES[:] = [(refs, rec) for refs, rec in LIVE_BATCHES if _alive(refs)]
+        found = {id(rec): rec for _, rec in LIVE_BATCHES if rec.cp.world_size > 1 and keep(rec)}
+    return list(found.values())
 
 
 def _span_next(meta: SequenceMeta) -> torch.Tensor | None:
@@ -191,10 +204,7 @@ def _span_next(meta: SequenceMeta) -> torch.Tensor | None:
 def recomputed_batch(batch_size: int, local_len: int):
     """The only live multi-rank batch with this shape (a forward recomputed during backward after its
     block exited, with nothing binding it); None if there is none, :data:`AMBIGUOUS` if several."""
-    with state.LIVE_LOCK:
-        state.LIVE_BATCHES[:] = [(refs, rec) for refs, rec in state.LIVE_BATCHES if _alive(refs)]
-        found = [rec for _, rec in state.LIVE_BATCHES if rec.cp.world_size > 1 and rec.meta.batch == batch_size
-                 and rec.local_position_ids.shape[-1] == local_len]
+    found = live_records(lambda rec: rec.meta.batch == batch_size and rec.local_position_ids.shape[-1] == local_len)
     if not found:
         return None
     return found[0] if len(found) == 1 else AMBIGUOUS

@@ -50,8 +50,7 @@ from typing import Protocol
 
 import torch
 
-from . import layout as layout_mod
-
+from .. import layout as layout_mod
 __all__ = ["Geometry", "geometry_of", "make_geometry", "plan_for", "agree", "HaloPlan", "halo_plan", "causal_conv",
            "ScanPlan", "scan_plan", "RecurrenceAdapter", "scan", "MixerStats"]
 

@@ -40,10 +40,10 @@ from typing import NamedTuple
 
 import torch
 
-from . import layout as layout_mod
-from .comm import Comm, SubComm
-from .backends.base import accumulation_dtype
-from .plan import PlanStats, RankPlan, build_plan
+from .. import layout as layout_mod
+from ..comm import Comm, SubComm
+from ..masks import accumulation_dtype
+from ..plan import PlanStats, RankPlan, build_plan
 from .ring import ring_attention, ring_backward, ring_forward
 
 __all__ = ["Grid", "HeadSplit", "head_split", "UlyssesPlan", "build_ulysses_plan", "ulysses_attention",
@@ -351,22 +351,16 @@ class _ToHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, ex: _Exchange):
-        try:
+        with ex.comm.reporting("head-parallel attention forward"):
             ctx.ex, ctx.kv_heads = ex, k.shape[2]
             return tuple(_to_heads(ex.comm, ex.plan.tokens, [q, k, v],
                                    lambda i, j: ex.q_pick[j] if i == 0 else ex.kv_pick[j]))
-        except BaseException as exc:
-            ex.comm.report_failure("head-parallel attention forward", exc)
-            raise
 
     @staticmethod
     def backward(ctx, dq_full, dk_full, dv_full):
         ex = ctx.ex
-        try:
+        with ex.comm.reporting("head-parallel attention backward"):
             return (*_grads_to_tokens(ex, ctx.kv_heads, dq_full, dk_full, dv_full), None)
-        except BaseException as exc:
-            ex.comm.report_failure("head-parallel attention backward", exc)
-            raise
 
 
 def _grads_to_tokens(ex: _Exchange, kv_heads: int, dq_full, dk_full, dv_full):
@@ -390,22 +384,16 @@ class _ToTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out_full, ex: _Exchange):
-        try:
+        with ex.comm.reporting("head-parallel attention forward"):
             ctx.ex = ex
             return torch.cat(_to_tokens(ex.comm, ex.plan.tokens, [out_full.contiguous()], ex.width)[0], dim=2)
-        except BaseException as exc:
-            ex.comm.report_failure("head-parallel attention forward", exc)
-            raise
 
     @staticmethod
     def backward(ctx, dout):
         ex = ctx.ex
-        try:
+        with ex.comm.reporting("head-parallel attention backward"):
             full = _to_heads(ex.comm, ex.plan.tokens, [dout.contiguous()], lambda i, j: ex.q_pick[j])
             return full[0], None
-        except BaseException as exc:
-            ex.comm.report_failure("head-parallel attention backward", exc)
-            raise
 
 
 def _expand(x: torch.Tensor, repeats: tuple[int, ...] | None) -> torch.Tensor:
@@ -470,7 +458,7 @@ def ulysses_forward(q, k, v, sinks, plan: UlyssesPlan, comm: Comm, backend, *, s
 
 def ulysses_backward(dout, q, k, v, out, lse_HT, sinks, plan: UlyssesPlan, comm: Comm, backend, *, scale: float,
                      softcap: float | None, need_dsinks: bool):
-    """:func:`ulysses_forward`'s backward -> (dq, dk, dv, dsinks) like :func:`~cp_attention.ring.ring_backward`;
+    """:func:`ulysses_forward`'s backward -> (dq, dk, dv, dsinks) like :func:`~cp_attention.strategies.ring.ring_backward`;
     dsinks (H,) holds this rank's query heads' part (zeros elsewhere), as the autograd path gives.
     Moves q, k, v, dout, out and lse to the heads again (the forward kept none of the group's tokens)."""
     run = _run_of(plan, comm)

@@ -7,7 +7,7 @@ The strategies (every one computes exactly what one device computes; they differ
 * ``"ulysses"``: two all-to-alls over the heads around single-device attention over the whole
   sequence; bytes independent of the mask, work balanced whatever the layout. Needs ``H % P == 0``.
 * ``"usp"`` with ``ulysses_size=u``: all-to-all in head groups of ``u`` consecutive ranks, the ring
-  over the ``P / u`` head groups (:class:`cp_attention.ulysses.Grid`). Needs ``P % u == 0`` and
+  over the ``P / u`` head groups (:class:`cp_attention.strategies.ulysses.Grid`). Needs ``P % u == 0`` and
   ``H % u == 0``.
 * ``"auto"``: per attention call (each distinct layer mask of a batch: the choice is cached with the
   plan), the candidate of :func:`candidates` with the lowest modeled time (:class:`CostModel`).
@@ -44,12 +44,15 @@ import functools
 import zlib
 from dataclasses import dataclass
 
-from .masks import MaskSpec, SequenceMeta
-from .plan import PlanStats, RankPlan, build_plan
-from .ulysses import Grid, UlyssesPlan, build_ulysses_plan
+from typing import Callable
+
+from ..masks import MaskSpec, SequenceMeta
+from ..plan import PlanStats, RankPlan, build_plan
+from .ring import ring_attention, ring_backward, ring_forward
+from .ulysses import Grid, UlyssesPlan, build_ulysses_plan, ulysses_attention, ulysses_backward, ulysses_forward
 
 __all__ = ["CostModel", "Candidate", "candidates", "fixed_candidate", "rank_plans", "exchange_parts", "layer_time",
-           "choose"]
+           "choose", "Executor", "EXECUTORS", "executor_of"]
 
 
 @dataclass(frozen=True)
@@ -227,3 +230,35 @@ def fixed_candidate(strategy: str, ulysses_size: int | None, world_size: int, he
             f"{[c.ulysses for c in candidates(world_size, heads)]} "
             f"(1: the ring, any head count), or strategy='auto', which picks only valid ones")
     return Candidate(world_size, u)
+
+
+# ----------------------------------------------------------------------------------------------
+# from a plan to what runs it
+
+
+@dataclass(frozen=True)
+class Executor:
+    """What runs a plan of one strategy, all with the arguments ``(q, k, v, sinks, plan, comm, backend,
+    *, scale, softcap)``: ``attention`` (differentiable), ``forward`` -> (out, lse) and
+    ``backward(dout, q, k, v, out, lse, sinks, plan, comm, backend, *, scale, softcap, need_dsinks)``
+    -> (dq, dk, dv, dsinks), the passes without autograd (the compiled multi-rank op's)."""
+
+    attention: Callable
+    forward: Callable
+    backward: Callable
+
+
+EXECUTORS: dict[type, Executor] = {
+    RankPlan: Executor(ring_attention, ring_forward, ring_backward),  # "ring"
+    UlyssesPlan: Executor(ulysses_attention, ulysses_forward, ulysses_backward),  # "ulysses", "usp"
+}
+"""The one table from the type of a plan (what :func:`choose` / :func:`rank_plans` build) to its executor."""
+
+
+def executor_of(plan) -> Executor:
+    """The :class:`Executor` of ``plan``'s strategy (:data:`EXECUTORS`)."""
+    try:
+        return EXECUTORS[type(plan)]
+    except KeyError:
+        raise TypeError(f"no executor for a plan of type {type(plan).__name__}: one of "
+                        f"{[t.__name__ for t in EXECUTORS]} expected") from None

@@ -1,65 +1,12 @@
-"""Balanced layouts for packed batches: which tokens each rank holds so that every rank does the same
-work, holds at most a cap of tokens and receives little K/V (issue #14: packed documents run
-unbalanced under zigzag, which balances one causal sequence).
+"""The cost and traffic models of balanced layouts (pure, closed form; see :mod:`.balanced`).
 
-Cost model (pure): a rank's cost is the (query, key) pairs its queries see, summed over the model's
-attention layers and the batch rows, plus ``token_weight`` per token and row (the model's dense
-per-token compute, projections and MLP, in units of one visible pair of one layer). Traffic model: a
-rank receives every key its queries see that it does not hold, the planner's count
-(:class:`Traffic`); a document held whole by one rank costs none. Placements are compared by the
-traffic of the layer whose keys reach furthest (a full layer if there is one: what a rank waits
-for), the sum over the layers breaking ties.
+A rank's cost is the (query, key) pairs its queries see, summed over the model's attention layers and
+the batch rows, plus ``token_weight`` per token and row. A token's cost is linear in its index between
+segment edges and window kinks, so the cost of any token range is a quadratic per document piece
+(:class:`Costs`) and nothing is read per token. :class:`Traffic` counts the K/V tokens a rank holding
+some runs receives, as the planner would.
 
-Costs in closed form (:class:`Costs`): a token's cost is linear in its index between segment edges
-and window kinks, so the cost of any token range is a quadratic per document piece, and the planning
-reads nothing per token (O(documents) from ``cu_seqlens``).
-
-Partition, per document (Python loops over documents and ranks, nothing per token):
-
-1. *Long documents.* A piece cost ``x`` (a fraction of the per-rank target, largest first) is chosen
-   for which an estimate of the ranks' tokens stays under the cap (:func:`_piece_cost`). Only
-   documents costing more than ``x``, or holding more tokens than a rank may, are cut: into ``m``
-   pieces, one per rank, nested like zigzag within the document (piece ``j`` is a head chunk and a
-   tail chunk around the pieces inside it; the innermost is contiguous)::
-
-       document:  [free start][ 0 ][ 1 ][ 2 ][   3   ][ 2 ][ 1 ][ 0 ]
-
-   Under a causal mask a piece receives every earlier token of its document that it does not hold,
-   so the chunks are sized by bisection on the largest receive (outer pieces, which hold the
-   document's end, take cheap early tokens), within a token limit per piece; a contiguous split is
-   used where it receives less (a window bounds the halo). The document's cheap start stays whole
-   outside the nesting (a free item; ``m = floor(cost / x)``) or joins it (one piece more where a
-   rank is spare, or costlier pieces), whichever receives least; a document long only in tokens is
-   cut into pieces of L / P tokens at its end, its start whole.
-2. *Ranks.* Each long document takes ranks of its own while there are some; a later one shares the
-   ranks whose pieces nest innermost. Ranks linked by documents form a *group*; the cost of a piece
-   stays open until step 4, so a group is one bin of its ranks' total cost.
-3. *Free items* (short documents and free starts, whole: no traffic) are packed, largest first, into
-   the bins (groups, and the ranks left) whose remaining cost per remaining token is nearest theirs.
-   Then every bin is made exact: an over-full bin passes a whole item, else an item cut at the exact
-   cost (its head moves and the rest, staying, receives that head, or its tail moves and receives
-   the rest: whichever leaves the receiving rank receiving less), else swaps an item for the
-   under-full bin's sparsest ones; a group that cannot pass its excess takes in an under-full rank
-   (one more piece; the document's start joins the nesting if that receives less).
-4. *Groups.* Each rank first gets the free items it needs to reach the target at all (its documents
-   cannot give it more than their cost), then the free items go to the ranks whose pieces nest
-   innermost, while their tokens stay well under the cap (the outer pieces keep the budget to hold
-   many tokens, so they receive less). Each rank's remaining cost is its pieces' budget (a
-   transportation problem where documents share ranks); the documents are split with those budgets,
-   and a rank left over the cap passes free items (or a cut part of one, where the cut receives
-   less) to the group's roomiest rank.
-
-Where a rank misses the cost (``ACCEPT``) or the token goal, smaller piece costs are tried (``RETRIES``);
-the first partition that meets both is kept, unless an earlier one within ``LOOSE`` of the target
-has a busiest rank receiving less. The result is a :class:`~cp_attention.layout.Layout`; exactness
-never depends on it.
-
-Modules: this one holds the public entries, the cost and traffic models and the choice of the
-piece cost; :mod:`cp_attention.balance_partition` the partition (steps 1-4) and
-:mod:`cp_attention.balance_split` the split of one long document into pieces.
-
-Legend: ``B`` rows, ``L`` tokens per row, ``P`` ranks, ``D`` documents; a *run* is a ``(start, end)``
-range of global token indices, an *item* a list of runs that moves as one.
+Legend: ``N`` segments, ``E`` events of a piecewise linear function, ``L`` tokens per row.
 """
 
 from __future__ import annotations
@@ -70,20 +17,10 @@ import math
 import numpy as np
 import torch
 
-from .balance_partition import TOKEN_SLACK, Batch, layout_from_items
-from .layout import Layout, merge_ranges
-from .masks import MaskSpec, SequenceMeta, segment_runs
+from ..masks import MaskSpec, SequenceMeta, segment_runs
+from .layouts import merge_ranges
 
-__all__ = ["Traffic", "balanced_layout", "balanced_layout_of", "token_costs"]
-
-PIECE_COSTS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05)
-"""Candidate piece costs, as fractions of the per-rank target, tried largest first."""
-RETRIES = 4
-"""Smaller piece costs tried after the estimated one when a rank misses the cost or token goal."""
-ACCEPT = 0.01
-"""A partition whose busiest rank is within this fraction of the target (and within the token cap) is kept."""
-LOOSE = 0.03
-"""... or an earlier one within this fraction whose busiest rank receives less K/V."""
+__all__ = ["Costs", "CostWindow", "Traffic", "token_costs", "layer_specs", "documents"]
 
 
 def _spec(mask: dict | MaskSpec) -> MaskSpec:
@@ -95,7 +32,7 @@ def _spec(mask: dict | MaskSpec) -> MaskSpec:
     return MaskSpec(**mask)
 
 
-def _layers(masks) -> list[tuple[int, MaskSpec]]:
+def layer_specs(masks) -> list[tuple[int, MaskSpec]]:
     """The distinct layer masks, each ``(count, spec)``: how many layers use it."""
     masks = [{}] if masks is None else list(masks)
     if not masks:
@@ -281,11 +218,11 @@ def token_costs(meta: SequenceMeta, masks=None, token_weight: float = 0.0) -> to
     """(L,) float64 cost of each token index as a query: visible keys summed over ``masks`` (one
     entry per attention layer; default one plain causal layer) and the B rows, plus
     ``token_weight`` x B (the differences of :class:`Costs`)."""
-    costs = Costs(meta, _layers(masks), token_weight)
+    costs = Costs(meta, layer_specs(masks), token_weight)
     return torch.from_numpy(np.diff(costs.prefix(np.arange(meta.seq_len + 1))))
 
 
-def _documents(meta: SequenceMeta) -> list[tuple[int, int]]:
+def documents(meta: SequenceMeta) -> list[tuple[int, int]]:
     """Items: the index ranges between the union of every row's document boundaries."""
     if meta.starts is None:
         return [(0, meta.seq_len)]
@@ -340,106 +277,3 @@ class Traffic:
                 n += b - a - sum(max(0, min(b, q) - max(a, p)) for p, q in runs)
             out.append((n, count))
         return out[0][0], sum(n * count for n, count in out)
-
-
-def _piece_cost(costs: Costs, docs: list[tuple[int, int]], P: int, cap: int) -> float:
-    """The largest piece cost, as a fraction of the target from PIECE_COSTS, for which the tokens fit,
-    estimated by packing the free items (whole documents and free heads) continuously: the ranks
-    without a piece take the free items with most cost per token, the ranks with one the rest; both
-    must stay under TOKEN_SLACK x cap."""
-    target = costs[costs.L] / P
-    start_D = np.array([a for a, _ in docs])
-    n_D = np.array([b - a for a, b in docs])
-    at_D = costs.prefix(start_D)
-    cost_D = costs.prefix(start_D + n_D) - at_D
-    limit = TOKEN_SLACK * cap
-    best = (math.inf, 1.0)
-    for f in PIECE_COSTS:
-        x = f * target
-        m_D = np.floor(cost_D / x)
-        k = int(m_D.sum())
-        if k > P:
-            break
-        cut = m_D > 0
-        head_D = np.minimum(np.array([costs.left(v) for v in at_D[cut] + cost_D[cut] - m_D[cut] * x],
-                                     dtype=np.int64) - start_D[cut], n_D[cut])
-        region_D = n_D[cut] - head_D
-        free_cost = np.concatenate((cost_D[~cut], cost_D[cut] - m_D[cut] * x))
-        free_n = np.concatenate((n_D[~cut], head_D))
-        order = np.argsort(-free_cost / np.maximum(free_n, 1))  # most cost per token first
-        got_cost, got_n = np.cumsum(free_cost[order]), np.cumsum(free_n[order])
-        need = (P - k) * target  # the ranks without a piece: the densest free items
-        i = min(int(np.searchsorted(got_cost, need)), len(order) - 1) if len(order) else -1
-        fresh = 0.0 if i < 0 else got_n[i] - (got_cost[i] - need) / max(free_cost[order[i]], 1e-300) * free_n[order[i]]
-        fresh = min(max(fresh, 0.0), float(free_n.sum()))
-        rest = float(free_n.sum()) - fresh
-        worst = max(fresh / (P - k) if k < P else 0.0,
-                    (float(region_D.sum()) + rest) / k if k else 0.0,
-                    float((region_D / np.maximum(m_D[cut], 1)).max()) if k else 0.0)
-        if worst <= limit:
-            return f
-        best = min(best, (worst, f))
-    return best[1]
-
-
-def balanced_layout(world_size: int, *, position_ids=None, cu_seqlens=None, seq_len: int | None = None,
-                    masks=None, token_weight: float = 0.0, max_token_ratio: float = 1.25,
-                    document_starts=None) -> Layout:
-    """A layout giving every rank about the same cost for this batch, cutting few documents where
-    their halos are short (see the module docstring).
-
-    Args:
-        world_size: P.
-        position_ids: (B, L) or (L,) the batch's positions (documents restart them), or
-        cu_seqlens: (N+1,) document boundaries of one row, or neither (with ``seq_len``: one document).
-        masks: the model's attention layers, one dict of ``attention()``'s ``causal``/``window``/
-            ``chunk_size`` (or a MaskSpec) per layer, repeats allowed; default one plain causal layer.
-            They give the cost and the traffic of every placement.
-        token_weight: dense per-token work in units of one visible pair of one layer.
-        max_token_ratio: no rank holds more than this x L / P tokens (activation memory) where the
-            documents allow it.
-        document_starts: (B, L) bool, with ``position_ids``: further tokens that open a document
-            (padding, a collator's document boundaries; what ``cp.shard_batch`` records).
-
-    Returns a :class:`~cp_attention.layout.Layout` (one index set for every row of the batch).
-    """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not token_weight >= 0:
-        raise ValueError(f"token_weight must be >= 0, got {token_weight!r}")
-    meta = SequenceMeta.of_batch(position_ids=position_ids, cu_seqlens=cu_seqlens, seq_len=seq_len,
-                                 document_starts=document_starts, caller="balanced_layout")
-    return balanced_layout_of(meta, world_size, masks=masks, token_weight=token_weight,
-                              max_token_ratio=max_token_ratio)
-
-
-def balanced_layout_of(meta: SequenceMeta, world_size: int, *, masks=None, token_weight: float = 0.0,
-                       max_token_ratio: float = 1.25) -> Layout:
-    """:func:`balanced_layout` for documents already described by ``meta`` (e.g. the metadata
-    ``cp.shard_batch`` records), without reading the position ids again."""
-    L, P = meta.seq_len, world_size
-    if L < P:
-        raise ValueError(f"sequence length {L} is shorter than the world size {P}")
-    layers = _layers(masks)
-    if P == 1:
-        return Layout(L, (((0, L),),), name="balanced")
-    costs = Costs(meta, layers, token_weight)
-    batch = Batch(costs, P, max(math.ceil(max_token_ratio * L / P), math.ceil(L / P)), _documents(meta),
-                  Traffic(meta, layers))
-    first = PIECE_COSTS.index(_piece_cost(costs, batch.docs, P, batch.cap))
-    tried = []  # (miss of the tight goals, miss of the loose ones, busiest receive, partition)
-    for f in PIECE_COSTS[first:first + 1 + RETRIES]:  # smaller pieces where a rank misses a goal
-        owned = batch.partition(f * batch.target)
-        load = max(sum(batch.cost_of(item) for item in items) for items in owned) / batch.target
-        tokens = max(sum(batch.size_of(item) for item in items) for items in owned) / batch.cap
-        recv = max(batch.traffic.recv([run for item in items for run in item])[0] for items in owned)
-        tried.append((max(load - 1 - ACCEPT, tokens - 1, 0.0), max(load - 1 - LOOSE, tokens - 1, 0.0), recv, owned))
-        if tried[-1][0] == 0:
-            break
-    # the first partition within ACCEPT of the target, unless an earlier one within LOOSE receives less
-    tight = next((t for t in tried if t[0] == 0), None)
-    loose = min((t for t in tried if t[1] == 0), key=lambda t: t[2], default=None)
-    if tight is None or (loose is not None and loose[2] < tight[2]):
-        tight = loose
-    best = tight if tight is not None else min(tried, key=lambda t: (t[1], t[0]))
-    return layout_from_items(L, best[3], batch.size_of)

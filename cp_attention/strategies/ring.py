@@ -14,7 +14,7 @@ dK/dV partial sums of each received span go back to its owner, who adds them to 
 
 :func:`ring_forward` and :func:`ring_backward` are the two passes without autograd (the forward also
 returns the LSE), for callers with their own autograd: the single-device custom op of
-:mod:`cp_attention.compiled`.
+:mod:`cp_attention.engine.local`.
 
 K and V travel with their own head dims (``D`` for k, ``Dv`` for v, which differ in multi-head
 latent attention): one message per exchange holds every K row of the spans, then every V row
@@ -31,10 +31,10 @@ from typing import NamedTuple
 
 import torch
 
-from .backends.base import accumulation_dtype
-from .comm import Comm, Pending
+from ..masks import accumulation_dtype
+from ..comm import Comm, Pending
 from .merge import apply_sinks, merge_into_
-from .plan import RankPlan, Round, Step
+from ..plan import RankPlan, Round, Step
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward"]
 
@@ -163,19 +163,13 @@ def _packed(x_BLKD: torch.Tensor) -> torch.Tensor:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, plan: RankPlan, comm: Comm, backend, scale: float, softcap):
-        try:
+        with comm.reporting("context-parallel attention forward"):  # peers learn who failed, and why
             return _RingAttention._forward(ctx, q, k, v, sinks, plan, comm, backend, scale, softcap)
-        except BaseException as exc:  # peers waiting on this rank learn who failed, and why
-            comm.report_failure("context-parallel attention forward", exc)
-            raise
 
     @staticmethod
     def backward(ctx, dout):
-        try:
+        with ctx.comm.reporting("context-parallel attention backward"):
             return _RingAttention._backward(ctx, dout)
-        except BaseException as exc:
-            ctx.comm.report_failure("context-parallel attention backward", exc)
-            raise
 
     @staticmethod
     def _forward(ctx, q, k, v, sinks, plan: RankPlan, comm: Comm, backend, scale: float, softcap):

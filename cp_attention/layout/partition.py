@@ -1,10 +1,10 @@
-"""The partition of a balanced layout (steps 1-4 of :mod:`cp_attention.balance`): a batch's long
+"""The partition of a balanced layout (steps 1-4 of :mod:`cp_attention.layout.balanced`): a batch's long
 documents cut into pieces and given ranks, the free items packed into bins and made exact, each
 group's free items and piece budgets spread over its ranks, and the :class:`~cp_attention.layout.Layout`
 of the result.
 
 Legend: ``P`` ranks, ``L`` tokens; ``csum[i]`` the cost of tokens ``[0, i)`` (a
-:class:`~cp_attention.balance.Costs`, closed forms per document); a *run* is a
+:class:`~cp_attention.layout.costs.Costs`, closed forms per document); a *run* is a
 ``(start, end)`` range of global token indices, an *item* a list of runs that moves as one.
 """
 
@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .balance_split import LongDocument
-from .layout import Layout, merge_ranges
+from .split import LongDocument
+from .layouts import Layout, merge_ranges
 
 if TYPE_CHECKING:
-    from .balance import Costs, Traffic
+    from .costs import Costs, Traffic
 
 __all__ = ["TOKEN_SLACK", "Batch", "layout_from_items"]
 
@@ -80,7 +80,7 @@ class Batch:
         return sum([q - p for p, q in item])
 
     def partition(self, x: float) -> list[list]:
-        """Every rank's items for pieces of cost ``x`` (steps 1-4 of :mod:`cp_attention.balance`)."""
+        """Every rank's items for pieces of cost ``x`` (steps 1-4 of :mod:`cp_attention.layout.balanced`)."""
         most = math.floor(self.tau)  # tokens a piece may hold: room for free items on its rank
         free, docs_long = self.cut(x, most)
         groups, next_rank, recv = self.assign(docs_long, most)
@@ -244,7 +244,7 @@ class Batch:
         return True
 
     def settle(self, bn: _Bin, owned: list[list]) -> None:
-        """A group's ranks (step 4 of :mod:`cp_attention.balance`): its free items spread over them,
+        """A group's ranks (step 4 of :mod:`cp_attention.layout.balanced`): its free items spread over them,
         each rank's remaining cost its pieces' budget, then its long documents split. A rank first gets
         the densest free items it needs to reach the target at all; then the items go, largest
         first, to the rank whose pieces nest innermost (the outer pieces keep large budgets: they

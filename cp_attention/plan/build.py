@@ -27,123 +27,18 @@ from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from . import layout as layout_mod
-from .masks import MaskSpec, SequenceMeta, mask_terms, segment_bounds
+from .. import layout as layout_mod
+from ..masks import MaskSpec, SequenceMeta, mask_terms
+from .types import WORK_TILE, KernelCall, PlanStats, RankPlan, Round, Step
+from .verify import check_plan, check_step
 
-__all__ = ["KernelCall", "Step", "Round", "PlanStats", "RankPlan", "build_plan", "build_local_plan", "verify_plan"]
-
-WORK_TILE = 128  # query rows per tile when counting computed score entries
-
-
-@dataclass(frozen=True, eq=False)
-class KernelCall:
-    """One varlen kernel call: query rows ``[q_start, q_end)`` of this rank's packed queries
-    (row ``b``, token ``i`` is ``b * L_local + i``) against rows ``[k_start, k_end)`` of the step's
-    packed K/V buffer. ``cu_seqlens_q/k`` (int32, CPU) are relative to those starts."""
-
-    q_start: int
-    q_end: int
-    k_start: int
-    k_end: int
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    causal: bool
-    window: tuple[int, int]
-    entries_computed: int
-    entries_visible: int
-    _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def cu_seqlens_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cu_seqlens_q/k`` on ``device``, copied once per plan and device."""
-        key = str(device)
-        if key not in self._device_cache:
-            self._device_cache[key] = (self.cu_seqlens_q.to(device, non_blocking=True),
-                                       self.cu_seqlens_k.to(device, non_blocking=True))
-        return self._device_cache[key]
-
-
-@dataclass(frozen=True, eq=False)
-class Step:
-    """Attention of this rank's queries against ``source``'s K/V tokens ``spans``: disjoint
-    ascending local ``[start, end)`` ranges of ``source``. The step's K/V buffer holds, for every batch
-    row, those tokens concatenated: (B, width, H_kv, D) with ``width`` the summed span lengths."""
-
-    source: int
-    spans: tuple[tuple[int, int], ...]
-    calls: tuple[KernelCall, ...]
-
-    @property
-    def width(self) -> int:
-        return sum(b - a for a, b in self.spans)
-
-
-@dataclass(frozen=True, eq=False)
-class Round:
-    """Exchange round ``offset``: receive from ``(rank - offset) % P`` and/or send to
-    ``(rank + offset) % P`` the local K/V tokens ``send_spans`` (None: nothing that way)."""
-
-    offset: int
-    recv: Step | None
-    send_to: int | None
-    send_spans: tuple[tuple[int, int], ...] | None
-
-
-@dataclass(frozen=True)
-class PlanStats:
-    """What one rank's plan will do in one forward (the backward moves the same K/V again, and
-    returns dK/dV partial sums of the received spans in float32)."""
-
-    rank: int
-    world_size: int
-    kernel_calls: int
-    rounds: int
-    peers_recv: tuple[int, ...]
-    peers_send: tuple[int, ...]
-    kv_bytes_recv: int
-    kv_bytes_sent: int
-    grad_bytes_recv: int
-    grad_bytes_sent: int
-    ring_kv_bytes_recv: int
-    """What a full ring (every other rank's whole shard) would deliver to this rank."""
-    entries_computed: int
-    """Scores a tiled kernel computes: for every tile of ``WORK_TILE`` query rows of a varlen
-    sequence, rows x the span of keys those rows see (what the reference backend computes; a
-    flash kernel's 2-D blocks compute slightly more on diagonals)."""
-    entries_visible: int
-    """(query, key) pairs the kernels keep; equals the pairs the mask keeps (verified)."""
-    strategy: str = "ring"  # "ring" (K/V moves between token shards), "ulysses" or "usp" (cp_attention.ulysses)
-    ulysses_size: int = 1  # ranks exchanging heads: 1 for the ring, P for "ulysses", the head group for "usp"
-    predicted: tuple = ()  # strategy="auto": ((candidate, modeled seconds), ...) it weighed (cp_attention.strategy)
-
-
-@dataclass(frozen=True, eq=False)
-class RankPlan:
-    rank: int
-    world_size: int
-    batch: int
-    local_len: int
-    local: Step | None
-    rounds: tuple[Round, ...]
-    stats: PlanStats
-
-    def steps(self) -> list[Step]:
-        return ([self.local] if self.local is not None else []) + [r.recv for r in self.rounds if r.recv]
-
-    def schedule(self) -> list[Round]:
-        """One round per offset 1..P-1, empty ones included. Every rank walks this same sequence,
-        so the messages between any two ranks are posted in the same order on both sides (NCCL
-        matches point-to-point messages by order, not by tag)."""
-        by_offset = {r.offset: r for r in self.rounds}
-        return [by_offset.get(t, Round(offset=t, recv=None, send_to=None, send_spans=None))
-                for t in range(1, self.world_size)]
+__all__ = ["build_plan", "build_local_plan", "verify_plan"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,10 +367,6 @@ def _spans(seqs: list[_Seq], Ls: int) -> tuple[tuple[int, int], ...]:
     return tuple(layout_mod.merge_ranges(ranges))
 
 
-def _band(spec: MaskSpec, seq_len: int) -> tuple[int, int]:
-    lo, hi = spec.band()
-    return int(max(lo, -seq_len)), int(min(hi, seq_len))
-
 
 def _step(seqs: list[_Seq], source: int, Ls: int, whole: bool) -> Step | None:
     """The step computing ``seqs`` against ``source``'s keys (``whole``: its whole shard, the local
@@ -596,104 +487,16 @@ def build_local_plan(
     local = Step(source=0, spans=((0, Lk),), calls=tuple(_calls(seqs, lambda k: k))) if seqs else None
     plan = _rank_plan(0, 1, meta.batch, [Lq], local, (), 0, 0)
     if verify or (verify is None and os.environ.get("CP_ATTENTION_VERIFY_PLANS") == "1"):
-        _verify_step(local, q_idx, k_idx, meta, spec, exact_spans=False)
+        check_step(local, q_idx, k_idx, meta, spec, exact_spans=False)
     return plan
 
 
-# ----------------------------------------------------------------------------------------------
-# verification (tests and debugging): every call against the mask, token by token
-
-
-def _intervals(q_idx: torch.Tensor, k_idx: torch.Tensor, seg_start: torch.Tensor, seg_end: torch.Tensor,
-               spec: MaskSpec, span_end: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each packed query row (``b * Lq + i``), the packed key rows (``b * Lk + j``) it sees.
-
-    ``q_idx``/``k_idx``: increasing global positions of the query and key tokens; ``seg_start``/
-    ``seg_end`` (B, T): attention segment of every global position; ``span_end`` (B, T): the end of
-    a token's bidirectional span or -1 (its later keys extend the interval). Returns (R,), (R,)."""
-    lo_i, hi_i = _band(spec, seg_start.shape[1])
-    seg_s_BR, seg_e_BR = seg_start[:, q_idx], seg_end[:, q_idx]
-    low_BR = torch.maximum(seg_s_BR, q_idx + lo_i)
-    up_BR = torch.minimum(seg_e_BR, q_idx + hi_i + 1)
-    if span_end is not None:
-        up_BR = torch.maximum(up_BR, span_end[:, q_idx])
-    tlo_BR = torch.searchsorted(k_idx, low_BR.contiguous())
-    thi_BR = torch.maximum(torch.searchsorted(k_idx, up_BR.contiguous()), tlo_BR)
-    base_B1 = (torch.arange(seg_s_BR.shape[0]) * k_idx.numel()).unsqueeze(1)
-    return (tlo_BR + base_B1).reshape(-1), (thi_BR + base_B1).reshape(-1)
-
-
-def _verify_step(step: Step | None, q_idx: torch.Tensor, k_idx: torch.Tensor, meta: SequenceMeta,
-                 spec: MaskSpec, exact_spans: bool) -> int:
-    """Check that ``step``'s calls compute every visible pair of the queries at global positions
-    ``q_idx`` against the keys at ``k_idx`` (the step's buffer, per batch row) exactly once, and
-    (``exact_spans``) that every key of the buffer is seen by some query. Returns the visible pairs."""
-    from .backends.base import row_key_intervals
-
-    seg_start, seg_end = segment_bounds(meta, spec)
-    lo_R, hi_R = _intervals(q_idx, k_idx, seg_start, seg_end, spec, meta.span_ends() if spec.spans else None)
-    want = int((hi_R - lo_R).clamp(min=0).sum())
-    calls = step.calls if step is not None else ()
-    rows, los, his = [], [], []
-    for c in calls:
-        lo_T, hi_T = row_key_intervals(c.cu_seqlens_q, c.cu_seqlens_k, causal=c.causal, window=c.window)
-        keep = hi_T > lo_T
-        rows.append(torch.arange(c.q_start, c.q_end)[keep])
-        los.append(lo_T[keep] + c.k_start)
-        his.append(hi_T[keep] + c.k_start)
-    row_X = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
-    lo_X, hi_X = (torch.cat(xs) if xs else row_X.clone() for xs in (los, his))
-    order = torch.argsort(row_X * (int(hi_R.max()) + 2 if hi_R.numel() else 1) + lo_X, stable=True)
-    row_X, lo_X, hi_X = row_X[order], lo_X[order], hi_X[order]
-    R = lo_R.numel()
-    got_lo = torch.full((R,), -1, dtype=torch.int64).scatter_reduce(0, row_X, lo_X, "amin", include_self=False)
-    got_hi = torch.full((R,), -1, dtype=torch.int64).scatter_reduce(0, row_X, hi_X, "amax", include_self=False)
-    got_n = torch.zeros(R, dtype=torch.int64).scatter_add(0, row_X, hi_X - lo_X)
-    same_row = row_X[1:] == row_X[:-1]
-    gapless = bool((lo_X[1:][same_row] == hi_X[:-1][same_row]).all())
-    live = hi_R > lo_R
-    ok = gapless and bool((got_n == (hi_R - lo_R).clamp(min=0)).all()) and \
-        bool((got_lo[live] == lo_R[live]).all()) and bool((got_hi[live] == hi_R[live]).all())
-    if not ok:
-        bad = torch.nonzero(got_n != (hi_R - lo_R).clamp(min=0)).flatten()[:4].tolist()
-        raise AssertionError(f"plan verification: the kernel calls of the step from rank "
-                             f"{None if step is None else step.source} do not compute exactly the visible pairs "
-                             f"(rows {bad}: want {[(int(lo_R[r]), int(hi_R[r])) for r in bad]}); please report this")
-    if exact_spans and k_idx.numel():
-        used = torch.zeros(k_idx.numel() * meta.batch + 1, dtype=torch.int64)
-        used.index_add_(0, lo_R[live], torch.ones_like(lo_R[live]))
-        used.index_add_(0, hi_R[live], -torch.ones_like(hi_R[live]))
-        seen = (torch.cumsum(used, 0)[:-1] > 0).reshape(meta.batch, -1).any(0)
-        if not bool(seen.all()):
-            raise AssertionError(f"plan verification: rank {step.source} sends keys no query sees "
-                                 f"(buffer rows {torch.nonzero(~seen).flatten()[:8].tolist()}); please report this")
-    if step is not None and sum(c.entries_visible for c in step.calls) != want:
-        raise AssertionError("plan verification: the calls' visible-pair counts disagree with the mask")
-    return want
-
 
 def verify_plan(plan: RankPlan, meta: SequenceMeta, spec: MaskSpec, layout) -> None:
-    """Check ``plan`` token by token against the mask: every step's calls compute exactly the visible
-    pairs of this rank's queries with the keys of the spans it receives, every received key is seen,
-    no visible pair with a rank is missing, and what this rank sends is what its peers' plans
-    receive. O(L) time and memory: for tests and debugging (``$CP_ATTENTION_VERIFY_PLANS=1`` runs it
-    on every plan built). Raises AssertionError."""
-    L, P, r = meta.seq_len, plan.world_size, plan.rank
-    q_idx = layout_mod.global_index(L, P, layout, r)
-    by_source = {st.source: st for st in plan.steps()}
-    for s in range(P):
-        k_all = layout_mod.global_index(L, P, layout, s)
-        st = by_source.get(s)
-        spans = st.spans if st is not None else ((0, k_all.numel()),)
-        k_idx = torch.cat([k_all[a:b] for a, b in spans])
-        want = _verify_step(st, q_idx, k_idx, meta, spec, exact_spans=st is not None and s != r)
-        if st is None and want:
-            raise AssertionError(f"plan verification: rank {r} sees keys of rank {s} but its plan has no step for it")
-    for rnd in plan.rounds:  # what this rank sends is exactly what the receiver's plan reads
-        if rnd.send_to is not None:
-            peer = build_plan(meta, spec, world_size=P, layout=layout, rank=rnd.send_to, head_kv=1, head_dim=1,
-                              itemsize=1, verify=False)
-            got = {st.source: st.spans for st in peer.steps()}.get(r)
-            if got != rnd.send_spans:
-                raise AssertionError(f"plan verification: rank {r} sends {rnd.send_spans} to rank {rnd.send_to}, "
-                                     f"which reads {got}; please report this")
+    """Check ``plan`` token by token against the mask (:func:`~cp_attention.plan.verify.check_plan`),
+    the peers' plans built here to check what this rank sends. Raises AssertionError."""
+    def peer(r: int) -> RankPlan:
+        return build_plan(meta, spec, world_size=plan.world_size, layout=layout, rank=r, head_kv=1, head_dim=1,
+                          itemsize=1, verify=False)
+
+    check_plan(plan, meta, spec, layout, peer)

@@ -13,7 +13,7 @@ for a batch's documents by :func:`cp_attention.balanced_layout`).
 
 Layouts are objects: :class:`Zigzag`, :class:`Contiguous` and :class:`Layout` answer the same
 questions (``rank_ranges``, ``wire_code``), so no function branches on the kind of layout;
-:class:`Balanced` is a *policy* that makes a :class:`Layout` for each batch
+:class:`~cp_attention.layout.balanced.Balanced` is a *policy* that makes a :class:`Layout` for each batch
 (``context_parallel(layout="balanced")``). A name is parsed once, at the boundary, by
 :func:`as_layout`; the functions here also accept a name, for convenience.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LAYOUTS", "Layout", "NamedLayout", "Zigzag", "Contiguous", "Balanced", "as_layout", "merge_ranges",
+__all__ = ["LAYOUTS", "Layout", "NamedLayout", "Zigzag", "Contiguous", "as_layout", "merge_ranges",
            "check_layout", "layout_code", "slice_bounds", "rank_ranges", "local_lengths", "global_index", "shard",
            "unshard", "infer_seq_len"]
 
@@ -92,64 +92,13 @@ class Contiguous(NamedLayout):
         return [(a, b)] if b > a else []
 
 
-@dataclass(frozen=True, eq=False)
-class Balanced:
-    """A policy, not a layout: each batch gets its own :class:`Layout` from its documents and the
-    model's attention layers (:func:`cp_attention.balanced_layout_of`), made by ``cp.shard_batch``.
-
-    ``max_token_ratio``: a rank holds at most this x L / P tokens. ``masks`` / ``token_weight``: the
-    layer masks and per-token weight of the cost model; None: the model's, read by ``shard_batch``
-    from ``model=`` (one causal layer and no token weight without it)."""
-
-    max_token_ratio: float = 1.25
-    masks: tuple | None = None
-    token_weight: float | None = None
-
-    name = "balanced"
-    per_batch = True
-
-    def __post_init__(self) -> None:
-        if not self.max_token_ratio >= 1.0:
-            raise ValueError(f"Balanced: max_token_ratio must be >= 1 (a rank holds at least L / P tokens), "
-                             f"got {self.max_token_ratio!r}")
-        if self.masks is not None:  # hashable and checked now: MaskSpecs of the planning part
-            from .masks import MaskSpec
-
-            specs = tuple((m if isinstance(m, MaskSpec) else MaskSpec(**m)).for_planning() for m in self.masks)
-            object.__setattr__(self, "masks", specs)
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, str):
-            return other == self.name
-        return isinstance(other, Balanced) and (self.max_token_ratio, self.masks, self.token_weight) == (
-            other.max_token_ratio, other.masks, other.token_weight)
-
-    def __hash__(self) -> int:
-        return hash((self.name, self.max_token_ratio, self.masks, self.token_weight))
-
-    @property
-    def label(self) -> str:
-        return repr(self.name)
-
-    def for_batch(self, meta, world_size: int, *, masks=None, token_weight: float = 0.0) -> Layout:
-        """The balanced :class:`Layout` of the batch ``meta`` (a :class:`~cp_attention.SequenceMeta`);
-        ``masks`` and ``token_weight`` are the model's (the policy's own, when set, win)."""
-        from .balance import balanced_layout_of  # the balancer builds on this module
-
-        return balanced_layout_of(meta, world_size, masks=list(self.masks) if self.masks is not None else masks,
-                                  token_weight=self.token_weight if self.token_weight is not None else token_weight,
-                                  max_token_ratio=self.max_token_ratio)
-
-    def __str__(self) -> str:
-        return self.name
-
-
-def as_layout(layout, *, policy: bool = False):
-    """The layout object for ``layout``: a name (``"zigzag"``, ``"contiguous"``; also ``"balanced"``
-    where ``policy``) or an object, returned as it is. Raises ValueError naming the valid options."""
-    if isinstance(layout, (NamedLayout, Layout)) or (policy and isinstance(layout, Balanced)):
+def as_layout(layout):
+    """The layout object for ``layout``: a name (``"zigzag"``, ``"contiguous"``) or an object, returned
+    as it is. Raises ValueError naming the valid options (``"balanced"``, a per-batch policy, is
+    parsed by :func:`cp_attention.layout.balanced.as_policy`)."""
+    if isinstance(layout, (NamedLayout, Layout)):
         return layout
-    named = {"zigzag": Zigzag, "contiguous": Contiguous, **({"balanced": Balanced} if policy else {})}
+    named = {"zigzag": Zigzag, "contiguous": Contiguous}
     if isinstance(layout, str) and layout in named:
         return named[layout]()
     raise ValueError(f"layout must be one of {tuple(named)} or a cp_attention.layout.Layout, got {layout!r}")

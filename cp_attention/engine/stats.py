@@ -4,73 +4,85 @@ statistics of a layout without a process group (:func:`plan_stats`)."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
-from . import state
-from .masks import MaskSpec, SequenceMeta
-from .plan import PlanStats, build_plan
-from .torch_compat import in_backward
+from ..masks import MaskSpec, SequenceMeta
+from ..plan import PlanStats, build_plan
+from ..torch_compat import in_backward
 
 __all__ = ["last_plan_stats", "forward_plan_stats", "begin_forward", "note_stats", "plan_stats", "strategy_label",
            "predicted_label",
-           "forward_mixer_stats", "note_mixer"]
+           "forward_mixer_stats", "note_mixer", "begin_mixers"]
 
 log = logging.getLogger("cp_attention.api")
+
+STATS: dict = {"last": None}
+"""The most recent plan statistics in this process (:func:`last_plan_stats`). Guarded by ``STATS_LOCK``."""
+STATS_LOCK = threading.Lock()
+FORWARD = threading.local()
+"""Per thread: the plans (``.calls``) and mixer calls (``.mixers``) of the current model forward."""
 
 
 def last_plan_stats() -> PlanStats | None:
     """Statistics of the plan used by the most recent attention call in this process (the bare
     :func:`~cp_attention.attention` or a ``cp_flash`` layer, at any world size)."""
-    with state.STATS_LOCK:
-        return state.STATS["last"]
+    with STATS_LOCK:
+        return STATS["last"]
 
 
 def forward_plan_stats() -> list[tuple[int | None, PlanStats]]:
     """``(layer index, PlanStats)`` of every attention layer call of the most recent ``cp_flash``
     model forward in this thread, in call order, at any world size (recomputations by gradient
     checkpointing during backward are not counted again)."""
-    return list(getattr(state.FORWARD, "calls", []))
+    return list(getattr(FORWARD, "calls", []))
 
 
 def forward_mixer_stats() -> list:
-    """:class:`~cp_attention.mixers.MixerStats` of every sequence-mixer call (convolution halos,
+    """:class:`~cp_attention.strategies.scan.MixerStats` of every sequence-mixer call (convolution halos,
     recurrence states) of the most recent ``cp_flash`` model forward inside a ``context_parallel``
     block in this thread, in call order (recomputations by gradient checkpointing are not counted
     again)."""
-    return list(getattr(state.FORWARD, "mixers", []))
+    return list(getattr(FORWARD, "mixers", []))
 
 
 def note_mixer(stats) -> None:
     """Report a mixer call's traffic to :func:`forward_mixer_stats` (outside a recomputation)."""
     if not in_backward():
-        if not hasattr(state.FORWARD, "mixers"):
-            state.FORWARD.mixers = []
-        state.FORWARD.mixers.append(stats)
+        if not hasattr(FORWARD, "mixers"):
+            FORWARD.mixers = []
+        FORWARD.mixers.append(stats)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s across ranks: received %d B (%d %s), sent %d B", stats.kind, stats.bytes_recv,
                   stats.tokens_recv, "halo tokens" if stats.kind == "convolution" else "piece states",
                   stats.bytes_sent)
 
 
+def begin_mixers() -> None:
+    """Start a model forward's :func:`forward_mixer_stats` (the model check, when a cp_flash model's
+    forward starts inside a context)."""
+    FORWARD.mixers = []
+
+
 def begin_forward() -> None:
     """Mark the start of a model forward for :func:`forward_plan_stats` (the integration's mask
     function and the single-device op's first layer call it); a no-op until a layer of the previous
     forward has run."""
-    if getattr(state.FORWARD, "layer_ran", True):
-        state.FORWARD.calls, state.FORWARD.layer_ran = [], False
+    if getattr(FORWARD, "layer_ran", True):
+        FORWARD.calls, FORWARD.layer_ran = [], False
 
 
 def note_stats(stats: PlanStats, layer: int | None = None, in_model: bool = False) -> None:
     """Report a call's plan to :func:`last_plan_stats` and, for a model layer (``in_model``) outside
     a backward recomputation, to :func:`forward_plan_stats`."""
-    with state.STATS_LOCK:
-        state.STATS["last"] = stats
+    with STATS_LOCK:
+        STATS["last"] = stats
     if in_model and not in_backward():
-        if not hasattr(state.FORWARD, "calls"):
-            state.FORWARD.calls = []
-        state.FORWARD.calls.append((layer, stats))
-        state.FORWARD.layer_ran = True
+        if not hasattr(FORWARD, "calls"):
+            FORWARD.calls = []
+        FORWARD.calls.append((layer, stats))
+        FORWARD.layer_ran = True
     if log.isEnabledFor(logging.DEBUG):
         log.debug("attention call%s (%s%s): %d kernel calls, %s sent %d B / received %d B in %d rounds, backward %d B",
                   "" if layer is None else f" (layer {layer})", strategy_label(stats), predicted_label(stats),
@@ -99,7 +111,7 @@ def plan_stats(layout, rank: int, *, world_size: int | None = None, position_ids
     process group: traffic, rounds, kernel calls and visible pairs, from the pure planner.
 
     ``position_ids`` (B, L) or (L,), or ``cu_seqlens`` (N+1,), or ``seq_len`` describe the batch."""
-    from .layout import as_layout
+    from ..layout.layouts import as_layout
 
     layout = as_layout(layout)
     meta = SequenceMeta.of_batch(position_ids=position_ids, cu_seqlens=cu_seqlens, seq_len=seq_len,

@@ -9,8 +9,8 @@ shape runs the same compiled graph. The fake (meta) implementation only allocate
 ``register_autograd`` pairs the op with ``cp_attention::local_attention_backward``, which rebuilds the
 same plan from the same tensors (a cache hit) and runs the ring's backward.
 
-Plan cache. Plans are memoised in one process-wide LRU cache (:data:`cp_attention.state.LOCAL_PLANS`,
-a :class:`~cp_attention.plan_cache.PlanCache`) keyed by the mask, the shapes and a digest of the *content* of the document
+Plan cache. Plans are memoised in one process-wide LRU cache (:data:`LOCAL_PLANS`,
+a :class:`~cp_attention.plan.PlanCache`) keyed by the mask, the shapes and a digest of the *content* of the document
 tensors: a stale plan cannot be reused for other documents. Digests are remembered per tensor
 object and version (weakly: the memo dies with the tensor), so the layers of one forward, which
 share their ``position_ids`` and masks, move them to the CPU and hash them once.
@@ -33,19 +33,22 @@ import time
 
 import torch
 
+from ..backends import select_backend
+from ..comm import Comm
+from ..masks import MaskSpec, SequenceMeta, accumulation_dtype
+from ..plan import PlanCache, RankPlan, build_local_plan
+from ..strategies.ring import ring_backward, ring_forward
+from ..torch_compat import assume_constant_result, in_backward
 from . import context, stats
-from .backends import select_backend
-from .backends.base import accumulation_dtype
-from .comm import Comm
-from .masks import MaskSpec, SequenceMeta
-from .plan import RankPlan, build_local_plan
-from .ring import ring_backward, ring_forward
-from .state import LOCAL_PLANS
-from .torch_compat import assume_constant_result, in_backward
+from .checks import check_inputs
 
-__all__ = ["local_attention", "local_meta", "local_plan", "multi_rank_context_active", "bound_attention"]
+__all__ = ["local_attention", "local_meta", "local_plan", "multi_rank_context_active", "pair_autograd", "LOCAL_PLANS"]
 
 log = logging.getLogger("cp_attention.api")
+
+LOCAL_PLANS = PlanCache(32)
+"""The single-device plans by content (LRU, 32 entries; thread-safe): the op's and the bare
+``attention()``'s on one device."""
 
 
 def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 0,
@@ -116,7 +119,7 @@ def local_plan(B: int, Lq: int, Lk: int, spec: MaskSpec, *, q_offset: int = 0, k
                label: str = "single device") -> RankPlan:
     """The single-device plan of ``spec`` (its planning part) over the documents the tensors describe
     (see :func:`local_meta`), from the process-wide cache keyed by their *content*
-    (:data:`cp_attention.state.LOCAL_PLANS`): what the op and the bare ``attention()`` on one device
+    (:data:`LOCAL_PLANS`): what the op and the bare ``attention()`` on one device
     both run. ``label``: how the log names the call."""
     spec = spec.for_planning()
     cache = LOCAL_PLANS
@@ -231,7 +234,7 @@ def _(dout, q, k, v, out, lse, sinks, position_ids, valid, opens, cu_seqlens, sp
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
-def _pair_autograd(op, backward_op, docs: slice, static: slice, count: int) -> None:
+def pair_autograd(op, backward_op, docs: slice, static: slice, count: int) -> None:
     """Register ``backward_op`` as ``op``'s autograd: q, k, v, out, lse, sinks and the document tensors
     ``inputs[docs]`` saved, the plain arguments ``inputs[static]`` passed on (``count``: the op's inputs)."""
     def setup_context(ctx, inputs, output):
@@ -251,7 +254,7 @@ def _pair_autograd(op, backward_op, docs: slice, static: slice, count: int) -> N
 
 
 # documents: position_ids, valid, opens, cu_seqlens, span_next; static: q_offset ... backend
-_pair_autograd(_local_attention, torch.ops.cp_attention.local_attention_backward, slice(4, 9), slice(9, 18), 20)
+pair_autograd(_local_attention, torch.ops.cp_attention.local_attention_backward, slice(4, 9), slice(9, 18), 20)
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, *,
@@ -272,114 +275,10 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Mas
     bound, the op raises when it runs inside a context of several ranks. ``layer``: the model layer
     index, for :func:`~cp_attention.forward_plan_stats` (index 0 starts a new forward).
     """
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    shapes = f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"local_attention expects q (B, Lq, H, D), k (B, Lk, K, D) and v (B, Lk, K, Dv); {shapes}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"local_attention: k and v must agree on (B, Lk, K) (only v's head dim may differ); {shapes}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"local_attention: q and k must agree on the batch and the head dim D; {shapes}")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"local_attention: query heads H must be a multiple of K/V heads K (GQA/MQA); {shapes}")
-    if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
-        raise ValueError(f"sinks must have shape (heads,) = ({q.shape[2]},), got {tuple(sinks.shape)}")
+    check_inputs(q, k, v, sinks=sinks, same_length=False)
     out, _ = torch.ops.cp_attention.local_attention(
         q, k, v, sinks, position_ids, valid, opens, cu_seqlens, span_next, int(q_offset), int(kv_offset),
         bool(spec.causal), bool(spec.spans), spec.window, spec.chunk_size, None if spec.softcap is None else float(spec.softcap),
         spec.resolved_scale(q.shape[3]), backend or _context_backend(), -1 if layer is None else int(layer),
         not bound)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# the multi-rank op: a layer traced inside context parallelism
-
-
-def _bound_call(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask, causal,
-                spans, window, chunk_size, softcap, scale, layer, run):
-    """Both passes of the multi-rank op: the layer's documents bound to its batch now (at run time),
-    then the engine's call under context parallelism (checks every rank raises together, agreement,
-    the plan from the context's cache, the strategy) with ``run`` in place of autograd."""
-    from . import engine  # the engine imports this module
-
-    spec = MaskSpec(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale, spans=spans)
-    docs = engine.LayerDocs(mask=has_mask, q_offset=q_offset, kv_offset=kv_offset,
-                            kv_length=None if kv_length < 0 else kv_length, valid=attention_mask)
-    docs = engine.bind_traced_docs(docs, q.shape[0], q.shape[1])
-    return engine.bound_layer(q, k, v, spec, position_ids, docs, sinks, None if layer < 0 else layer, run)
-
-
-@torch.library.custom_op("cp_attention::bound_attention", mutates_args=())
-def _bound_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                        position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, q_offset: int,
-                        kv_offset: int, kv_length: int, has_mask: bool, causal: bool, spans: bool,
-                        window: int | None, chunk_size: int | None, softcap: float | None, scale: float | None,
-                        layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, L, H, D), k (B, L, K, D), v (B, L, K, Dv) of this rank -> out (B, L, H, Dv), lse (H, B * L)
-    float32 (float64 for float64 inputs)."""
-    if layer == 0 and not in_backward():
-        stats.begin_forward()
-    from .engine import passes
-
-    out, lse = _bound_call(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask,
-                           causal, spans, window, chunk_size, softcap, scale, layer, passes())
-    return out.contiguous(), lse.contiguous()
-
-
-@_bound_attention_op.register_fake
-def _(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask, causal, spans, window,
-      chunk_size, softcap, scale, layer):
-    B, L, H, _ = q.shape
-    return q.new_empty((B, L, H, v.shape[3])), q.new_empty((H, B * L), dtype=accumulation_dtype(q.dtype))
-
-
-@torch.library.custom_op("cp_attention::bound_attention_backward", mutates_args=())
-def _bound_attention_backward(
-        dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-        sinks: torch.Tensor | None, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
-        q_offset: int, kv_offset: int, kv_length: int, has_mask: bool, causal: bool, spans: bool,
-        window: int | None, chunk_size: int | None, softcap: float | None, scale: float | None, layer: int,
-        need_dsinks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dq (B, L, H, D), dk (B, L, K, D), dv (B, L, K, Dv), dsinks (H,) (empty when not needed). The
-    plan is the forward's (the batch's agreed signature: no collective before the exchanges)."""
-    from .engine import passes
-
-    dq, dk, dv, dsinks = _bound_call(q, k, v, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length,
-                                     has_mask, causal, spans, window, chunk_size, softcap, scale, layer,
-                                     passes(dout, out, lse, need_dsinks))
-    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks if dsinks is not None else q.new_empty(0)
-
-
-@_bound_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, sinks, position_ids, attention_mask, q_offset, kv_offset, kv_length, has_mask, causal,
-      spans, window, chunk_size, softcap, scale, layer, need_dsinks):
-    dsinks = sinks.new_empty(sinks.shape) if sinks is not None and need_dsinks else q.new_empty(0)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
-
-
-# documents: position_ids, attention_mask; static: q_offset ... layer
-_pair_autograd(_bound_attention_op, torch.ops.cp_attention.bound_attention_backward, slice(4, 6), slice(6, 17), 17)
-
-
-def bound_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec, *,
-                    sinks: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, docs=None,
-                    layer: int | None = None) -> torch.Tensor:
-    """A model layer's attention under context parallelism as one custom op that ``torch.compile``
-    keeps opaque: q (B, L, H, D), k (B, L, K, D), v (B, L, K, Dv) of this rank, sinks (H,) or None ->
-    (B, L, H, Dv), differentiable w.r.t. q, k, v and sinks.
-
-    Everything dynamo cannot trace happens inside, when the op runs: the batch the layer's tensors
-    are bound to (``position_ids`` or, through ``docs.valid``, the model's raw ``attention_mask``: the
-    tensors ``cp.shard_batch`` returned), the checks every rank raises together, the agreement, the
-    plan (from the context's cache: a new packing of the same length runs the same graph) and the
-    strategy's exchanges. The backward runs the same plan's backward (``ring_backward``, or the
-    head-parallel one). ``docs``: the layer's :class:`~cp_attention.engine.LayerDocs` as traced."""
-    kv_length = -1 if docs is None or docs.kv_length is None else int(docs.kv_length)
-    out, _ = torch.ops.cp_attention.bound_attention(
-        q, k, v, sinks, position_ids, None if docs is None else docs.valid, 0 if docs is None else int(docs.q_offset),
-        0 if docs is None else int(docs.kv_offset), kv_length, bool(docs is not None and docs.mask), bool(spec.causal),
-        bool(spec.spans), spec.window, spec.chunk_size, None if spec.softcap is None else float(spec.softcap),
-        None if spec.scale is None else float(spec.scale), -1 if layer is None else int(layer))
     return out

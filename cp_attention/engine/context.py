@@ -7,32 +7,69 @@ Legend: ``B`` batch, ``L`` global length, ``L_local`` this rank's tokens.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
+import threading
 from typing import Callable
 
 import torch
 
-from . import layout as layout_mod
-from . import state
+from .. import layout as layout_mod
 from .agreement import check_strategy
-from .backends import BACKENDS
+from ..backends import BACKENDS
 from .batch import BatchRecord, LiveRecords, bind, tokens_checksum
-from .comm import Comm
-from .masks import SequenceMeta
-from .plan_cache import PlanCache
-from .strategy import CostModel
+from ..comm import Comm
+from ..masks import SequenceMeta
+from ..plan.cache import PlanCache
+from ..strategies.choice import CostModel
 
-__all__ = ["ContextParallel", "context_parallel", "active_context", "outside_context", "as_group", "PLAN_CACHE_SIZE"]
+__all__ = ["ContextParallel", "context_parallel", "active_context", "outside_context", "full_batch_active", "as_group",
+           "PLAN_CACHE_SIZE", "register_batch_convention", "register_context_guard"]
 
 log = logging.getLogger("cp_attention.api")
 
 PLAN_CACHE_SIZE = 32
 """Plans and document metadata a context keeps, together (least recently used first out)."""
 
+ACTIVE_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("cp_attention_ctx", default=None)
+"""The innermost ``context_parallel`` block of this thread / task (a ``with`` block's scope is dynamic)."""
+FULL_BATCH: contextvars.ContextVar = contextvars.ContextVar("cp_attention_full_batch", default=False)
+"""True inside :func:`outside_context`: a full-batch computation every rank runs alike."""
+ANNOUNCED: set = set()
+"""(world size, layout, backend) already logged at INFO, once per process. Guarded by ``ANNOUNCED_LOCK``."""
+ANNOUNCED_LOCK = threading.Lock()
+BATCH_CONVENTIONS: dict = {}
+"""name -> ``shard_batch(cp, **inputs)``: how ``cp.shard_batch`` reads a collator's batch, registered by
+the integrations (:func:`register_batch_convention`) so that the engine never imports them."""
+CONTEXT_GUARDS: list = []
+"""Callables ``cp -> (callable run when the block exits)``: what a ``context_parallel`` block enters and
+leaves (the model check of cp_flash models), registered by the integrations (:func:`register_context_guard`)."""
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register_batch_convention(name: str, shard_batch: Callable) -> None:
+    """Make ``shard_batch(cp, **inputs)`` the way ``cp.shard_batch`` reads batches of ``name`` (the first
+    registration of a name wins)."""
+    with _REGISTRY_LOCK:
+        BATCH_CONVENTIONS.setdefault(name, shard_batch)
+
+
+def register_context_guard(guard: Callable) -> None:
+    """Run ``guard(cp)`` when a ``context_parallel`` block is entered, and the callable it returns when
+    the block exits (once per guard)."""
+    with _REGISTRY_LOCK:
+        if guard not in CONTEXT_GUARDS:
+            CONTEXT_GUARDS.append(guard)
+
 
 def active_context() -> ContextParallel | None:
     """The innermost active :func:`context_parallel` context of this thread, or None."""
-    return state.ACTIVE_CONTEXT.get()
+    return ACTIVE_CONTEXT.get()
+
+
+def full_batch_active() -> bool:
+    """Whether this thread runs inside :func:`outside_context` (a full-batch computation every rank runs alike)."""
+    return FULL_BATCH.get()
 
 
 @contextlib.contextmanager
@@ -41,12 +78,12 @@ def outside_context():
     innermost context comes back after it): computations over the full batch that every rank runs
     alike, such as a vision-language model's image encoder inside ``cp.shard_batch``, attend on
     one device instead of binding to the block's sharded batch."""
-    token, full = state.ACTIVE_CONTEXT.set(None), state.FULL_BATCH.set(True)
+    token, full = ACTIVE_CONTEXT.set(None), FULL_BATCH.set(True)
     try:
         yield
     finally:
-        state.FULL_BATCH.reset(full)
-        state.ACTIVE_CONTEXT.reset(token)
+        FULL_BATCH.reset(full)
+        ACTIVE_CONTEXT.reset(token)
 
 
 def as_group(group, mesh_dim: str | None = None):
@@ -93,14 +130,14 @@ class ContextParallel:
         self.cost_model = cost_model or CostModel()
         # a layout object, or the Balanced policy (shard_batch lays out each batch); parsed before the
         # comm opens its failure scope, so a bad layout opens none (the ranks' scope counts stay equal)
-        self.layout = layout_mod.as_layout(layout, policy=True)
+        self.layout = layout_mod.as_policy(layout)
         self.comm = Comm(group, timeout=timeout, fresh_scope=True)
         self.group = group
         self.backend = backend
         key = (self.comm.world_size, self.layout.name, backend)
-        with state.ANNOUNCED_LOCK:
-            announce = key not in state.ANNOUNCED
-            state.ANNOUNCED.add(key)
+        with ANNOUNCED_LOCK:
+            announce = key not in ANNOUNCED
+            ANNOUNCED.add(key)
         if announce:
             log.info("context parallelism over %d rank(s), %s layout, backend %r (rank %d)",
                      self.comm.world_size, self.layout, backend, self.comm.rank)
@@ -136,7 +173,7 @@ class ContextParallel:
 
     def current_batch(self):
         """The record of this context's only live sharded batch, None when there is none, or
-        :data:`~cp_attention.batch.AMBIGUOUS` when several batches returned by :meth:`shard_batch`
+        :data:`~cp_attention.engine.batch.AMBIGUOUS` when several batches returned by :meth:`shard_batch`
         are still alive (a forward must then name its batch through the tensors it got from
         :meth:`shard_batch`)."""
         return self.records.only()
@@ -161,7 +198,7 @@ class ContextParallel:
           and size (windows, chunks, token weight; without ``model``: one causal layer).
         * The batch's documents (wherever ``position_ids`` do not increase by one, the collator's
           document boundaries, ``document_starts`` and padding in ``attention_mask``) are recorded in a
-          :class:`~cp_attention.batch.BatchRecord` bound to the returned tensors: every attention
+          :class:`~cp_attention.engine.batch.BatchRecord` bound to the returned tensors: every attention
           layer under ``attn_implementation="cp_flash"`` that runs on them uses these documents,
           including layers that receive no ``position_ids`` (Llama 4, ModernBERT), and including
           forwards recomputed by gradient checkpointing after this context has exited. Several
@@ -178,7 +215,7 @@ class ContextParallel:
         The collator's conventions are transformers' (registered by ``cp_attention.integrations``);
         the engine's half is :meth:`shard_documents`.
         """
-        convention = state.BATCH_CONVENTIONS.get("transformers")
+        convention = BATCH_CONVENTIONS.get("transformers")
         if convention is None:
             raise RuntimeError("cp.shard_batch: no batch convention is registered (import cp_attention, which "
                                "registers transformers' conventions); shard tensors with cp.shard_documents")
@@ -236,7 +273,7 @@ class ContextParallel:
     def bind_batch(self, local: dict[str, torch.Tensor], *, meta: SequenceMeta,
                    num_items: torch.Tensor | None = None, padded: bool = False, layout=None) -> BatchRecord:
         """Record a batch sharded by hand: ``local`` (this rank's tensors, ``position_ids`` among them)
-        and the global ``meta`` of its documents (see :func:`cp_attention.batch.bind`)."""
+        and the global ``meta`` of its documents (see :func:`cp_attention.engine.batch.bind`)."""
         layout = layout_mod.as_layout(layout) if layout is not None else self.current_layout()
         self._batch = bind(self, local, meta=meta, layout=layout, num_items=num_items, padded=padded)
         return self._batch
@@ -274,11 +311,11 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
     name in ``cp_attention.backends.BACKENDS``). ``strategy``: how the block's multi-rank calls run
     (those that do not name one, ``cp_flash`` layers included): ``"ring"`` (K/V moves between the
     ranks' token shards: only the halo a window or chunk needs), ``"ulysses"`` (all-to-all head
-    parallelism, :mod:`cp_attention.ulysses`: every rank attends over the whole sequence for
+    parallelism, :mod:`cp_attention.strategies.ulysses`: every rank attends over the whole sequence for
     ``H / P`` heads; needs ``H`` divisible by ``P``), ``"usp"`` (all-to-all within head groups of
     ``ulysses_size`` consecutive ranks, the ring across the groups) or ``"auto"`` (per layer mask,
     the cheapest of these by ``cost_model``, a :class:`~cp_attention.CostModel`; None: its
-    defaults). See :mod:`cp_attention.strategy`.
+    defaults). See :mod:`cp_attention.strategies.choice`.
 
     Inside, :func:`~cp_attention.attention` with ``group=None`` shards over this group with this layout::
 
@@ -296,14 +333,12 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
     """
     cp = ContextParallel(as_group(group, mesh_dim), layout, timeout, backend, strategy, ulysses_size, cost_model)
     # the integrations' guards of the block (the model check of cp_flash models)
-    leave = [guard(cp) for guard in list(state.CONTEXT_GUARDS)]
-    token = state.ACTIVE_CONTEXT.set(cp)
+    leave = [guard(cp) for guard in list(CONTEXT_GUARDS)]
+    token = ACTIVE_CONTEXT.set(cp)
     try:
-        yield cp
-    except BaseException as exc:
-        cp.comm.report_failure("its context_parallel block", exc)
-        raise
+        with cp.comm.reporting("its context_parallel block"):
+            yield cp
     finally:
-        state.ACTIVE_CONTEXT.reset(token)
+        ACTIVE_CONTEXT.reset(token)
         for done in reversed(leave):
             done()

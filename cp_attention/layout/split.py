@@ -1,9 +1,9 @@
 """Splitting one long document of a balanced layout into pieces, one per rank (step 1 of the
-partition in :mod:`cp_attention.balance`): nested like zigzag within the document, head and tail
+partition in :mod:`cp_attention.layout.balanced`): nested like zigzag within the document, head and tail
 chunks sized by bisection on the largest receive, or contiguous, whichever receives least.
 
 Document-local coordinates: ``cs[i]`` is the cost of the document's first ``i`` tokens (a
-:class:`~cp_attention.balance.CostWindow`, whose ``left``/``right`` are ``bisect``'s ``bisect_left``/
+:class:`~cp_attention.layout.costs.CostWindow`, whose ``left``/``right`` are ``bisect``'s ``bisect_left``/
 ``bisect_right`` from closed forms); a *run* is a ``(start, end)`` range of token indices, a *piece*
 the list of runs one rank holds.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .balance import Costs, CostWindow, Traffic
+    from .costs import Costs, CostWindow, Traffic
 
 __all__ = ["LongDocument"]
 

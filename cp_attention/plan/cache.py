@@ -4,7 +4,7 @@ Keys are built by the callers from the mask, shapes and layout and from *digests
 tensors (:meth:`PlanCache.digest`: a hash of their content, remembered per tensor object and version,
 weakly, so the layers of one forward, which share their ``position_ids``, copy and hash them once). A
 stale plan cannot be reused for other documents. The single-device op keeps one process-wide cache
-(:data:`cp_attention.state.LOCAL_PLANS`); each multi-rank context keeps its own.
+(:data:`cp_attention.engine.local.LOCAL_PLANS`); each multi-rank context keeps its own.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .torch_compat import WeakIdKeyDictionary, tensor_version
+from ..torch_compat import WeakIdKeyDictionary, tensor_version
 
 __all__ = ["PlanCache"]
 

@@ -18,9 +18,9 @@ from typing import ClassVar
 
 import torch
 
-from .comm import Comm
-from .layout import layout_code
-from .masks import SequenceMeta, segment_runs
+from ..comm import Comm
+from ..layout.layouts import layout_code
+from ..masks import SequenceMeta, segment_runs
 
 __all__ = ["DTYPES", "STRATEGIES", "check_strategy", "Header", "make_header", "signature", "exchange_headers", "collective_error", "meta_crc",
            "float_bits"]
@@ -36,7 +36,7 @@ def check_strategy(strategy, ulysses_size=None) -> str:
     """``strategy`` if it is one of :data:`STRATEGIES` and ``ulysses_size`` fits it (a positive int
     for "usp", None for the others), else ValueError."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {list(STRATEGIES)} (see cp_attention.strategy), got {strategy!r}")
+        raise ValueError(f"strategy must be one of {list(STRATEGIES)} (see cp_attention.strategies.choice), got {strategy!r}")
     if ulysses_size is not None and (strategy != "usp" or isinstance(ulysses_size, bool)
                                      or not isinstance(ulysses_size, int) or ulysses_size < 1):
         raise ValueError(f"ulysses_size is the head-group size of strategy='usp' (a positive int dividing the world "

@@ -1,0 +1,38 @@
+"""The integrations' process state: their registries and per-model memos, next to the code that owns
+them (the engine's own state lives in its modules: the active context in
+:mod:`cp_attention.engine.context`, the statistics in :mod:`cp_attention.engine.stats`, ...; the table
+of every module-level mutable object is in docs/architecture.md and checked by the tests).
+
+Per-forward state is not here: what a forward computes with is bound to the tensors
+``cp.shard_batch`` returned, or saved on the autograd context.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..torch_compat import WeakIdKeyDictionary
+
+__all__ = ["CONFIG_CHECKSUMS", "CONFIG_LOCK", "INTEGRATIONS", "INTEGRATIONS_LOCK", "MODEL_CHECKS", "MODEL_LOCK",
+           "MODEL_GUARD", "MODEL_GUARD_HOOKS"]
+
+CONFIG_CHECKSUMS = WeakIdKeyDictionary()
+"""config -> its checksum (agreed across ranks), computed once per config object (weak: dies with the
+config). Guarded by ``CONFIG_LOCK`` (:mod:`.models`)."""
+CONFIG_LOCK = threading.Lock()
+
+INTEGRATIONS: dict = {"registered": set(), "adapted_sites": []}
+"""Which integrations registered, and the transformers modules adapted for the name ``cp_flash``
+(:mod:`.transformers`). Guarded by ``INTEGRATIONS_LOCK``."""
+INTEGRATIONS_LOCK = threading.Lock()
+
+MODEL_CHECKS = WeakIdKeyDictionary()
+"""model -> its check result (its findings, a tuple), computed once per model object (weak: dies with
+the model). Guarded by ``MODEL_LOCK`` (:mod:`.model_check`)."""
+MODEL_LOCK = threading.Lock()
+
+MODEL_GUARD = threading.local()
+"""Per thread: the outermost cp_flash model forward running under the guard of :mod:`.model_check`, how
+many attention layers ran / reached cp_flash, its mixers' count and its head's substitutions."""
+MODEL_GUARD_HOOKS: list = []
+"""The guard's module hooks, installed by the first multi-rank block and kept (guarded by ``MODEL_LOCK``)."""
