@@ -7,7 +7,7 @@
 
 For every mask and world size P, each approach runs forward+backward of attention over a sequence
 of L tokens sharded with the zigzag layout (``--layout``), through the same ring
-(``cp_attention.ring``) and the same backend kernels:
+(``cp_attention.strategies.ring``) and the same backend kernels:
 
 * ``ours``: the plan of ``cp_attention.build_plan`` (only the K/V spans the mask needs, only the
   rank pairs that see each other).

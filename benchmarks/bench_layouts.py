@@ -8,7 +8,7 @@ bytes (against zigzag's and a full ring's) and the time to compute the layout.
 
 Documents: lognormal lengths (median 1000 tokens, sigma 1.2, capped by the row), positions restart
 per document. Cost: visible (query, key) pairs summed over the layer mix + token_weight x tokens
-(``cp_attention.balance.token_costs``). Traffic: forward K/V bytes received by the busiest rank for
+(``cp_attention.layout.token_costs``). Traffic: forward K/V bytes received by the busiest rank for
 the mix's most demanding layer (its full layer if it has one), bfloat16, 8 K/V heads of 128, from
 ``cp_attention.plan_stats``. A simple step-time model: the step waits for the busiest rank, so the
 predicted speedup of balanced over zigzag is zigzag's busiest cost over balanced's. Layout time is
@@ -32,7 +32,7 @@ import time
 import torch
 
 import cp_attention
-from cp_attention.balance import token_costs
+from cp_attention.layout import token_costs
 from cp_attention.layout import Layout
 from cp_attention.masks import SequenceMeta
 

@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cp_attention.balance import balanced_layout_of  # noqa: E402
+from cp_attention.layout import balanced_layout_of  # noqa: E402
 from cp_attention.masks import MaskSpec, SequenceMeta  # noqa: E402
 from cp_attention.plan import build_plan  # noqa: E402
 

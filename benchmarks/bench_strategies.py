@@ -11,7 +11,7 @@ Writes ``strategies.json``:
   zigzag layout: per distinct layer mask and candidate the busiest rank's bytes (forward +
   backward, the larger of sent and received per exchange), exchange rounds, busiest rank's work
   (score entries x heads) and the modeled forward+backward time
-  (:func:`cp_attention.strategy.layer_time`, the default :class:`~cp_attention.CostModel`); per
+  (:func:`cp_attention.strategies.choice.layer_time`, the default :class:`~cp_attention.CostModel`); per
   configuration the modeled step time (attention only) of each strategy used for every layer and of
   auto, which picks per layer; auto's choice per mask; and auto's per-layer time against the
   cheapest candidate's (never above it: auto takes the minimum).
@@ -51,7 +51,7 @@ from bench_layouts import draw_positions  # noqa: E402
 import cp_attention  # noqa: E402
 from cp_attention.backends import BACKENDS  # noqa: E402
 from cp_attention.masks import MaskSpec, SequenceMeta  # noqa: E402
-from cp_attention.strategy import Candidate, CostModel, candidates, choose, exchange_parts, layer_time, rank_plans  # noqa: E402
+from cp_attention.strategies.choice import Candidate, CostModel, candidates, choose, exchange_parts, layer_time, rank_plans  # noqa: E402
 from cp_attention.tools.launch import run_ranks  # noqa: E402
 
 MODELS = {

@@ -61,7 +61,7 @@ if ROOT not in sys.path:  # `python benchmarks/gpu_check.py` from a checkout: no
 
 import cp_attention  # noqa: E402
 from cp_attention.backends import BACKENDS  # noqa: E402
-from cp_attention.backends.base import row_key_intervals  # noqa: E402
+from cp_attention.masks import row_key_intervals  # noqa: E402
 from cp_attention.masks import MaskSpec, SequenceMeta  # noqa: E402
 from cp_attention.plan import build_plan  # noqa: E402
 from cp_attention.tools import harness  # noqa: E402
@@ -375,7 +375,7 @@ def correctness(backends, L, D, device, *, capability=None, plan_len=None) -> li
 def flash_import_failures() -> list[CaseResult]:
     """A failing row for every flash interface that is installed but does not import (a broken
     build would otherwise only make the backend fall back to the next interface, unnoticed)."""
-    from cp_attention.backends import flash as flash_mod
+    from cp_attention.backends.flash import aten as aten_mod, backend as flash_mod
 
     rows = []
     for name, iface in flash_mod.INTERFACES.items():
@@ -430,7 +430,7 @@ def timing(backends, L, D, device, repeats) -> tuple[list[str], list[str]]:
 
             entries[bname] = (fwd, fwd_bwd)
             if bname == "flash" and device.type == "cuda":  # the kernel it wraps, called directly
-                from cp_attention.backends import flash as flash_mod
+                from cp_attention.backends.flash import aten as aten_mod, backend as flash_mod
 
                 iface = backend.interface_for(device=device, head_dim=D)
                 args = flash_mod.kernel_arguments(**kw)
@@ -460,7 +460,7 @@ def _rank_timer(plan, q, k, v, dout, layout, backend, device, repeats):
     """Seconds of one rank's forward+backward of ``plan`` (a ring plan over ``layout``) on ``device``,
     every other rank simulated (:class:`harness.SimComm` hands it the K/V spans its plan receives)."""
     from cp_attention import layout as layout_mod
-    from cp_attention.ring import ring_attention
+    from cp_attention.strategies.ring import ring_attention
 
     P, r = plan.world_size, plan.rank
     shards = [[layout_mod.shard(t, 1, P, layout, s).contiguous() for s in range(P)] for t in (q, k, v, dout)]
@@ -485,7 +485,7 @@ def strategy_timing(device, *, smoke: bool, repeats: int) -> tuple[list[str], li
     import dataclasses as dc
 
     from cp_attention.backends import select_backend
-    from cp_attention.strategy import CostModel, candidates, layer_time, rank_plans
+    from cp_attention.strategies.choice import CostModel, candidates, layer_time, rank_plans
 
     H, K, D, L = (4, 2, 16, 256) if smoke else (32, 8, 128, 32768)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -568,7 +568,7 @@ def main(argv=None, backends=None, capability=None) -> int:
           f"cp_attention {cp_attention.__version__} from {os.path.dirname(os.path.abspath(cp_attention.__file__))}; "
           f"L={L}, D={D}")
     if "flash" in backends and cuda:
-        from cp_attention.backends import flash as flash_mod
+        from cp_attention.backends.flash import aten as aten_mod, backend as flash_mod
 
         name, rejected = flash_mod.pick_interface(capability=capability, head_dim=D, softcap=False)
         label = flash_mod.INTERFACES[name].label if name else "none"

@@ -56,7 +56,7 @@ from cp_attention.backends import select_backend
 from cp_attention.comm import Comm
 from cp_attention.masks import MaskSpec, SequenceMeta
 from cp_attention.plan import PlanStats, RankPlan, Round, Step, build_local_plan, build_plan
-from cp_attention.ring import ring_attention
+from cp_attention.strategies.ring import ring_attention
 from cp_attention.tools.harness import (MaskCase, SimComm, Timing, dtype_of, flops, key_intervals, measure,
                                         pick_device, synchronize, visible_pairs)
 

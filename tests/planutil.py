@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cp_attention import layout as layout_mod
-from cp_attention.backends.base import row_key_intervals
+from cp_attention.masks import row_key_intervals
 from cp_attention.plan import build_plan
 
 

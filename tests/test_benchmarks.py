@@ -29,7 +29,7 @@ from cp_attention.backends import BACKENDS  # noqa: E402
 from cp_attention.comm import Comm  # noqa: E402
 from cp_attention.masks import MaskSpec  # noqa: E402
 from cp_attention.plan import build_plan  # noqa: E402
-from cp_attention.ring import ring_attention  # noqa: E402
+from cp_attention.strategies.ring import ring_attention  # noqa: E402
 from oracle import needed_halo_tokens, oracle_attention, oracle_mask, rank_tokens  # noqa: E402
 
 

@@ -20,7 +20,7 @@ import torch._dynamo as dynamo
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import cp_attention
-from cp_attention import context
+from cp_attention.engine import context
 from cp_attention.tools.launch import run_ranks
 from cp_attention.tools.tiny_models import tiny_config, tiny_model
 from hf_cases import compare, failures, flat_grads, ground_truth, inputs

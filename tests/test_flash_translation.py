@@ -28,7 +28,8 @@ from typing import Optional
 import pytest
 import torch
 
-from cp_attention.backends import flash as flash_mod
+from cp_attention.backends.flash import aten as aten_mod, backend as flash_mod, fa3 as fa3_mod, fa4 as fa4_mod
+from cp_attention.backends.flash import interface as iface_mod
 from cp_attention.backends.reference import ReferenceBackend
 from cp_attention.masks import MaskSpec
 from test_contract import GRID, LOW_PRECISION_TOL, _cu, check_backend_on_case
@@ -437,9 +438,9 @@ def install(monkeypatch):
                 if "." in name:
                     parent, child = name.rsplit(".", 1)
                     setattr(sys.modules[parent], child, mod)
-        monkeypatch.setattr(flash_mod, "_aten_flash_forward", fake_aten_forward)
-        monkeypatch.setattr(flash_mod, "_aten_flash_backward", fake_aten_backward)
-        monkeypatch.setattr(flash_mod, "INTERFACES", flash_mod._new_interfaces())
+        monkeypatch.setattr(aten_mod, "aten_flash_forward", fake_aten_forward)
+        monkeypatch.setattr(aten_mod, "aten_flash_backward", fake_aten_backward)
+        monkeypatch.setattr(flash_mod, "INTERFACES", flash_mod.new_interfaces())
 
     return _install
 
@@ -504,7 +505,7 @@ def test_kernel_arguments():
 
 
 def test_fa4_mask_arguments():
-    mask = flash_mod._FlashAttn4._mask
+    mask = fa4_mod.FlashAttn4._mask
     assert mask(True, -1, 0) == dict(causal=True, window_size_left=None, window_size_right=None)
     assert mask(True, 7, 0) == dict(causal=False, window_size_left=7, window_size_right=0)
     assert mask(False, 0, -1) == dict(causal=False, window_size_left=0, window_size_right=None)
@@ -512,10 +513,10 @@ def test_fa4_mask_arguments():
 
 
 def test_parameters_see_through_custom_ops():
-    params = flash_mod._parameters(fa2_varlen_forward)
+    params = iface_mod.parameters(fa2_varlen_forward)
     assert list(params)[:4] == ["q", "k", "v", "cu_seqlens_q"] and "window_size_left" in params
     with pytest.raises(TypeError, match="takes no"):
-        flash_mod._call(flash_mod.INTERFACES["fa4"], fa4_fwd, flash_mod._parameters(fa4_fwd), q=None,
+        iface_mod.call_kernel(flash_mod.INTERFACES["fa4"], fa4_fwd, iface_mod.parameters(fa4_fwd), q=None,
                         window_size=(1, 0))
 
 
@@ -559,9 +560,9 @@ def test_unknown_required_parameter_raises(interface, install):
 def test_optional_parameters_without_default_get_none(install):
     """flash-attn 3.0 betas declare optional tensors without defaults: those (and only those) the adapter
     knows get None; the release's own stand-in asserts they are None."""
-    params = flash_mod._parameters(fa3_window_tuple_forward)
+    params = iface_mod.parameters(fa3_window_tuple_forward)
     required = {n for n, p in params.items() if p.default is inspect.Parameter.empty}
-    assert {"k_new", "seqused_q", "q_descale"} <= required <= flash_mod._FlashAttn3.none_params | {
+    assert {"k_new", "seqused_q", "q_descale"} <= required <= fa3_mod.FlashAttn3.none_params | {
         "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal"}
     install(FA3_WINDOW_TUPLE)
     _check("fa3", GRID[0])
@@ -619,7 +620,7 @@ def test_aten_stand_ins_bind_to_the_real_schema(stand_in, op):
 def test_aten_adapter_calls_bind_to_the_real_ops():
     """The adapter's own calls, against PyTorch's real ops on meta tensors (their meta kernels run
     without CUDA): argument binding, return arity, dtypes and shapes."""
-    iface = flash_mod._AtenFlash()
+    iface = aten_mod.AtenFlash()
     assert iface.unavailable() is None
     q = torch.empty(10, 4, 16, dtype=torch.bfloat16, device="meta")
     k = torch.empty(10, 2, 16, dtype=torch.bfloat16, device="meta")

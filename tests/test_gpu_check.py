@@ -217,7 +217,7 @@ class StandInFlash:
     name = "flash"
 
     def __init__(self):
-        from cp_attention.backends import flash as flash_mod
+        from cp_attention.backends.flash import aten as aten_mod, backend as flash_mod
 
         self.backend = flash_mod.FlashBackend("aten")
 
@@ -239,12 +239,12 @@ class StandInFlash:
 def stand_in_flash(monkeypatch):
     from test_flash_translation import fake_aten_backward, fake_aten_forward
 
-    from cp_attention.backends import flash as flash_mod
+    from cp_attention.backends.flash import aten as aten_mod, backend as flash_mod
 
-    monkeypatch.setattr(flash_mod, "_aten_flash_forward", fake_aten_forward)
-    monkeypatch.setattr(flash_mod, "_aten_flash_backward", fake_aten_backward)
-    monkeypatch.setattr(flash_mod, "INTERFACES", flash_mod._new_interfaces())
-    return flash_mod
+    monkeypatch.setattr(aten_mod, "aten_flash_forward", fake_aten_forward)
+    monkeypatch.setattr(aten_mod, "aten_flash_backward", fake_aten_backward)
+    monkeypatch.setattr(flash_mod, "INTERFACES", flash_mod.new_interfaces())
+    return aten_mod  # the stand-in runs PyTorch's interface: its adapter's module
 
 
 def _by_case(results):
@@ -264,7 +264,7 @@ def test_stand_in_flash_on_sm90_passes_and_skips_only_softcap(stand_in_flash):
 def test_unfixed_max_seqlen_k_fails_the_plan_rows(stand_in_flash, monkeypatch):
     """The adapter without its max_seqlen_k fix (the kernel's window rule applied by the stand-in):
     the fixed cases (queries and keys of one length) pass, plan rows fail (the zigzag P = 2 one among them)."""
-    monkeypatch.setattr(stand_in_flash, "_fa2_max_seqlen_k", lambda max_seqlen_q, max_seqlen_k: max_seqlen_k)
+    monkeypatch.setattr(stand_in_flash, "fa2_max_seqlen_k", lambda max_seqlen_q, max_seqlen_k: max_seqlen_k)
     results = gpu_check.correctness({"flash": StandInFlash()}, 128, 16, torch.device("cpu"), capability=(9, 0))
     failed = sorted(r.case for r in results if r.failures)
     assert all(case.startswith("plan:") for case in failed) and "plan:zigzag:P2:1doc" in failed, failed
@@ -339,14 +339,14 @@ def test_an_unusable_device_still_gives_every_row(monkeypatch):
 
 
 def test_a_flash_package_that_does_not_import_fails(tmp_path, monkeypatch):
-    from cp_attention.backends import flash as flash_mod
+    from cp_attention.backends.flash import aten as aten_mod, backend as flash_mod
 
-    monkeypatch.setattr(flash_mod, "INTERFACES", flash_mod._new_interfaces())
+    monkeypatch.setattr(flash_mod, "INTERFACES", flash_mod.new_interfaces())
     assert gpu_check.flash_import_failures() == []
     (tmp_path / "flash_attn_interface.py").write_text("import flash_attn_3_missing_extension\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flash_attn_interface", raising=False)
-    monkeypatch.setattr(flash_mod, "INTERFACES", flash_mod._new_interfaces())
+    monkeypatch.setattr(flash_mod, "INTERFACES", flash_mod.new_interfaces())
     rows = gpu_check.flash_import_failures()
     assert [r.backend for r in rows] == ["flash/fa3"] and "flash_attn_3_missing_extension" in rows[0].failures[0]
     assert gpu_check.overall_verdict(rows, device_type="cuda")[0] == 1

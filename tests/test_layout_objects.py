@@ -41,7 +41,7 @@ def test_objects_hold_the_documented_tokens(L, P):
 def test_names_are_parsed_once_into_objects():
     assert layout_mod.as_layout("zigzag") == cp_attention.Zigzag()
     assert layout_mod.as_layout("contiguous") == cp_attention.Contiguous()
-    assert layout_mod.as_layout("balanced", policy=True) == cp_attention.Balanced()
+    assert layout_mod.as_policy("balanced") == cp_attention.Balanced()
     custom = cp_attention.Layout.named("zigzag", 10, 2)
     assert layout_mod.as_layout(custom) is custom
     # the three kinds are told apart across ranks
@@ -84,7 +84,7 @@ def test_balanced_policy_in_a_context_lays_out_each_batch():
     pos = _packed()
     with cp_attention.context_parallel(layout=cp_attention.Balanced()) as cp:
         local = cp.shard_batch(input_ids=pos % 7, position_ids=pos)
-        record = cp_attention.batch.batch_of(local["input_ids"])
+        record = cp_attention.engine.batch.batch_of(local["input_ids"])
         assert isinstance(record.layout, cp_attention.Layout) and record.layout.name == "balanced"
         assert cp.current_layout() is record.layout
 
@@ -96,5 +96,5 @@ def test_balanced_policy_with_its_own_masks_in_a_context():
     assert policy == "balanced" and cp_attention.Zigzag() == "zigzag" and cp_attention.Contiguous() != "zigzag"
     with cp_attention.context_parallel(layout=policy) as cp:
         local = cp.shard_batch(input_ids=pos % 7, position_ids=pos)
-        assert cp_attention.batch.batch_of(local["position_ids"]).layout.name == "balanced"
+        assert cp_attention.engine.batch.batch_of(local["position_ids"]).layout.name == "balanced"
         assert repr(cp).endswith("layout='balanced')")

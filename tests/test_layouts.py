@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import cp_attention
-from cp_attention.balance import token_costs
+from cp_attention.layout import token_costs
 from cp_attention.layout import Layout
 from cp_attention.masks import SequenceMeta, doc_starts
 from fuzz_cases import check_cases
@@ -249,7 +249,7 @@ def test_cost_closed_forms_match_a_count_per_token():
     at once, integer token weights."""
     import bisect
 
-    from cp_attention.balance import Costs, _layers, _settle
+    from cp_attention.layout.costs import Costs, _settle, layer_specs
 
     rng = random.Random(11)
     for case in range(150):
@@ -287,7 +287,7 @@ def test_cost_closed_forms_match_a_count_per_token():
                             "window" not in mask or abs(q - k) < mask["window"])
                         n += doc[q] == doc[k] and same_chunk and band
             want.append(want[-1] + n)
-        costs = Costs(meta, _layers(masks), weight)
+        costs = Costs(meta, layer_specs(masks), weight)
         assert len(costs) == L + 1
         assert [costs[i] for i in range(L + 1)] == want, (case, pos, masks, weight)
         a = rng.randint(0, L - 1)

@@ -12,9 +12,9 @@ import torch
 from cp_attention import layout as layout_mod
 from cp_attention.backends import BACKENDS
 from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids
-from cp_attention.merge import apply_sinks, merge_partials
+from cp_attention.strategies.merge import apply_sinks, merge_partials
 from cp_attention.plan import build_plan
-from cp_attention.ring import ring_attention
+from cp_attention.strategies.ring import ring_attention
 from oracle import oracle_attention, oracle_mask, rank_tokens
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

@@ -1,4 +1,4 @@
-"""Sequence mixers across ranks (cp_attention.mixers through transformers' adapted functions) against
+"""Sequence mixers across ranks (cp_attention.strategies.scan through transformers' adapted functions) against
 float64 sequential oracles written from each mixer's definition, with packed documents (one-token
 documents, documents crossing ranks) and zigzag, contiguous and random layouts.
 
@@ -28,7 +28,7 @@ from torch import nn
 
 import cp_attention
 from cp_attention.integrations.mixers import MIXER_ATTR
-from cp_attention.mixers import geometry_of, halo_plan, make_geometry, scan_plan
+from cp_attention.strategies.scan import geometry_of, halo_plan, make_geometry, scan_plan
 from cp_attention.tools.launch import run_ranks
 
 TOL = 2e-5
@@ -328,7 +328,7 @@ def test_geometry_of_a_sharded_batch():
     with cp_attention.context_parallel() as cp:
         batch = cp.shard_batch(input_ids=torch.zeros(2, 29, dtype=torch.long),
                                position_ids=torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS]))
-        from cp_attention.batch import batch_of
+        from cp_attention.engine.batch import batch_of
 
         geo = geometry_of(batch_of(batch["position_ids"]))
         assert torch.equal(geo.doc_start, _starts(DOCS)) and geo.local_len == 29

@@ -26,8 +26,8 @@ import torch
 import cp_attention
 import hf_cases
 from cp_attention.backends import BACKENDS
-from cp_attention.backends import flash as flash_mod
-from cp_attention.engine import LayerDocs, attend_layer
+from cp_attention.backends.flash import aten as aten_mod, backend as flash_mod
+from cp_attention.engine.layer import LayerDocs, attend_layer
 from cp_attention.masks import MaskSpec, SequenceMeta
 from cp_attention.plan import build_plan
 from cp_attention.tools.launch import run_ranks
@@ -135,8 +135,8 @@ def test_flash_backend_pads_to_one_head_dim(interface, case, install, monkeypatc
             name: _one_head_dim(fn, "flash-attn 2") for name, fn in FA2_6["flash_attn.flash_attn_interface"].items()}})
     else:
         install(FA3)
-    monkeypatch.setattr(flash_mod, "_aten_flash_forward", _one_head_dim(fake_aten_forward, "aten"))
-    monkeypatch.setattr(flash_mod, "_aten_flash_backward", _one_head_dim(fake_aten_backward, "aten"))
+    monkeypatch.setattr(aten_mod, "aten_flash_forward", _one_head_dim(fake_aten_forward, "aten"))
+    monkeypatch.setattr(aten_mod, "aten_flash_backward", _one_head_dim(fake_aten_backward, "aten"))
     check_contract(flash_mod.FlashBackend(interface), case, dtypes=LOW_PRECISION_TOL, grad_factor=10)
 
 
@@ -205,7 +205,7 @@ def test_compiled_single_device_matches_oracle():
     v = torch.randn(1, 19, 2, 16, generator=gen, dtype=torch.float64, requires_grad=True)
     pos = torch.tensor([list(range(8)) + list(range(11))])
     spec = MaskSpec(window=5)
-    fn = torch.compile(lambda q, k, v: cp_attention.compiled.local_attention(q, k, v, spec, position_ids=pos),
+    fn = torch.compile(lambda q, k, v: cp_attention.engine.local.local_attention(q, k, v, spec, position_ids=pos),
                        backend="eager", fullgraph=True)
     out = fn(q, k, v)
     ref = oracle_attention(q, k, v, oracle_mask(1, 19, position_ids=pos, window=5))
@@ -470,10 +470,10 @@ def test_k_and_v_must_agree_but_for_the_head_dim():
     for bad_v in (v[:, :, :1], v[:, :5]):
         with pytest.raises(ValueError, match="k and v must have the same shape but for the head_dim"):
             cp_attention.attention(q, k, bad_v)
-        with pytest.raises(ValueError, match=r"k and v must agree on \(B, Lk, K\)"):
-            cp_attention.compiled.local_attention(q, k, bad_v, MaskSpec())
-    with pytest.raises(ValueError, match="multiple of K/V heads"):  # a GQA mistake is still named as one
-        cp_attention.compiled.local_attention(q[:, :, :3], k, v, MaskSpec())
+        with pytest.raises(ValueError, match=r"k and v must have the same shape but for the head_dim"):
+            cp_attention.engine.local.local_attention(q, k, bad_v, MaskSpec())
+    with pytest.raises(ValueError, match="must be a multiple of key/value heads"):  # a GQA mistake is named as one
+        cp_attention.engine.local.local_attention(q[:, :, :3], k, v, MaskSpec())
 
 
 def test_appended_keys_are_not_a_kv_cache():

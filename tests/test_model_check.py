@@ -21,6 +21,7 @@ from torch import nn
 
 import cp_attention
 from cp_attention.integrations import model_check
+from cp_attention.integrations import source as model_source
 from cp_attention.integrations.transformers import CPMask, is_modeling_module
 from cp_attention.tools.launch import run_ranks
 
@@ -161,8 +162,8 @@ def test_hybrid_mixer_rules(monkeypatch, source, found):
     and it does no other sequence operation itself."""
     import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401 - adapted as it loads
 
-    original = model_check.class_source
-    monkeypatch.setattr(model_check, "class_source", lambda cls: source if cls is _Hybrid else original(cls))
+    original = model_source.class_source
+    monkeypatch.setattr(model_source, "class_source", lambda cls: source if cls is _Hybrid else original(cls))
     model = _model("llama")
     model.model.layers[0].mixer = _Hybrid()
     got = {f.what for f in model_check.model_findings(model)}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import cp_attention
-from cp_attention import compiled, state
+from cp_attention.engine import local as compiled
 from cp_attention.masks import MaskSpec, SequenceMeta, dense_mask
 from cp_attention.plan import build_plan
 from cp_attention.tools.launch import run_ranks
@@ -159,9 +159,9 @@ def test_image_blocks_at_world_size_1(family, monkeypatch):
     _assert_exact(vlm_cases.run_one_device(family, "cp_flash"), ref, f"{family}, world size 1")
     monkeypatch.setattr(MaskSpec, "span_band", lambda self: None)
     monkeypatch.setenv("CP_ATTENTION_VERIFY_PLANS", "0")  # (verification would catch it as well)
-    state.LOCAL_PLANS.clear()  # plans are cached by content: the planted run must plan anew
+    compiled.LOCAL_PLANS.clear()  # plans are cached by content: the planted run must plan anew
     logits, _ = vlm_cases.run_one_device(family, "cp_flash")
-    state.LOCAL_PLANS.clear()
+    compiled.LOCAL_PLANS.clear()
     assert (logits - ref[0]).abs().max().item() > 1e-3
 
 

@@ -233,7 +233,7 @@ def test_plan_verification_rejects_a_wrong_call_and_an_extra_halo_token():
 def test_work_per_tile_closed_form_matches_a_count_per_tile():
     # entries_computed of a sequence sums, tile by tile of WORK_TILE query rows, the keys from the
     # tile's first row's first key to its last row's last: counted here one tile at a time
-    from cp_attention.plan import WORK_TILE, _seq
+    from cp_attention.plan.build import WORK_TILE, _seq
 
     rng = random.Random(3)
     for _ in range(3000):
@@ -253,7 +253,7 @@ def test_work_per_tile_closed_form_matches_a_count_per_tile():
 def test_planning_cost_follows_documents_not_tokens(docs):
     # 2^20 tokens: a per-token planner allocates O(L) per rank pair; the plan of one rank here is
     # built from pieces (counted, not timed: at most a few per document and rank pair)
-    import cp_attention.plan as plan_mod
+    import cp_attention.plan.build as plan_mod
 
     L = 1048 * 1000 if docs else 1 << 20
     meta = _meta(L, docs)

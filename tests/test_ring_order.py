@@ -9,10 +9,10 @@ import random
 import torch
 
 from cp_attention.backends import BACKENDS
-from cp_attention.comm import Pending
+from cp_attention.comm import Comm, Pending
 from cp_attention.masks import MaskSpec, SequenceMeta, doc_starts_from_position_ids
 from cp_attention.plan import build_plan
-from cp_attention.ring import ring_attention
+from cp_attention.strategies.ring import ring_attention
 
 
 class RecordingComm:
@@ -37,6 +37,8 @@ class RecordingComm:
 
     def report_failure(self, where, exc):
         pass
+
+    reporting = Comm.reporting  # the failure wrapper, over this comm's report_failure
 
 
 def _docs(rng, L):

@@ -13,8 +13,8 @@ import torch
 import cp_attention
 from cp_attention import layout as layout_mod
 from cp_attention.masks import MaskSpec, SequenceMeta
-from cp_attention.strategy import Candidate, CostModel, candidates, choose, fixed_candidate, layer_time, rank_plans
-from cp_attention.ulysses import Grid, _TokenMap
+from cp_attention.strategies.choice import Candidate, CostModel, candidates, choose, fixed_candidate, layer_time, rank_plans
+from cp_attention.strategies.ulysses import Grid, _TokenMap
 
 
 def test_grid_groups_follow_the_stated_rule():
@@ -156,7 +156,7 @@ def test_auto_chooses_the_cheapest_and_records_every_candidate():
 
 
 def test_log_labels():
-    from cp_attention.stats import predicted_label, strategy_label
+    from cp_attention.engine.stats import predicted_label, strategy_label
 
     meta = SequenceMeta.from_inputs(1, 256)
     plan = choose(meta, MaskSpec(), "zigzag", 0, 4, CostModel(), heads=4, kv_heads=2, head_dim=8, head_dim_v=8,

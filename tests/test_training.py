@@ -219,10 +219,10 @@ def test_shard_batch_takes_the_flattening_collator_output_whole():
     with cp_attention.context_parallel() as cp:
         local = cp.shard_batch(**batch)
         assert sorted(local) == ["input_ids", "labels", "num_items_in_batch", "position_ids", "shift_labels"]
-        record = cp_attention.batch.batch_of(local["input_ids"])
+        record = cp_attention.engine.batch.batch_of(local["input_ids"])
         starts = record.meta.doc_start[0]
         no_pos = cp.shard_batch(**{k: v for k, v in batch.items() if k != "position_ids"})
-        assert torch.equal(cp_attention.batch.batch_of(no_pos["input_ids"]).meta.doc_start[0], starts)
+        assert torch.equal(cp_attention.engine.batch.batch_of(no_pos["input_ids"]).meta.doc_start[0], starts)
         lengths = [d.numel() for d in docs]
         expected = torch.repeat_interleave(torch.tensor([0, *lengths[:-1]]).cumsum(0), torch.tensor(lengths))
         assert torch.equal(starts, expected)
@@ -267,7 +267,7 @@ def test_position_check_syncs_once_per_batch_and_tensor(monkeypatch):
     """The comparison of untagged position_ids with the batch's syncs with the device: it runs once
     per batch and tensor (and again after an in-place change), not at every layer of every forward."""
     import cp_attention
-    from cp_attention import batch as batch_mod
+    from cp_attention.engine import batch as batch_mod
 
     computed = []
     fact = batch_mod.tensor_fact
@@ -294,7 +294,7 @@ def test_position_check_syncs_once_per_batch_and_tensor(monkeypatch):
 def test_tensor_fact_is_weak_and_versioned():
     """A memoised fact is returned only for the same live tensor at the same version: an entry whose
     tensor died (its id may be reused by a new tensor) or changed in place is computed again."""
-    from cp_attention.batch import tensor_fact
+    from cp_attention.engine.batch import tensor_fact
 
     class Record:
         facts = {}

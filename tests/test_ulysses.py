@@ -22,7 +22,7 @@ import torch.distributed as dist
 import cp_attention
 from cp_attention.comm import Comm
 from cp_attention.tools.launch import run_ranks
-from cp_attention.ulysses import head_split
+from cp_attention.strategies.ulysses import head_split
 from oracle import oracle_attention, oracle_mask
 
 

@@ -285,7 +285,7 @@ def run_balanced(rank: int, world_size: int) -> dict:
         ddp = DistributedDataParallel(model)
         with cp_attention.context_parallel(layout="balanced") as cp:
             local = cp.shard_batch(**batch, model=model)
-            layout = cp_attention.batch.batch_of(local["input_ids"]).layout
+            layout = cp_attention.engine.batch.batch_of(local["input_ids"]).layout
             out = ddp(**local, use_cache=False)
             logits = cp.gather(out.logits.detach())
         out.loss.backward()

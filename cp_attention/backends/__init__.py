@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
 
 import torch
 
@@ -20,7 +21,7 @@ BACKENDS: dict[str, VarlenBackend] = {"flash": FlashBackend(), "triton": TritonB
 AUTO_ORDER = ("flash", "triton", "cpu", "reference")  # "auto" takes the first that supports the inputs
 # "auto" never picks Triton's CPU interpreter (a testing tool, orders of magnitude slower than the
 # reference); name backend="triton" to use it
-AUTO_DEVICES = {"triton": ("cuda",)}
+AUTO_DEVICES = MappingProxyType({"triton": ("cuda",)})
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64
                          (32, 32, 4, 2), (16, 16, 2, 1)])
 _BWD_CONFIGS = _configs([(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1),
                          (16, 16, 2, 1)])
-_TUNE_KEY = ["MAXQ_BUCKET", "MAXK_BUCKET", "BLOCK_D", "BLOCK_DV", "HAS_SOFTCAP", "DOT_PREC"]
+_TUNE_KEY = ("MAXQ_BUCKET", "MAXK_BUCKET", "BLOCK_D", "BLOCK_DV", "HAS_SOFTCAP", "DOT_PREC")
 
 
 def _prune(configs, named_args, **kwargs):
@@ -151,7 +151,7 @@ def _fwd_inner(acc_MDv, l_M, m_M, q_MD, k_base, v_base, stride_kn, stride_vn, i_
     return acc_MDv, l_M, m_M
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_FWD_CONFIGS, key=list(_TUNE_KEY), prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -260,7 +260,7 @@ def _bwd_dkdv_inner(dk_ND, dv_NDv, k_ND, v_NDv, q_base, do_base, lse_base, delta
     return dk_ND, dv_NDv
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_BWD_CONFIGS, key=list(_TUNE_KEY), prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -340,7 +340,7 @@ def _bwd_dq_inner(dq_MD, q_MD, do_MDv, lse_M, delta_M, k_base, v_base, stride_kn
     return dq_MD
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_BWD_CONFIGS, key=list(_TUNE_KEY), prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,

@@ -44,7 +44,8 @@ import functools
 import zlib
 from dataclasses import dataclass
 
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 from ..masks import MaskSpec, SequenceMeta
 from ..plan import PlanStats, RankPlan, build_plan
@@ -248,10 +249,10 @@ class Executor:
     backward: Callable
 
 
-EXECUTORS: dict[type, Executor] = {
+EXECUTORS: Mapping[type, Executor] = MappingProxyType({
     RankPlan: Executor(ring_attention, ring_forward, ring_backward),  # "ring"
     UlyssesPlan: Executor(ulysses_attention, ulysses_forward, ulysses_backward),  # "ulysses", "usp"
-}
+})
 """The one table from the type of a plan (what :func:`choose` / :func:`rank_plans` build) to its executor."""
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ __all__ = ["mask_case", "dense_mask", "parse_args", "main"]
 
 MAX_SEQ_LEN = 32768  # the baseline materialises an (L, L) mask, and on CPU (H, L, L) scores
 MASKS = "causal, window:W, documents:N or chunked:C"
-PEERS = {"sdpa_dense": "SDPA dense mask", "sdpa_causal": "SDPA is_causal", "flex": "compiled Flex"}
+PEERS = MappingProxyType({"sdpa_dense": "SDPA dense mask", "sdpa_causal": "SDPA is_causal", "flex": "compiled Flex"})
 
 
 def _peers_arg(text: str) -> list[str]:

@@ -9,17 +9,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from types import MappingProxyType
 
 import cp_attention
 
 __all__ = ["COMMANDS", "main"]
 
 # name -> (module, one-line description)
-COMMANDS = {
+COMMANDS = MappingProxyType({
     "probe": ("cp_attention.tools.probe", "does CP keep a tiny model's masks? (the main check)"),
     "demo": ("cp_attention.tools.demo", "attention on gloo ranks: error and K/V traffic"),
     "bench": ("cp_attention.tools.bench", "time cp_attention.attention against dense-mask SDPA"),
-}
+})
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Callable
 
 import torch
@@ -37,7 +38,7 @@ __all__ = [
     "MaskCase", "SimComm",
 ]
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = MappingProxyType({"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16})
 
 
 # ----------------------------------------------------------------------------------------------
