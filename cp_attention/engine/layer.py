@@ -22,6 +22,7 @@ import torch
 from ..comm import process_count
 from ..layout import global_index
 from ..masks import MaskSpec, accumulation_dtype
+from ..refusals import refuse
 from ..torch_compat import assume_constant_result, in_backward, torch_context_parallel_active
 from . import context, stats
 from .attend import attend, passes
@@ -100,12 +101,7 @@ def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs 
     configuration's checksum, agreed with the batch's first call (called only under context
     parallelism)."""
     if torch_context_parallel_active():
-        raise RuntimeError(
-            "cp_flash: torch's context_parallel (accelerate's ParallelismConfig(cp_size > 1)) is active: it shards "
-            "the sequence itself and cp_flash would attend within one shard. cp_flash does its own context "
-            "parallelism: use cp_attention.context_parallel() + cp.shard_batch(), or CPTrainer from "
-            "cp_attention.integrations.trainer, without torch's context_parallel (or use "
-            "attn_implementation='sdpa' with torch's context_parallel, for plain causal masks only)")
+        raise refuse("torch_context_parallel")
     if compiling_outside_cp():  # traced outside context parallelism: straight to the op
         batch = batch_of(position_ids) or (docs.batch if docs.mask else None)
         if batch is None:
@@ -154,12 +150,7 @@ def _appended_keys_error(Lq: int, Lk: int, docs: LayerDocs) -> NotImplementedErr
     is detected here."""
     if not docs.mask or docs.kv_length is None or Lk <= docs.kv_length:
         return None
-    return NotImplementedError(
-        f"cp_flash: the layer attends to {Lk} keys but its mask covers {docs.kv_length} ({Lq} queries): the model "
-        f"appended {Lk - docs.kv_length} keys that are not tokens of the sequence (e.g. DeepSeek-V4's compressed "
-        "K/V, concatenated to the keys inside its attention layer). Keys beyond the sequence's own (and its KV "
-        "cache's) are not supported by cp_flash, with or without use_cache; use attn_implementation='eager' or "
-        "'sdpa' for this model")
+    return refuse("appended_keys", keys=Lk, covered=docs.kv_length, queries=Lq, appended=Lk - docs.kv_length)
 
 
 def bound_layer(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, run):
@@ -189,9 +180,7 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
             "(cp_attention.integrations.trl) instead of Trainer / SFTTrainer, or run the step inside "
             "cp_attention.context_parallel() on inputs from cp.shard_batch(...)", UserWarning, stacklevel=3)
     if batch is None and multi_rank_context:
-        local_error = local_error or ValueError(
-            "cp_flash under context parallelism needs the batch's global positions: shard the inputs with "
-            "cp.shard_batch(input_ids=..., position_ids=..., labels=...) and pass its outputs to the model")
+        local_error = local_error or refuse("unsharded_inputs")
     if local_error is not None:  # raised on every rank of the group together, before any K/V moves
         if batch is None and multi_rank_context:
             attend(q, k, v, spec, sinks=sinks, local_error=local_error)
@@ -201,32 +190,19 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
         raise local_error
     if batch is None or batch.cp.world_size == 1:
         if run is not None:
-            raise ValueError(
-                "cp_flash: a model torch.compile traced inside a context of several ranks ran on a one-rank batch "
-                "(or on none); run it inside the block it was compiled in, or call torch._dynamo.reset() first")
+            raise refuse("compiled_cp_on_one_rank")
         return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, batch, layer)
     model_crc = -1 if model_crc is None else model_crc()
     if Lq != Lk or docs.q_offset or docs.kv_offset:  # keys the model appended were refused above
-        raise ValueError("cp_flash: a non-empty KV cache is not supported under context parallelism "
-                         f"(queries {Lq} from position {docs.q_offset}, keys {Lk}); call the model with "
-                         "use_cache=False")
+        raise refuse("kv_cache_under_cp", queries=Lq, offset=docs.q_offset, keys=Lk)
     if docs.valid is not None and not batch.padded:
-        local_error = ValueError("cp_flash: the model got a padding attention_mask that cp.shard_batch did "
-                                 "not see; pass attention_mask to cp.shard_batch with the other inputs")
+        local_error = refuse("padding_mask_not_sharded")
     if run is not None and batch.meta.spans is not None:
-        local_error = local_error or NotImplementedError(
-            "cp_flash: this batch has bidirectional spans (image tokens that see each other), but a model compiled "
-            "with torch.compile inside context parallelism cannot tell which of its layers open them; run the model "
-            "eagerly under context parallelism (or compiled on one device)")
+        local_error = local_error or refuse("spans_compiled_in_cp")
     if spec.spans and not batch.spans_read:
-        local_error = local_error or ValueError(
-            "cp_flash: this layer's mask opens bidirectional spans (image tokens that see each other), but "
-            "cp.shard_batch did not read them from the batch: pass model=model (and the token types the model reads, "
-            "e.g. token_type_ids or mm_token_type_ids) to cp.shard_batch")
+        local_error = local_error or refuse("spans_not_read")
     if docs.collator_documents:
-        raise ValueError("cp_flash: cu_seq_lens_* are not used under context parallelism; pass the collator's "
-                         "whole batch (cu_seq_lens_* included) to cp.shard_batch, which takes the documents "
-                         "from them")
+        raise refuse("collator_documents_under_cp")
     if adjust_q is not None:
         cp = batch.cp
         q = adjust_q(q, global_index(batch.seq_len, cp.world_size, batch.layout, cp.rank))
@@ -245,11 +221,7 @@ def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, positi
     if docs.mask and docs.kv_length != Lk:
         raise ValueError(f"cp_flash: the mask was built for {docs.kv_length} keys but the layer has {Lk}")
     if not docs.mask and Lq != Lk:
-        raise NotImplementedError(
-            f"cp_flash: {Lq} queries but {Lk} keys, and no cp_flash mask describes the keys' positions: the model "
-            "builds its own keys (appends entries that are not tokens of the sequence, or bypasses the mask "
-            "function), or was handed a prebuilt 4D mask / a dict of masks. cp_flash cannot place such keys; use "
-            "attn_implementation=\"sdpa\" or \"eager\" for this model, and pass no prebuilt mask")
+        raise refuse("unplaced_keys", queries=Lq, keys=Lk)
     cached = docs.q_offset != 0 or docs.kv_offset != 0 or Lq != Lk
     if batch is not None and not cached and batch.seq_len == Lq and batch.meta.batch == B:
         found = dict(position_ids=batch.meta.position, valid=None, cu_seqlens=None, opens=batch.doc_opens,

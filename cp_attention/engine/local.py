@@ -37,6 +37,7 @@ from ..backends import select_backend
 from ..comm import Comm
 from ..masks import MaskSpec, SequenceMeta, accumulation_dtype
 from ..plan import PlanCache, RankPlan, build_local_plan
+from ..refusals import refuse
 from ..strategies.ring import ring_backward, ring_forward
 from ..torch_compat import assume_constant_result, in_backward
 from . import context, stats
@@ -76,12 +77,9 @@ def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 
                              f"{B} rows; pass position_ids instead")
     else:
         if cu_seqlens is not None and (q_offset != 0 or kv_offset != 0):
-            raise ValueError("cp_flash: cu_seq_lens_* with a non-empty KV cache is not supported")
+            raise refuse("cu_seqlens_with_kv_cache")
         if cu_seqlens is not None:  # no cache, yet more (or fewer) keys than the packed row's tokens
-            raise NotImplementedError(
-                f"cp_flash: cu_seq_lens_* describe one packed row of {Lq} tokens, but the layer has {Lk} keys "
-                "and no KV cache: keys that are not the row's own tokens (e.g. compressed K/V the model appends "
-                "to the keys) are not supported with cu_seq_lens_*")
+            raise refuse("cu_seqlens_appended_keys", tokens=Lq, keys=Lk)
         if position_ids is not None and Lq > 1:
             restarts = (position_ids[..., 1:] != position_ids[..., :-1] + 1).cpu()
             if valid is not None:  # padding restarts positions, not documents
@@ -90,8 +88,7 @@ def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 
                 ok[:, :seen.shape[1]] = seen
                 restarts = restarts & ok[:, 1:] & ok[:, :-1]
             if bool(restarts.any()):
-                raise ValueError("cp_flash: packed documents (restarting position_ids) after a non-empty KV "
-                                 "cache are not supported")
+                raise refuse("packed_after_kv_cache")
     valid_BT = None
     if valid is not None:
         valid_BT = torch.zeros(B, T, dtype=torch.bool)  # positions past the 2D mask are invisible
@@ -156,11 +153,7 @@ def _check_context() -> None:
     """A call not bound to a shard_batch record refuses to run inside a context of several ranks
     (eager cp_flash raises the same error before it calls the op)."""
     if multi_rank_context_active():
-        raise ValueError(
-            "cp_flash under context parallelism needs the batch's global positions: shard the inputs with "
-            "cp.shard_batch(input_ids=..., position_ids=..., labels=...) and pass its outputs to the model. (A "
-            "torch.compile'd model traced outside context_parallel() cannot see the context, which is a "
-            "contextvar: call it inside the block on cp.shard_batch outputs, which recompiles)")
+        raise refuse("unsharded_inputs_in_op")
 
 
 def _resolve(q, v, backend: str, window, chunk_size, softcap, causal, spans):

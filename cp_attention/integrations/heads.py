@@ -51,6 +51,7 @@ import torch
 from .. import layout as layout_mod
 from . import source
 from ..engine.batch import AMBIGUOUS, batch_of
+from ..refusals import refuse
 from .losses import LOSS_SCALE
 
 __all__ = ["HeadCall", "call_kwargs", "prepare_call"]
@@ -239,37 +240,20 @@ def prepare_call(model, args: tuple, kwargs: dict | None, cp, *, compiled: bool 
     if (keeps or kind) and (compiled or trainer):
         what = f"logits_to_keep={keep!r}" if keeps else \
             f"its {dict(sequence='pooled', qa='span', token='token-mean')[kind]} head"
-        raise NotImplementedError(
-            f"cp_flash: {name} with {what} under context parallelism gathers its outputs over the group "
-            + ("in module hooks that a compiled forward does not run: call the model uncompiled"
-               if compiled else "from rows of one sequence, but the CP trainers join the ranks' micro-batches "
-               "along the sequence: run it through cp.shard_batch and the model, or without a CP trainer"))
+        raise (refuse("head_outputs_compiled", name=name, what=what) if compiled
+               else refuse("head_outputs_in_trainer", name=name, what=what))
     if kind == "sequence" and not _pools_scores(cls):
-        raise NotImplementedError(
-            f"cp_flash: {name} pools one token of each row (its first token, a [CLS] pooler in its base model, ...) "
-            "other than through per-token scores pooled at the last non-padding token, which cp_attention gathers; "
-            "under context parallelism every rank but the one holding that token would pool a token of its own "
-            "shard. Run this sequence classifier without context_parallel")
+        raise refuse("sequence_pooling", name=name)
     if kind == "qa" and not _spans_scores(cls) and (_given(kwargs, "start_positions") or _given(kwargs, "end_positions")):
-        raise NotImplementedError(
-            f"cp_flash: {name} reads start_positions/end_positions as indices into the sequence, but each rank holds "
-            "a shard of it and its span logits are not per-token outputs of a qa_outputs module that cp_attention "
-            "can gather. Compute the span loss from the gathered logits, or run without context_parallel")
+        raise refuse("qa_span_positions", name=name)
     if _given(kwargs, "labels") and name not in heads["causal"] and kind != "token" and \
             (name in heads["token"] or name in heads["masked"]) and not _loss_takes_num_items(cls):
-        raise NotImplementedError(
-            f"cp_flash: {name} takes the mean of its loss over the tokens it is given, which under context "
-            "parallelism are this rank's: the ranks' means are not the batch's. Call it without labels and compute "
-            "the loss from the logits (sum over the shard / the batch's label count), or run without "
-            "context_parallel")
+        raise refuse("token_mean_loss", name=name)
     _check_num_items(kwargs, record)
     if (getattr(model, "z_loss_coefficient", 0) or 0) > 0 and _given(kwargs, "labels") and record is not None \
             and len(set(layout_mod.local_lengths(record.seq_len, cp.world_size, record.layout))) > 1:
-        raise NotImplementedError(
-            f"cp_flash: {name} adds z_loss_coefficient times the mean over its tokens of logsumexp(logits)^2, which "
-            "under context parallelism is each rank's mean: it equals the batch's only when every rank holds as many "
-            f"tokens, and this layout gives them {layout_mod.local_lengths(record.seq_len, cp.world_size, record.layout)}. "
-            "Use a sequence length the layout splits evenly, or set z_loss_coefficient=0")
+        raise refuse("z_loss_uneven", name=name,
+                     lengths=layout_mod.local_lengths(record.seq_len, cp.world_size, record.layout))
     if keeps:
         return _keep_call(model, args, kwargs, cp, record, keep), None
     if kind is None or (kind == "qa" and not _spans_scores(cls)):
@@ -299,14 +283,11 @@ def _keep_call(model, args, kwargs, cp, record, keep) -> HeadCall:
     """``logits_to_keep`` of the sequence: this rank keeps the positions it holds (a 1-D index tensor
     handed to the forward in place of ``keep``); the output embeddings' logits are gathered."""
     if _given(kwargs, "labels"):
-        raise NotImplementedError(
-            f"cp_flash: {type(model).__name__} was called with logits_to_keep={keep!r} and labels: the kept logits "
-            "no longer line up with the labels. Pass logits_to_keep=0 with labels")
+        raise refuse("logits_to_keep_with_labels", model=type(model).__name__, keep=keep)
     ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
     local = ids if ids is not None else kwargs.get("inputs_embeds")
     if local is None:
-        raise NotImplementedError(f"cp_flash: logits_to_keep={keep!r} under context parallelism needs input_ids or "
-                                  "inputs_embeds of the shard to place the kept positions")
+        raise refuse("logits_to_keep_without_ids", keep=keep)
     index, total = _positions(cp, record, int(local.shape[1]))
     if isinstance(keep, int):
         wanted, select = torch.arange(max(total - keep, 0), total), None
@@ -320,8 +301,7 @@ def _keep_call(model, args, kwargs, cp, record, keep) -> HeadCall:
     kwargs["logits_to_keep"] = local_rows
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if output is None:
-        raise NotImplementedError(f"cp_flash: {type(model).__name__} has no output embeddings module whose logits "
-                                  f"logits_to_keep={keep!r} could gather; pass logits_to_keep=0")
+        raise refuse("logits_to_keep_no_output_embeddings", model=type(model).__name__, keep=keep)
     return HeadCall(cp.comm, index[mine], {id(output)}, int(local_rows.numel()), select=select)
 
 
@@ -332,8 +312,5 @@ def _check_num_items(kwargs: dict, record) -> None:
     want = float(record.num_items) / record.cp.world_size
     value = float(torch.as_tensor(given).detach().sum())
     if abs(value - want) > 1e-6 * max(1.0, abs(want)):
-        raise ValueError(
-            f"cp_flash: num_items_in_batch={value:g} was handed to the model, but the batch cp.shard_batch returned "
-            f"binds {want:g} (its {float(record.num_items):g} label tokens / {record.cp.world_size} ranks: each "
-            "rank's loss is P times its share). To count over accumulated micro-batches, pass num_items_in_batch "
-            "to cp.shard_batch, and hand the model the value it returns")
+        raise refuse("num_items_mismatch", value=value, want=want, items=float(record.num_items),
+                     ranks=record.cp.world_size)

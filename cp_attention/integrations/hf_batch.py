@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.batch import batch_of
+from ..refusals import refuse
 from .model_check import default_position_start, unwrap_adapters
 from .models import model_masks
 from .multimodal import MEDIA_NAME, decoder_inputs, install_injection, media_inputs, outer_inputs, shard_decoder_inputs
@@ -80,10 +81,7 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
     if model is None:
         named = sorted(name for name in inputs if MEDIA_NAME.search(name))
         if named:
-            raise ValueError(f"shard_batch: {', '.join(named)} are a multimodal model's inputs (images, video or "
-                             "audio), which are not along the sequence: pass the model too, "
-                             "cp.shard_batch(**processor_output, model=model), so that its own front-end runs on "
-                             "the full batch and its text decoder's inputs are sharded")
+            raise refuse("media_without_model", named=", ".join(named))
     if model is not None:
         B0, L0 = _batch_shape(inputs)
         media = media_inputs(model, inputs, B0, L0)
@@ -163,8 +161,7 @@ def _batch_shape(inputs: dict) -> tuple[int, int]:
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
             return value.shape[0], value.shape[1]
     if any(name.startswith("decoder_") for name in inputs):
-        raise NotImplementedError("shard_batch: an encoder-decoder model's batch (decoder_input_ids): cp_attention shards "
-                                  "a decoder-only sequence; run this model without context_parallel")
+        raise refuse("encoder_decoder_batch")
     raise ValueError("shard_batch with model= needs input_ids (or inputs_embeds) of shape (B, L)")
 
 
@@ -179,10 +176,7 @@ def _front_end(model, tensors: dict, media: dict, position_ids, B: int, L: int):
         full["position_ids"] = position_ids
     captured = decoder_inputs(model, full)
     if not isinstance(captured.get("inputs_embeds"), torch.Tensor):
-        raise NotImplementedError(
-            f"shard_batch: {type(model).__name__}'s text decoder got no inputs_embeds from its multimodal front-end "
-            "(its images reach the decoder another way: cross-attention, image tokens in input_ids, or an "
-            "encoder-decoder), so its inputs cannot be sharded. Run this model without context_parallel")
+        raise refuse("decoder_without_inputs_embeds", model=type(model).__name__)
     install_injection(model.get_decoder())
 
     passed = outer_inputs(model, captured)

@@ -39,6 +39,7 @@ import torch
 
 from ..engine.batch import AMBIGUOUS, batch_of, live_records
 from ..engine.context import active_context
+from ..refusals import refuse
 
 __all__ = ["LOSS_FUNCTIONS", "adapt_module", "router_balance_parts", "LOSS_SCALE"]
 
@@ -119,8 +120,7 @@ def _record_for(attention_mask, rows: int):
             found = live_records(lambda rec: rows % (rec.meta.batch * rec.local_position_ids.shape[-1]) == 0)
             record = None if not found else found[0] if len(found) == 1 else AMBIGUOUS
     if record is AMBIGUOUS:
-        raise ValueError("cp_flash: several batches returned by cp.shard_batch are alive and the MoE router loss "
-                         "cannot tell which one it runs on; run each batch's forward before sharding the next one")
+        raise refuse("router_loss_ambiguous_batch")
     if record is None or record.cp.world_size <= 1:
         return None
     return record
@@ -148,15 +148,11 @@ def _router_loss(original):
             return original(*args, **kwargs)
         reason = _fits(original, a["num_experts"], a["top_k"])
         if reason is not None:
-            raise NotImplementedError(
-                f"cp_flash: the MoE router loss {name} cannot be computed under context parallelism: {reason}. "
-                "Turn it off (output_router_logits=False; TRL: router_aux_loss_coef=0.0) or run without "
-                "context_parallel")
+            raise refuse("router_loss_unknown", name=name, reason=reason)
         tokens = record.meta.batch * record.local_position_ids.shape[-1]
         if any(g.reshape(-1, g.shape[-1]).shape[0] != tokens for g in gate_logits):
-            raise NotImplementedError(
-                f"cp_flash: {name} got router logits of {[tuple(g.shape) for g in gate_logits]}, not one row per "
-                f"token of this rank's shard ({tokens}); the router loss cannot be taken over the batch")
+            raise refuse("router_logits_not_per_token", name=name, shapes=[tuple(g.shape) for g in gate_logits],
+                         tokens=tokens)
         S, T, R = router_balance_parts(gate_logits, a["num_experts"], a["top_k"], mask)
         total = torch.cat([S.detach()[None], T, R.detach()])
         record.cp.comm.all_reduce(total, "the MoE router loss's sums")

@@ -40,6 +40,7 @@ from ..engine.context import active_context
 from ..engine.layer import compiling_outside_cp
 from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan
 from ..engine.stats import note_mixer
+from ..refusals import refuse
 from ..torch_compat import in_backward
 
 __all__ = ["CONVOLUTIONS", "RECURRENCES", "SHORTCUTS", "DECODING", "adapt_module", "adapted", "handled_calls",
@@ -69,16 +70,13 @@ def _batch_for(batch_size: int, length: int, compiled: bool = False):
     else:
         return None
     if record is AMBIGUOUS:
-        raise ValueError("cp_flash: several batches returned by cp.shard_batch are alive and a sequence mixer "
-                         "(convolution / state-space / linear attention) cannot tell which one it runs on; run "
-                         "each batch's forward before sharding the next one")
+        raise refuse("mixer_ambiguous_batch")
     if record is None:
         return None
     local = record.local_position_ids.shape[-1]
     if record.meta.batch != batch_size or local != length:
-        raise ValueError(f"cp_flash: a sequence mixer got {batch_size} x {length} tokens but the sharded batch "
-                         f"holds {record.meta.batch} x {local} on this rank; pass the model the tensors of one "
-                         "cp.shard_batch call (and no cache)")
+        raise refuse("mixer_tokens_not_of_batch", batch_size=batch_size, length=length, rows=record.meta.batch,
+                     local=local)
     return record
 
 
@@ -101,9 +99,7 @@ def _compiled(original, eager):
 
 
 def _refuse_cache(name: str):
-    raise NotImplementedError(f"cp_flash: {name} was asked to continue from a cache under context "
-                              "parallelism; a non-empty cache (generation) is not supported there: run the "
-                              "forward with use_cache=False, or generate without context_parallel")
+    raise refuse("mixer_cache", name=name)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ from . import state
 from ..engine.batch import batch_of
 from ..engine.context import active_context, register_context_guard
 from ..engine.stats import begin_mixers
+from ..refusals import refuse
 from .heads import call_kwargs, prepare_call
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
 from .rope import rope_findings, tag_ropes
@@ -265,11 +266,7 @@ def check_model(model) -> None:
         group = [f for f in findings if f.what == what]
         names = ", ".join(f.module for f in group[:3]) + (f" (and {len(group) - 3} more)" if len(group) > 3 else "")
         lines.append(f"  - {what} in {names}: {group[0].why}")
-    raise NotImplementedError(
-        f"cp_flash cannot run {_family(model)} ({type(model).__name__}) under context parallelism: it would "
-        "compute something else than on one device, because it has\n" + "\n".join(lines) +
-        "\nRun this model without context_parallel (one device, or data parallelism only), or with an "
-        "attention implementation of its own (\"eager\", \"sdpa\") outside a context_parallel block.")
+    raise refuse("model_check", family=_family(model), model=type(model).__name__, findings="\n".join(lines))
 
 
 def _packed(meta) -> bool:
@@ -291,11 +288,7 @@ def check_positions_one_rank(model, record) -> None:
     if "position_ids" in _forward_args(type(model)) or record is None or not hasattr(record, "meta"):
         return
     if _packed(record.meta):
-        raise NotImplementedError(
-            f"cp_flash cannot run {_family(model)} ({type(model).__name__}) on the packed documents cp.shard_batch "
-            "recorded: its forward takes no position_ids, so it numbers positions over the whole row instead of "
-            "restarting them at each document. Give it one document per row, or run it with its own attention "
-            "implementation (\"eager\", \"sdpa\") outside a context_parallel block.")
+        raise refuse("packed_without_position_ids", family=_family(model), model=type(model).__name__)
 
 
 @functools.lru_cache(maxsize=None)
@@ -330,10 +323,7 @@ def layer_position_ids(module, position_ids, collator_documents: bool):
         return position_ids  # from shard_batch: the model check decides (refused when packed)
     if collator_documents:
         family = str(getattr(getattr(module, "config", None), "model_type", "") or type(module).__name__)
-        raise NotImplementedError(
-            f"cp_flash cannot run {family} on packed documents (cu_seq_lens): its models number positions over "
-            "the whole row and take no position_ids, so each document would get the row's positions instead of "
-            "its own. Give it one document per row (padding), or use attn_implementation=\"eager\"")
+        raise refuse("collator_packed_without_position_ids", family=family)
     return None
 
 
@@ -348,10 +338,7 @@ def unwrap_adapters(model):
         return model
     if getattr(config, "is_prompt_learning", False):
         kind = getattr(getattr(config, "peft_type", None), "value", None) or type(config).__name__
-        raise NotImplementedError(
-            f"cp_attention: PEFT {kind} adds {getattr(config, 'num_virtual_tokens', 'its')} virtual tokens in front "
-            "of the sequence (or of the keys), which under context parallelism would go in front of every rank's "
-            "shard. Use a weight adapter (LoRA, DoRA, IA3, ...), or train this adapter without context_parallel")
+        raise refuse("peft_prompt_learning", kind=kind, tokens=getattr(config, "num_virtual_tokens", "its"))
     return get_base()
 
 
@@ -444,13 +431,8 @@ def _after(module, args, output):
     # two softmaxes); a module that hands the interface another module object counts as that one
     missing, foreign = guard.ran - guard.reached, guard.reached - guard.ran
     if output is not None and len(missing) > len(foreign) and getattr(guard, "counting", True):
-        raise NotImplementedError(
-            f"cp_flash: {len(guard.ran)} attention layer(s) of {_family(module)} ({type(module).__name__}) ran in "
-            f"this forward under context parallelism but {len(missing) - len(foreign)} of them did not reach "
-            "cp_flash: they computed their "
-            "attention another way on this rank's shard only, so the outputs are not the model's. Its modeling "
-            "code selects attention classes by implementation name or bypasses the attention interface for "
-            "some layers; run it without context_parallel.")
+        raise refuse("layers_bypassed_cp_flash", ran=len(guard.ran), family=_family(module),
+                     model=type(module).__name__, missing=len(missing) - len(foreign))
 
 
 def note_cp_flash_call(module) -> None:

@@ -33,6 +33,7 @@ import torch
 
 from ..engine.batch import batch_of
 from ..engine.context import outside_context
+from ..refusals import refuse
 
 __all__ = ["media_inputs", "outer_inputs", "decoder_inputs", "shard_decoder_inputs", "install_injection", "NOT_INJECTED"]
 
@@ -92,8 +93,7 @@ def decoder_inputs(model, full_inputs: dict) -> dict:
 
     def hook(module, args, kwargs):
         if args:
-            raise NotImplementedError(f"cp_attention: {type(model).__name__} calls its text decoder with positional "
-                                      "arguments; shard_batch reads only keyword arguments")
+            raise refuse("decoder_positional_arguments", model=type(model).__name__)
         captured.update(kwargs)
         raise _Captured
 
@@ -106,10 +106,7 @@ def decoder_inputs(model, full_inputs: dict) -> dict:
     finally:
         handle.remove()
     if not captured:
-        raise NotImplementedError(
-            f"shard_batch: {type(model).__name__}'s forward did not call its text decoder ({type(decoder).__name__}) "
-            "the way cp_attention reads it (an encoder-decoder, or a decoder called through another module); its "
-            "multimodal inputs cannot be sharded. Run this model without context_parallel")
+        raise refuse("decoder_not_called", model=type(model).__name__, decoder=type(decoder).__name__)
     return captured
 
 
@@ -133,17 +130,14 @@ def shard_decoder_inputs(captured: dict, shard, B: int, L: int) -> dict:
         elif isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
             mask = next((m for m in token_masks.values() if all(v.shape[0] == int(m.sum()) for v in value)), None)
             if mask is None:
-                raise NotImplementedError(f"cp_attention: the decoder argument {name!r} (a list of "
-                                          f"{tuple(value[0].shape)} tensors) is not along the sequence; it cannot be "
-                                          "sharded")
+                raise refuse("decoder_list_not_along_sequence", name=name, shape=tuple(value[0].shape))
             order = torch.full((B, L), -1, dtype=torch.long, device=mask.device)
             order[mask] = torch.arange(int(mask.sum()), device=mask.device)  # row-major, as masked_scatter reads
             rows = shard(order, 1)
             rows = rows[rows >= 0]
             local[name] = type(value)(v[rows.to(v.device)] for v in value)
         elif isinstance(value, torch.Tensor):
-            raise NotImplementedError(f"cp_attention: the decoder argument {name!r} of shape {tuple(value.shape)} is "
-                                      f"not along the sequence of {L} tokens; shard_batch cannot shard it")
+            raise refuse("decoder_tensor_not_along_sequence", name=name, shape=tuple(value.shape), length=L)
     return local
 
 

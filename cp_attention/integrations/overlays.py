@@ -30,6 +30,7 @@ import sys
 import torch
 
 from ..engine.local import multi_rank_context_active
+from ..refusals import refuse
 
 __all__ = ["mask_pairs", "probe_adjacent", "probe_whole_mask", "overlay_structure", "check_spans", "batch_span_next"]
 
@@ -168,11 +169,7 @@ def check_spans(mask_function, span_next: torch.Tensor, window: int | None, fami
     want = torch.ones_like(last_sees_first) if window is None else (ends - starts) < window
     ok = bool(first_sees_last.all()) and bool((last_sees_first == want).all())
     if not ok:
-        raise NotImplementedError(
-            f"cp_flash: {family or 'this model'}'s mask opens later keys to some tokens in a shape cp_flash does not "
-            "implement (its bidirectional spans are not blocks whose tokens see every later token of the block, "
-            "under the layer's own window): it would compute another mask. Use attn_implementation=\"eager\" or "
-            "\"sdpa\" for this model")
+        raise refuse("span_shape", family=family or "this model")
 
 
 def _block_function(model):

@@ -39,6 +39,7 @@ import threading
 import torch
 
 from ..engine.context import active_context
+from ..refusals import refuse
 
 __all__ = ["length_dependent", "updates_per_forward", "rope_types", "tag_ropes", "rope_findings", "ROPE_ATTR"]
 
@@ -160,11 +161,8 @@ def _drop_appended(module, args, output):
 
     def drop(t):
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[-2] != length + 1:
-            raise NotImplementedError(
-                f"cp_flash: the rotary embedding {type(module).__name__} returned a "
-                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__} output where a "
-                f"(..., {length + 1}, D) cos/sin row per position was expected; its length-dependent rope cannot "
-                "be given the whole sequence's length under context parallelism. Run it without context_parallel.")
+            raise refuse("rope_output_shape", module=type(module).__name__,
+                         got=tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__, rows=length + 1)
         return t[..., :length, :]
 
     return tuple(drop(t) for t in output) if isinstance(output, tuple) else drop(output)

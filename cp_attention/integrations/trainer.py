@@ -39,6 +39,7 @@ from ..engine.agreement import check_strategy
 from ..engine.context import context_parallel
 from ..strategies.choice import CostModel
 from ..engine.batch import batch_of
+from ..refusals import refuse
 from .hf_batch import DOCUMENT_KEYS
 from .losses import LOSS_SCALE
 from .heads import head_kind
@@ -80,9 +81,7 @@ def join_micro_batches(parts: list[dict]) -> tuple[dict, torch.Tensor]:
                                                            if isinstance(v, torch.Tensor) and v.dim() >= 2)
     rows = [int(p[ref].shape[0]) for p in parts]
     if len(set(rows)) != 1:
-        raise ValueError(f"CPTrainer: the ranks of a context-parallel group got micro-batches of {rows} rows; they "
-                         f"are joined row by row, so they need the same number of rows: set "
-                         f"dataloader_drop_last=True, or pack with DataCollatorWithFlattening (always 1 row)")
+        raise refuse("trainer_uneven_rows", rows=rows)
     B = rows[0]
     device = parts[0][ref].device
     lengths = [int(p[ref].shape[1]) for p in parts]
@@ -181,34 +180,23 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
         super().__init__(*args, **kwargs)
         name = type(self).__name__
         if self.label_smoother is not None or self.compute_loss_func is not None:
-            raise ValueError(f"{name} computes the loss inside the model on each rank's shard; label smoothing and "
-                             f"compute_loss_func see only local logits and labels: set label_smoothing_factor=0 and "
-                             f"drop compute_loss_func")
+            raise refuse("trainer_local_loss", name=name)
         if not self.args.average_tokens_across_devices:
-            raise ValueError(f"{name} needs average_tokens_across_devices=True: each rank's loss must be normalised "
-                             f"by the label tokens of the whole global batch")
+            raise refuse("trainer_local_token_average", name=name)
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         implementation = getattr(config, "_attn_implementation", None)
         if implementation != "cp_flash":
-            raise ValueError(f"{name} trains models loaded with attn_implementation='cp_flash', this one uses "
-                             f"{implementation!r}")
+            raise refuse("trainer_not_cp_flash", name=name, implementation=implementation)
         inner = unwrap_adapters(self.accelerator.unwrap_model(self.model))
         if self.args.world_size > 1:  # the model check, at construction rather than at the first step
             check_model(inner)
         if head_kind(inner) is not None:
-            raise ValueError(f"{name} joins the ranks' micro-batches along the sequence, but {type(inner).__name__} "
-                             f"reads one output per row (a pooled token or a span): run it with cp.shard_batch and "
-                             f"the model's forward (exact under context parallelism), or train it without {name}")
+            raise refuse("trainer_row_head", name=name, model=type(inner).__name__)
         if (getattr(inner, "z_loss_coefficient", 0) or 0) > 0:
-            raise ValueError(f"{name}: {type(inner).__name__} adds a z-loss (z_loss_coefficient) that is a mean over each "
-                             f"rank's tokens; Trainer's loss scaling would multiply it by the number of processes. Set "
-                             f"z_loss_coefficient=0, or train it through cp.shard_batch and the model's forward")
+            raise refuse("trainer_z_loss", name=name, model=type(inner).__name__)
         self._cp_aux_loss_scale = _aux_loss_scale(self)
         if self._cp_aux_loss_scale is _UNKNOWN and _router_aux_loss(config):
-            raise ValueError(f"{name} overrides compute_loss, so how it weighs the MoE router auxiliary loss across "
-                             f"processes is unknown and cp_attention cannot take it over the batch exactly: set the "
-                             f"config's output_router_logits=False, or subclass Trainer or TRL's SFTTrainer without "
-                             f"changing compute_loss")
+            raise refuse("trainer_router_loss", name=name)
         self.cp_group, self.cp_mesh_dim, self.cp_layout, self.cp_timeout = cp_group, cp_mesh_dim, cp_layout, cp_timeout
         self.cp_strategy, self.cp_ulysses_size, self.cp_cost_model = cp_strategy, cp_ulysses_size, cp_cost_model
 

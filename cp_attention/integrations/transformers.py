@@ -50,6 +50,7 @@ import torch
 from . import state
 from ..engine.layer import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
+from ..refusals import refuse
 from .losses import adapt_module as adapt_loss_functions
 from .mixers import adapt_module as adapt_mixer_functions
 from .model_check import guard_position_start, guard_sub_model, install_guard, layer_position_ids, note_cp_flash_call
@@ -153,11 +154,8 @@ class CPMask:
             if opens and window is not None and not windowed:
                 _refuse_spans_past_window(self.batch, window, self.family)
             if foreign:
-                raise NotImplementedError(
-                    f"cp_flash: {self.family or 'this model'}'s causal mask contains {', '.join(sorted(set(foreign)))}, "
-                    "a mask function of the model's own that cp_flash cannot read under context parallelism (each "
-                    "rank's mask is built from its shard). Its overlay would be dropped; run this model on one device "
-                    "(cp_flash without context_parallel probes such masks), or with attn_implementation=\"eager\"")
+                raise refuse("foreign_mask_overlay", family=self.family or "this model",
+                             functions=", ".join(sorted(set(foreign))))
         else:
             opens = False
         self._checked[window] = opens
@@ -182,10 +180,7 @@ class CPMask:
             return
         q = torch.arange(first, self.q_length) + self.q_offset
         if q.numel() and bool(mask_pairs(self.mask_function, self.batch_size, q, q - window).any()):
-            raise NotImplementedError(
-                f"cp_flash: {self.family or 'this model'}'s mask lets a token see keys {window} or more positions "
-                f"back in a layer with a window of {window} (an overlay over its sliding window), which cp_flash "
-                "would cut to the window. Use attn_implementation=\"eager\" or \"sdpa\" for this model")
+            raise refuse("overlay_past_window", family=self.family or "this model", window=window)
 
     @torch.compiler.disable
     def sees_no_later_key(self) -> bool | None:
@@ -212,11 +207,7 @@ class CPMask:
     # slicing it, reading its dtype): a CPMask must never stand in for one silently.
     def _misused(self, how: str):
         family = self.family or "this model"
-        raise NotImplementedError(
-            f"cp_flash: {family}'s modeling code uses the attention mask as a dense tensor ({how}); cp_flash "
-            "hands its layers O(L) mask metadata instead, which only its own attention function reads. This "
-            f"family is not supported by cp_flash: use attn_implementation=\"sdpa\" or \"eager\" (without "
-            "context parallelism)")
+        raise refuse("mask_used_as_tensor", family=family, how=how)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -368,11 +359,6 @@ def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
-class DenseMaskError(NotImplementedError, ValueError):
-    """A dense attention mask reached a cp_flash layer: not implemented (a family whose code builds
-    one is refused), and a wrong argument where the caller passed it (a ValueError, as before)."""
-
-
 def _refuse_spans_past_window(batch, window: int, family: str) -> None:
     """Under context parallelism, a layer whose mask ORs the block overlay over its sliding window
     (:func:`~.overlays.overlay_structure`: a block seen whole, however far its first key lies behind a
@@ -381,10 +367,7 @@ def _refuse_spans_past_window(batch, window: int, family: str) -> None:
     meta = getattr(batch, "meta", None)
     longest = max((int((e - s).max()) for s, e in (getattr(meta, "spans", None) or ()) if len(s)), default=0)
     if longest > window:  # (spans end exclusively) its last token is `window` or more past its first
-        raise NotImplementedError(
-            f"cp_flash: a bidirectional span (image block) of {longest} tokens is longer than a sliding window "
-            f"of {window} in {family or 'this model'}, whose mask shows the whole block past the window; cp_flash "
-            "cuts spans to the window. Use a model whose window covers its images, or attn_implementation=\"eager\"")
+        raise refuse("span_longer_than_window", longest=longest, window=window, family=family or "this model")
 
 
 def _refuse_score_tensors(kwargs: dict, q_length: int, kv_length: int, info) -> None:
@@ -394,10 +377,7 @@ def _refuse_score_tensors(kwargs: dict, q_length: int, kv_length: int, info) -> 
     for name, value in kwargs.items():
         if isinstance(value, torch.Tensor) and value.dim() >= 3 and tuple(value.shape[-2:]) == (q_length, kv_length):
             family = (info.family if info is not None else "") or "this model"
-            raise NotImplementedError(
-                f"cp_flash: {family} hands its attention {name!r}, a {tuple(value.shape)} tensor over (query, key) "
-                "pairs (a score bias or a dense mask), which cp_flash cannot apply: it would be dropped. Use "
-                "attn_implementation=\"eager\" (or \"sdpa\") for this family, without context_parallel.")
+            raise refuse("score_tensor_argument", family=family, name=name, shape=tuple(value.shape))
 
 
 def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
@@ -408,31 +388,17 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     query (B, H, Lq, D), key/value (B, H_kv, Lk, D) (GQA not repeated) -> ((B, Lq, H, D), None).
     """
     if dropout and getattr(module, "training", False):
-        raise NotImplementedError(f"cp_flash does not implement attention dropout (got dropout={dropout}); "
-                                  "set the model's attention_dropout to 0")
+        raise refuse("attention_dropout", dropout=dropout)
     if isinstance(attention_mask, torch.Tensor):
         family = str(getattr(getattr(module, "config", None), "model_type", "") or "this model")
-        raise DenseMaskError(
-            f"cp_flash received a dense {tuple(attention_mask.shape)} attention_mask tensor in {family}, which it "
-            "cannot apply: its masks come from the mask function registered with it. If you passed it, pass a 2D "
-            "padding mask (or none) and position_ids; if the model builds it itself (BLT's byte and patch masks), "
-            "cp_flash does not support this family: use attn_implementation=\"eager\" or \"sdpa\"")
+        raise refuse("dense_mask", shape=tuple(attention_mask.shape), family=family)
     info = attention_mask if isinstance(attention_mask, CPMask) else None
     tower = guard_sub_model(module)
     if tower is not None:
-        raise NotImplementedError(
-            f"cp_flash: the attention of a sub-model, {tower}, ran inside a multi-rank context_parallel block: its "
-            "tokens are an image's (or a clip's), not the sharded text sequence, and binding it to the text batch "
-            "would attend over the wrong tokens. Pass the images to cp.shard_batch(**processor_output, model=model) "
-            "instead: it runs the vision tower on the full batch before sharding, and the model then gets "
-            "inputs_embeds")
+        raise refuse("sub_model_attention", tower=tower)
     note_cp_flash_call(module)
     if info is not None and not getattr(info.batch, "positions_given", True) and guard_position_start():
-        raise NotImplementedError(
-            f"cp_flash: {info.family or 'this model'} numbers its default positions from "
-            f"padding_idx + 1 = {guard_position_start()}, but cp.shard_batch was given no position_ids and numbered "
-            "them from 0: pass position_ids (padding_idx + 1 + each token's offset in its document), or pass "
-            "model=... to cp.shard_batch so it numbers them as the model does")
+        raise refuse("position_start", family=info.family or "this model", start=guard_position_start())
     query, key, value = _autocast(query, key, value)
     _refuse_score_tensors(kwargs, query.shape[2], key.shape[2], info)
     spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling,

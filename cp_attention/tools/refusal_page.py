@@ -32,8 +32,8 @@ Plain argument validation (a wrong shape, dtype or option value) raises `ValueEr
 
 
 def _cell(text: str) -> str:
-    """Markdown table cell text: pipes escaped, one line."""
-    return " ".join(text.replace("|", "\\|").split())
+    """Markdown table cell text: pipes and asterisks escaped, one line."""
+    return " ".join(text.replace("|", "\\|").replace("*", "\\*").split())
 
 
 def _exception_name(exception: type) -> str:
