@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from types import MappingProxyType
 
 import torch
 
@@ -294,8 +295,8 @@ class _Mamba:
         return y
 
 
-_ADAPTERS = {"torch_chunk_gated_delta_rule": _GatedDelta, "mamba2_chunk_scan": _Mamba2,
-             "mamba_selective_scan": _Mamba}
+_ADAPTERS = MappingProxyType({"torch_chunk_gated_delta_rule": _GatedDelta, "mamba2_chunk_scan": _Mamba2,
+                               "mamba_selective_scan": _Mamba})
 
 
 def _recurrence(name: str, original):
@@ -350,14 +351,14 @@ def _decoding(name: str, original):
 # the parameters each adapted function must take (by name, in this order), or it is left alone: a
 # function of the same name with another signature is another function, and the model check then
 # refuses the mixer that calls it
-_SIGNATURES = {
+_SIGNATURES = MappingProxyType({
     "causal_conv1d_fn": 2,  # (input (B, C, L), weight, [bias], activation=...)
     "torch_chunk_gated_delta_rule": ("query", "key", "value", "g", "beta", "initial_state", "output_final_state"),
     "mamba2_chunk_scan": ("hidden_states", "dt", "A", "B", "C", "chunk_size", "initial_states",
                           "return_final_states"),
     "mamba_selective_scan": ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
                              "return_last_state"),
-}
+})
 
 
 def _fits(name: str, original) -> bool:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 
 import torch
 
@@ -65,7 +66,7 @@ MIN_VERSION, MAX_VERSION = (5, 17), (6, 0)
 
 # Modules whose by-name import of is_flash_attention_requested treats any name containing "flash"
 # as flash-attn, and what goes wrong for "cp_flash" there (transformers 5.17-5.23):
-FLASH_NAME_SITES = {
+FLASH_NAME_SITES = MappingProxyType({
     "transformers.modeling_utils": "model init imports a flash package or hub kernel for the name and "
                                    "raises; gpt-oss swaps the name for a hub kernel",
     "transformers.masking_utils": "the chunked mask builder raises beyond one chunk (Llama 4)",
@@ -75,7 +76,9 @@ FLASH_NAME_SITES = {
                                                                   "without masks",
     "transformers.generation.continuous_batching.initialization": "continuous batching setup",
     "transformers.generation.continuous_batching.cache": "continuous batching cache layout",
-}
+})
+
+
 def adapted_sites() -> list[str]:
     """The modules whose flash-name check was adapted for "cp_flash" (for tests and diagnostics)."""
     with state.INTEGRATIONS_LOCK:
