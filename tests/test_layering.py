@@ -13,7 +13,8 @@ exemption:
 * no module is over 600 lines;
 * no shim: a module other than a package's ``__init__`` holds more than imports;
 * the transformers adapter uses at most five names of the engine (names it imports from outside
-  ``integrations``, and attributes it reads on engine modules it imported).
+  ``integrations``, and attributes it reads on engine modules it imported; the catalogue of refusals,
+  ``cp_attention.refusals``, through which every layer raises, is not the engine's).
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ def adapter_engine_names(path: str = MODULES["cp_attention.integrations.transfor
         tree = ast.parse(f.read(), path)
     names, engine_modules = set(), set()
     for target, name, _ in _imports(module, path, tree, MODULES):
-        if target.startswith("cp_attention.integrations"):
+        if target.startswith("cp_attention.integrations") or target == "cp_attention.refusals":
             continue
         if name is None:
             engine_modules.add(target.rpartition(".")[2])
