@@ -4,7 +4,7 @@ Sliding windows, chunked attention, packed documents, soft-capping, sinks and GQ
 exactly under context parallelism: a planner derives, for every pair of ranks, the varlen kernel
 calls and the K/V halo the mask needs, and one ring autograd function executes the plan.
 
-The folders, one layer each, are drawn in docs/architecture.md.
+The floor plan of the package, its layer rules and the path of one forward: docs/architecture.md.
 """
 
 from . import layout

@@ -1,0 +1,250 @@
+"""The sections of the benchmarks page about scaling out: strategies, hybrid models, layouts and
+planning time (see ``report.py``). Every figure in them is computed from the JSON files."""
+
+from __future__ import annotations
+
+from report_tables import (bullet, code, image, k_tokens, layouts_goal_table, layouts_table, load, para,
+                           planning_table, span, strategy_model_tables, strategy_rank_table)
+
+
+def strategies_section(folder: str, page_dir: str) -> list[str]:
+    payload = load(folder, "strategies.json")
+    if payload is None:
+        return []
+    results, cfg = payload["results"], payload["config"]
+    summary = [r for r in results if r["kind"] == "summary"]
+    grid = cfg["grid"]
+    models = cfg["models"]
+
+    def describe(name, m):
+        masks = ", ".join(f"{n} {'window-' + str(mask['window']) if mask.get('window') else 'full'}"
+                          for mask, n in m["masks"])
+        return f"**{name}** ({masks} layers, H {m['heads']}, K {m['kv_heads']}, D {m['head_dim']})"
+
+    out = ["## Strategies: what auto picks", ""]
+    out += code("python benchmarks/bench_strategies.py --repeats 5 --out benchmarks/results/cpu")
+    out += para(f"`bench_strategies.py`, `strategies.json`. Every rank's plan of every candidate for "
+                f"{len(models)} layer mixes (attention layers only; sinks change neither the plans nor the traffic): "
+                + ", ".join(describe(n, m) for n, m in models.items())
+                + f"; {'bfloat16' if cfg['itemsize'] == 2 else 'float32'}, {cfg['layout']} layout, one document or a "
+                "packed realistic mix (log-normal lengths, median 1000 tokens), L = "
+                f"{k_tokens(min(grid['seq_lens']))} to {k_tokens(max(grid['seq_lens']))}, P = {min(grid['world_sizes'])} to "
+                f"{max(grid['world_sizes'])} ({cfg['cost_model']['ranks_per_node']} ranks per node), under the default "
+                "cost model. Each cell: auto's pick per layer mask (`usp8x4`: head groups of 8, rings of 4), then "
+                "the modeled attention step time (forward + backward, every layer) of auto against using the ring "
+                "for every layer and ulysses for every layer (below 1: auto is faster).")
+    out += strategy_model_tables(results) + [""]
+    if summary:
+        best = [s["auto_over_best_uniform"] for s in summary]
+        per_layer = max(s["auto_over_cheapest_per_layer"] for s in summary)
+        plan_s = max(s["auto_planning_s"] for s in summary)
+        out += para(f"Over all {len(summary)} configurations the layer plan auto builds (as every rank builds it) "
+                    f"has the cheapest candidate's modeled time (worst ratio {per_layer:.3f}; a consistency check of "
+                    f"the choice against the model, which auto minimises by construction), and auto's step is "
+                    f"{span(best)} times the best single strategy's (mixing strategies across layers beats any one "
+                    "of them where the ratio is below 1). Auto's planning, one mask, up to "
+                    f"{max(grid['world_sizes'])} ranks and {k_tokens(max(grid['seq_lens']))} tokens: at most "
+                    f"{plan_s:.2f} s (one CPU thread, once per batch and mask).")
+    out += image(folder, page_dir, "strategies.png", "strategies over P")
+    ranks = [r for r in results if r["kind"] == "ranks"]
+    if ranks:
+        rc = cfg["ranks"]
+        mix = ", ".join(f"{n} {'window-' + str(m['window']) if m.get('window') else 'full'}" for m, n in rc["mix"])
+        out += ["", "### Real ranks", ""]
+        out += para(f"`--rank-world-sizes {' '.join(map(str, grid['rank_world_sizes']))}`, gloo on CPU, one thread "
+                    f"per rank (more ranks than cores share them): forward + backward of {mix} layers, L = "
+                    f"{rc['seq_len']}, H {rc['heads']}, K {rc['kv_heads']}, D {rc['head_dim']}, {rc['dtype']}, every "
+                    f"strategy interleaved in one run ({rc['repeats']} repeats, medians, the slowest rank), the cost "
+                    "model's constants calibrated on the same ranks (one rank's attention throughput, point-to-point "
+                    "latency and bandwidth); \"busiest compute\" is the time inside kernel calls (the rank's thread "
+                    "CPU time); \"layers ran\" lists each layer's strategy in order.")
+        out += strategy_rank_table(results) + [""]
+        diff = max(r["max_abs_diff_vs_ring"] for r in ranks)
+        text = f"Every strategy returns the ring's output to {diff:.0e}."
+        uly = {(r["world_size"]): r for r in ranks if (r["data"], r["layout"], r["strategy"]) ==
+               ("single", "contiguous", "ulysses")}
+        if uly:
+            text += (" Contiguous shards of one causal document leave the ring's last rank most of the pairs; for "
+                     "ulysses there the model's busiest-compute ratio and the measured one are "
+                     + ", ".join(f"{r['predicted_compute_over_ring']:.2f} and {r['compute_over_ring']:.2f} at P = {P}"
+                                 for P, r in sorted(uly.items()))
+                     + "; the wall-time ratios, modeled and measured, are "
+                     + ", ".join(f"{r['predicted_over_ring']:.2f} and {r['measured_over_ring']:.2f} at P = {P}"
+                                 for P, r in sorted(uly.items()))
+                     + ". Where they part, the all-to-all's synchronisation points (each rank waiting on all others, "
+                     "ranks sharing cores) cost more than the latency and bandwidth the model charges, while the "
+                     "ring's waits hide under its compute.")
+        text += (" The model is written for GPUs (one process per device, NCCL); its CPU calibration here tests the "
+                 "bookkeeping and the compute balance, not GPU speed. The timed comparison for a GPU is part 3 of "
+                 "`benchmarks/gpu_check.py`, and `bench_strategies.py` runs real NCCL ranks on a machine with several "
+                 "GPUs.")
+        out += para(text)
+    return out
+
+
+def hybrids_section(folder: str) -> list[str]:
+    payload = load(folder, "hybrids.json")
+    if payload is None:
+        return []
+    import bench_hybrids
+
+    results = payload["results"]
+    out = ["## Hybrid models: traffic and step time", ""]
+    out += code("python benchmarks/bench_hybrids.py --out benchmarks/results/cpu")
+    out += para("`bench_hybrids.py`, `hybrids.json`. Real gloo ranks on CPU, one thread per rank; tiny configs of "
+                "each family's own layer mix (the family sweep's rules), one packed row of "
+                f"{span([r['documents'] for r in results], 0)} documents, {payload['config']['layout']} layout, "
+                "forward + backward. Bytes: what the busiest rank received per mixer layer in the forward (the "
+                "backward returns as many); the head-parallel column is what an all-to-all of the mixer's inputs "
+                "and outputs would move (modeled, not run). Step ratios: the slowest rank against the same model on "
+                "one rank, medians; when ranks outnumber cores the wall ratio includes waiting for a core and the "
+                "CPU ratio (each rank's own thread time) is the one to read.")
+    out += bench_hybrids.tables(results) + [""]
+    state = [(r["head_parallel_bytes_per_layer"] / r["state_bytes_per_layer"], r) for r in results
+             if r["state_bytes_per_layer"]]
+    if state:
+        lo, hi = min(state, key=lambda x: x[0]), max(state, key=lambda x: x[0])
+        out += bullet(f"The scan moves {lo[0]:.0f}-{hi[0]:.0f}x fewer bytes per recurrence layer than head "
+                      f"parallelism would ({lo[0]:.0f}x for {lo[1]['model']} at L = {lo[1]['seq_len']} over "
+                      f"{lo[1]['world_size']} ranks, {hi[0]:.0f}x for {hi[1]['model']} at L = {hi[1]['seq_len']} over "
+                      f"{hi[1]['world_size']}): its bytes do not grow with L (the halo is k-1 tokens per piece, the "
+                      "states are per piece), so the ratio grows with L; the logits equal the one-rank run's (at "
+                      f"most {max(r['max_abs_diff_vs_one_rank'] for r in results):.1e} apart).")
+    for P in sorted({r["world_size"] for r in results}):
+        cpu = [r["cpu_over_one_rank"] for r in results if r["world_size"] == P]
+        out += bullet(f"Each rank's own work at P = {P} is {span(cpu)} of one rank's (ideal {1 / P:.2g}).")
+    out += bullet("With hidden size 64 the per-call costs that do not shrink with the shard (Python, the mixers' "
+                  "planning, the correction run of each piece's first segment, the probe runs for the transitions) "
+                  "are a large share. Jamba's work falls below the ideal because transformers' torch reference of "
+                  "Mamba's selective scan (no `mamba_ssm` here) has a backward that grows faster than linearly in "
+                  "the segment length, so shorter shards are more than proportionally cheaper; Jamba runs only at "
+                  f"L <= {payload['config']['max_len'].get('jamba', '-')} for that reason.")
+    return out + ["", "No absolute times: CPU ratios only.", ""]
+
+
+def layouts_section(folder: str, page_dir: str) -> list[str]:
+    goals = load(folder, "layouts.json")
+    plans = load(folder, "cp_layouts.json")
+    out = []
+    if goals:
+        bad = goals["c2_infeasible"]
+        out += ["## Balanced layouts: the goals, from the plans", ""]
+        out += code("python benchmarks/bench_layouts.py --out benchmarks/results/cpu")
+        out += para("`bench_layouts.py`, `layouts.json`: worst case over the drawn rows of each line (lognormal "
+                    "document lengths, median 1000 tokens, sigma 1.2), traffic measured for the mix's full (or "
+                    "window) layer, bfloat16, 8 K/V heads of 128. \"Full ring\" is (P - 1) / P of the row; the floor "
+                    "is a lower bound on \"balanced / full ring\" for any layout meeting the balance and token goals "
+                    "(the rank holding a long document's last token receives all of it but the 1.25 x L / P tokens "
+                    "it may hold). The predicted speedup is the step-time model \"the step waits for the busiest "
+                    "rank\": zigzag's busiest cost over balanced's. Layout ms is CPU time. `test_layouts.py` asserts "
+                    "the balance, token and traffic goals on drawn batches.")
+        out += layouts_goal_table(goals) + [""]
+        out += layouts_table(goals) + [""]
+        if bad:
+            by_L = {}
+            for b in bad:
+                by_L.setdefault(b["batch"][0], []).append(b)
+            zig = {}
+            for rec in goals["records"]:
+                for seed, run in enumerate(rec["runs"]):
+                    if "kv_recv_busiest" in run["zigzag"]:
+                        zig[(rec["L"], rec["P"], rec["mix"], rec["token_weight"], seed)] = (
+                            run["zigzag"]["kv_recv_busiest"] / run["zigzag"]["ring_kv_recv"])
+            parts = []
+            for L, bs in sorted(by_L.items()):
+                P = bs[0]["batch"][1]
+                z = [zig[tuple(b["batch"])] for b in bs if tuple(b["batch"]) in zig]
+                parts.append(f"{len(bs)} at L = {L}, P = {P} (floor {min(b['floor'] for b in bs):.3f}, balanced "
+                             f"{span([b['balanced'] for b in bs], 3)}" + (f", zigzag {span(z, 3)})" if z else ")"))
+            within = max(b["balanced"] / b["floor"] - 1 for b in bad)
+            out += para(f"The half-ring goal conflicts with the other two on {len(bad)} of the drawn batches, each "
+                        "with one document too long for any rank to hold within the token cap: "
+                        + "; ".join(parts) + ". There no layout meeting the balance and token goals can receive less "
+                        f"than the floor; balanced is within {100 * within:.1f}% of it.")
+    if plans:
+        summary = [r for r in plans["results"] if r["kind"] == "plan_summary"]
+        out += ["## Layouts: plans and real ranks", ""]
+        out += code("python benchmarks/bench_cp_layouts.py --out benchmarks/results/cpu                 "
+                    "# L = 131072, P = 4-32; real ranks 2, 4",
+                    "python benchmarks/bench_cp_layouts.py --seq-len 262144 --rank-world-sizes --tag 256k "
+                    "--out benchmarks/results/cpu")
+        out += para("`bench_cp_layouts.py`, `cp_layouts*.json`. Per layout, from every rank's plans (`plan_stats` for "
+                    "each layer mask, weighted by its layer count; no process group), worst case over "
+                    f"{len(plans['config']['seeds'])} drawn rows. Work: visible pairs over the layers plus token weight "
+                    "x tokens. K/V: what the busiest rank receives over all layers, as a fraction of a full ring over "
+                    "equal shards ((L - L/P) tokens per layer). Planning: CPU time of one thread for the layout plus "
+                    "the slowest rank's plans (every distinct mask). Kernel calls: per forward, busiest rank.")
+        import bench_cp_layouts
+
+        tables = bench_cp_layouts.layouts_tables(plans["results"])
+        split = tables.index("") if "" in tables else len(tables)
+        out += tables[:split] + [""]
+        if summary:
+            P = max(s["world_size"] for s in summary)
+            bal = [s for s in summary if s["layout"] == "balanced" and s["world_size"] == P]
+            out += para(f"At {k_tokens(plans['config']['seq_len'])} over {P} ranks balance reaches "
+                        f"{max(s['busiest_over_mean'] for s in bal):.3f} with up to "
+                        f"{max(s['token_spread'] for s in bal):.2f} x L / P tokens.")
+        big = load(folder, "cp_layouts_256k.json")
+        if big:
+            out += para(f"The same from the plans at L = {big['config']['seq_len']} (`cp_layouts_256k.json`):")
+            out += bench_cp_layouts.layouts_tables(big["results"]) + [""]
+        ranks = [r for r in plans["results"] if r["kind"] == "ranks"]
+        if ranks:
+            rc = plans["config"].get("ranks", {})
+            out += ["### Real ranks", ""]
+            out += para(f"P = {', '.join(map(str, sorted({r['world_size'] for r in ranks})))}, gloo processes on CPU, "
+                        f"reference backend, L = {ranks[0]['seq_len']} (one drawn row), H = {rc.get('heads', '-')}, "
+                        f"K = {rc.get('kv_heads', '-')}, D = {rc.get('head_dim', '-')}, {rc.get('dtype', 'float32')}; "
+                        "forward+backward of every layer of the mix; the three layouts interleaved in one run. Figures "
+                        "are the slowest rank's time inside kernel calls (thread CPU time) and its wall time, as ratios "
+                        "to zigzag measured side by side:")
+            out += tables[split + 1:] + [""]
+            bal = {(r["world_size"], r["mix"]): r for r in ranks if r["layout"] == "balanced"}
+            zig = {(r["world_size"], r["mix"]): r for r in ranks if r["layout"] == "zigzag"}
+            parts = [f"{mix} at P = {P}: {r['compute_speedup_over_zigzag']:.2f}x measured, "
+                     f"{r['predicted_speedup_over_zigzag']:.2f}x predicted (zigzag's busiest / mean "
+                     f"{zig[(P, mix)]['busiest_over_mean']:.2f})" for (P, mix), r in bal.items()]
+            out += para("Balanced over zigzag, compute of the slowest rank: " + "; ".join(parts) + ". Wall time runs "
+                        "more ranks than cores: read the compute column. Outputs equal zigzag's to "
+                        f"{max(r['max_abs_diff_vs_zigzag'] for r in ranks):.1e}.")
+        out += image(folder, page_dir, "cp_layouts.png", "layouts")
+        out.append("")
+    return out
+
+
+def planning_section(folder: str) -> list[str]:
+    payload = load(folder, "planning.json")
+    if payload is None:
+        return []
+    records = payload["records"]
+    first, last = min(r["L"] for r in records), max(r["L"] for r in records)
+    cu = [r for r in records if r["source"] == "cu_seqlens"]
+    pos = [r for r in records if r["source"] == "position_ids"]
+    r0 = records[0]
+    out = ["## Planning time", ""]
+    out += code("OMP_NUM_THREADS=1 python benchmarks/bench_planning.py --out benchmarks/results/cpu")
+    out += para(f"`bench_planning.py`, `planning.json`: per step, what `cp.shard_batch` and the first layer compute: "
+                "the document metadata (from the collator's `cu_seqlens` or from `position_ids`), the balanced "
+                f"layout of those documents (zigzag: none) and one rank's plan; P = {r0['P']}, {r0['docs']} documents "
+                f"(lognormal lengths scaled to the row) at {k_tokens(first)} and {k_tokens(last)} tokens, median of "
+                "the runs on one thread, and the total again with torch using every core.")
+    out += planning_table(payload) + [""]
+    text = ""
+    if cu:
+        text += (f"From `cu_seqlens`, layout + one rank's plan at {k_tokens(last)} tokens takes "
+                 f"{span([r['layout_plan_ratio_to_first_length'] for r in cu if r['L'] == last], 1)}x its time at "
+                 f"{k_tokens(first)} (goal: at most 2x) and at most {max(r['layout_plan_ms'] for r in cu):.1f} ms at either "
+                 "length. Nothing in the layout or the plan is per token: a token range's attention cost is a closed "
+                 "form per piece between segment edges and window kinks (exact integers; bisections by the "
+                 "quadratic's root plus exact comparisons), a long document's costs are a per-document view, the "
+                 "traffic terms are step functions over segment edges, and the plan counts its computed entries in "
+                 "closed form.")
+    if pos:
+        text += (" From `position_ids` the metadata itself still reads every token once (O(L): "
+                 f"{span([r['meta_ms'] for r in pos if r['L'] == first], 1)} ms at {k_tokens(first)}, "
+                 f"{span([r['meta_ms'] for r in pos if r['L'] == last], 1)} ms at {k_tokens(last)}); with it the totals are "
+                 f"{span([r['ratio_to_first_length'] for r in pos if r['L'] == last], 1)}x.")
+    if text:
+        out += para(text.strip())
+    return out
