@@ -14,6 +14,7 @@
 * :mod:`~cp_attention.tools.launch`: run a function on N local gloo ranks (demo, probe, tests).
 * :mod:`~cp_attention.tools.tiny_models`: tiny random models of every mask-bearing transformers
   family (probe, examples, tests).
+* :mod:`~cp_attention.tools.refusal_page`: docs/refusals.md from the catalogue of refusals.
 
 Nothing in the engine imports this package. Not part of the stable API.
 """
