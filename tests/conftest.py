@@ -1,7 +1,22 @@
+"""The test suite, by kind: ``unit/`` (single process), ``multirank/`` (spawns gloo ranks),
+``integrations/`` (transformers, Trainer, TRL, PEFT), ``tools/`` (command line, probe, demo, benchmarks,
+sweeps), ``meta/`` (checks of the code and the suite themselves); ``support/`` holds the shared,
+non-test modules, imported by bare name (``import oracle``).
+"""
+
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SUPPORT = os.path.join(TESTS, "support")
+
+# tests/support by bare name (import oracle, cases, ...), tests/ for tests/mutations.py; spawned ranks
+# inherit sys.path, subprocesses (torchrun, python -c, scripts) find tests/support through PYTHONPATH
+for _path in (TESTS, SUPPORT):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+if SUPPORT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SUPPORT, os.environ.get("PYTHONPATH", "")) if p)
 
 # Every plan built by the suite (in this process and in spawned ranks) is checked token by token
 # against the mask (cp_attention.plan.verify_plan).
