@@ -25,6 +25,8 @@ from cp_attention.tools.launch import run_ranks
 from cp_attention.tools.tiny_models import tiny_config, tiny_model
 from hf_cases import compare, failures, flat_grads, ground_truth, inputs
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 TOL = 1e-5  # logits, absolute; gradients: 1e-5 of the largest reference gradient (hf_cases.grad_tol)
 L = 48
 # document lengths per row: three packings of the same (2, 48) batch

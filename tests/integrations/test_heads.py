@@ -15,6 +15,8 @@ import torch
 
 from cp_attention.tools.launch import run_ranks
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 L = 32
 
 

@@ -21,6 +21,8 @@ import hybrid_cases as hc
 import training_workers as tw
 from cp_attention.tools.launch import run_ranks
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 LAYOUTS = ("zigzag", "contiguous", "balanced")
 
 

@@ -31,6 +31,8 @@ from cp_attention.integrations.mixers import MIXER_ATTR
 from cp_attention.mixers import geometry_of, halo_plan, make_geometry, scan_plan
 from cp_attention.tools.launch import run_ranks
 
+pytestmark = pytest.mark.multirank  # spawns gloo ranks
+
 TOL = 2e-5
 DOCS = ((7, 1, 12, 1, 7, 1), (29,))  # L = 29: one-token documents first in a piece, inside and last
 

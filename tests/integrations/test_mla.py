@@ -37,6 +37,8 @@ from contract_cases import LOW_PRECISION_TOL
 from contract_cases import naive_varlen as dense_varlen  # float64 per-sequence oracle, v with its own Dv
 from flash_stand_ins import FA2_6, FA3, fake_aten_backward, fake_aten_forward, install  # noqa: F401
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 # --------------------------------------------------------------------------------------------------
 # the varlen contract
 

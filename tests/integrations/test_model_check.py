@@ -27,6 +27,8 @@ from cp_attention.tools.launch import run_ranks
 from cp_attention.tools.sweeps import family as sweep
 from cp_attention.tools.sweeps.configs import build_model, tiny_config
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 

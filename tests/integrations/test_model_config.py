@@ -9,10 +9,14 @@ ModernBERT is bidirectional."""
 
 from __future__ import annotations
 
+import pytest
+
 from cp_attention.integrations.models import layer_masks, model_masks
 from cp_attention.integrations.transformers import layer_mask_spec
 from cp_attention.masks import MaskSpec
 from cp_attention.tools.tiny_models import tiny_config, tiny_model
+
+pytestmark = pytest.mark.transformers  # builds transformers models
 
 
 def test_layer_types_windows_and_chunks():

@@ -27,6 +27,8 @@ from cp_attention.tools.launch import run_ranks
 import vlm_cases
 from hf_cases import TOL, grad_tol
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 
 # ----------------------------------------------------------------------------------------------
 # the engine

@@ -14,6 +14,8 @@ pytest.importorskip("peft")
 from cp_attention.tools.launch import run_ranks  # noqa: E402
 from cp_attention.tools.tiny_models import tiny_model  # noqa: E402
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 L = 48
 
 

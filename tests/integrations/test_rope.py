@@ -23,6 +23,8 @@ from cp_attention.tools.launch import run_ranks
 
 from hf_cases import TOL, grad_tol
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 VOCAB, L, ORIGINAL = 128, 64, 56  # the zigzag shards of 64 tokens at CP = 2 reach 63 and 47: either side of 56
 HALF = 8  # rotary dimension / 2 (head_dim 16)
 

@@ -13,6 +13,8 @@ import torch
 
 from cp_attention.tools.launch import run_ranks
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 VOCAB, L = 96, 40
 COEF = 0.5  # large, so a wrong auxiliary loss shows in the gradients
 TOL = 2e-5

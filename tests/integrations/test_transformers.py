@@ -19,6 +19,8 @@ from transformers import AttentionInterface  # noqa: E402  loading the modeling 
 
 from cp_attention.integrations import transformers as integ  # noqa: E402
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 
 def test_import_registers_lazily_and_idempotently():
     code = ("import sys, cp_attention; assert 'transformers.modeling_utils' not in sys.modules; "

@@ -15,6 +15,8 @@ import hf_cases
 from cp_attention.tools.launch import run_ranks
 from cp_attention.tools.tiny_models import FAMILIES
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 # ModernBERT builds its masks without position_ids and passes none to attention: without a
 # context, cp_flash cannot know packed documents there (transformers' eager cannot either), so its
 # packed cases go through context_parallel() + shard_batch. Llama 4 passes no position_ids to

@@ -22,6 +22,8 @@ pytest.importorskip("trl")
 from cp_attention.tools.launch import free_port, run_command  # noqa: E402
 from cp_attention.tools.tiny_models import tiny_model  # noqa: E402
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "train_sft.py")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",

@@ -4,11 +4,14 @@ first agreement, instead of training on a splice of two sequences; the same batc
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import cp_attention
 from cp_attention.tools.launch import run_ranks
 from cp_attention.tools.tiny_models import tiny_model
+
+pytestmark = pytest.mark.transformers  # builds transformers models
 
 L = 40
 

@@ -90,6 +90,7 @@ def _llama4_worker(rank: int, world_size: int, layouts) -> list[float]:
     return errors
 
 
+@pytest.mark.transformers
 @pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_llama4_continuation_rows_match_eager(world_size):
     layouts = ("zigzag", "contiguous")

@@ -17,6 +17,8 @@ from cp_attention.comm import Comm
 from cp_attention.tools.launch import run_ranks
 from cp_attention.tools.tiny_models import tiny_config, tiny_model
 
+pytestmark = pytest.mark.transformers  # builds transformers models
+
 L = 48
 COLLECTIVES = ("all_gather", "all_gather_object", "all_reduce")
 

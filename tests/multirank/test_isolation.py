@@ -95,6 +95,7 @@ def _padded_batch(family: str):
     return model, ids, mask, weight, embeds, logits, grad
 
 
+@pytest.mark.transformers
 @pytest.mark.parametrize("variant", ["changed pad ids", "NaN pad embeddings"])
 @pytest.mark.parametrize("family", ["qwen3", "gemma2"])
 def test_padding_tokens_leave_real_tokens_bit_identical(family: str, variant: str):

@@ -19,6 +19,8 @@ import pytest
 
 from fault_workers import PHASES, Fault, run_fault
 
+pytestmark = pytest.mark.transformers  # builds transformers models
+
 DEATH_BOUND = 5.0   # seconds from a death to every survivor's error (measured: 0.02-0.05 s)
 HANG_SLACK = 5.0    # ... from a hang's timeout to the error (measured: 0.02 s)
 EXIT_BOUND = 10.0   # seconds from leaving the block to the process's exit (measured: 0.7-3.5 s)

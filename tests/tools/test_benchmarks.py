@@ -32,6 +32,8 @@ from cp_attention.plan import build_plan  # noqa: E402
 from cp_attention.ring import ring_attention  # noqa: E402
 from oracle import needed_halo_tokens, oracle_attention, oracle_mask, rank_tokens  # noqa: E402
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 
 def _oracle_mask(name: str, L: int, documents=None, window=None) -> torch.Tensor:
     """(1, L, L) oracle mask of a harness mask name (``causal``, ``window:W``, ``chunked:C``,

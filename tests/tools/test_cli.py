@@ -71,6 +71,7 @@ def test_no_arguments_prints_help_and_exits_2(capsys):
     assert out.startswith("usage: cp-attention") and "bench" in out
 
 
+@pytest.mark.multirank  # starts a Python child process: out of the inner loop (tests/conftest.py)
 def test_python_dash_m_entry_points():
     top = _run("-m", "cp_attention", "--help")
     assert top.returncode == 0 and all(f"    {c} " in top.stdout for c in OPTIONS), top.stdout + top.stderr
@@ -158,6 +159,7 @@ def test_bench_times_compiled_flex_forward_only_on_cpu(capsys):
     assert set(speedups["forward"]) == {"compiled Flex"} and speedups["forward+backward"] == {}, out
 
 
+@pytest.mark.multirank  # starts a Python child process: out of the inner loop (tests/conftest.py)
 def test_bench_subprocess():
     res = _run("-m", "cp_attention", *TINY_BENCH)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout + res.stderr

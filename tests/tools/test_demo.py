@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cp_attention.tools import cli
+
+pytestmark = pytest.mark.multirank  # spawns gloo ranks
 
 
 def test_demo_runs_and_agrees(capsys):

@@ -30,6 +30,8 @@ import pytest
 import cp_attention
 from cp_attention.tools.sweeps import configs, tables
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 
 UNBUILDABLE = {  # family -> why the generic tiny config cannot build it (the sweep records the error)
     "dory": "its three layer-count fields must sum to the layer count",

@@ -12,6 +12,8 @@ import pytest
 
 from cp_attention.tools.sweeps import heads as hs
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 FAST = [("masked", "modernbert", "ModernBertForMaskedLM"), ("token", "llama", "LlamaForTokenClassification"),
         ("qa", "bert", "BertForQuestionAnswering"), ("sequence", "qwen2", "Qwen2ForSequenceClassification"),
         ("masked", "roberta", "RobertaForMaskedLM"), ("sequence", "distilbert", "DistilBertForSequenceClassification")]

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from cp_attention.tools import cli, probe
+
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
 
 ROW = re.compile(r"^(sliding|packed|own mix)\s+.*?\s(\d+\.\d)% \((\d+)\)\s+(\d+\.\d)% \((\d+)\)\s+(\S+)\s+"
                  r"(\d+\.\d)% \((\d+)\)\s+(OK|FAIL.*)$")

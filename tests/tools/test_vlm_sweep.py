@@ -24,6 +24,8 @@ import pytest
 import cp_attention
 from cp_attention.tools.sweeps import vlm, vlm_configs as vs
 
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORD = os.path.join(ROOT, "docs", "data", "vlms.json")  # the last full sweep's outcomes
 

@@ -83,12 +83,14 @@ def _results_bytes(L: int) -> int:
     return 4 * L * H * D * 4
 
 
+@pytest.mark.multirank  # starts a Python child process: out of the inner loop (tests/conftest.py)
 def test_131072_tokens_window_1024_forward_backward_below_4_gib():
     """H=4, D=64, float32, causal, window 1024, one device: the whole process peaks below 4 GiB."""
     peak = _measure(131072)["peak"]
     assert peak < 4 * GIB, f"peak {peak / GIB:.2f} GiB"
 
 
+@pytest.mark.multirank  # starts a Python child process: out of the inner loop (tests/conftest.py)
 def test_peak_memory_grows_linearly_with_length():
     """Extra peak at 16k, 32k and 128k tokens. Its growth per added token is the same from 16k to
     32k as from 32k to 128k (within 2x; an L^2 term makes the second 3.3x the first) and below
@@ -104,6 +106,7 @@ def test_peak_memory_grows_linearly_with_length():
     assert 0.5 * slope_low < slope_high < 2 * slope_low, msg
 
 
+@pytest.mark.multirank  # starts a Python child process: out of the inner loop (tests/conftest.py)
 def test_extra_memory_is_the_results_plus_a_small_workspace():
     """Forward + backward at world size 1 needs little beyond its own results (out, dq, dk, dv):
     no full-length accumulator copies them (the ring adopts the backend's results and merges in
@@ -174,6 +177,7 @@ def _model_largest(model, L: int) -> _LargestTensors:
     return mode
 
 
+@pytest.mark.transformers
 def test_cp_flash_model_never_builds_a_square_tensor():
     """A tiny Qwen3 (sliding + full layer) under cp_flash, packed documents, forward and backward:
     neither transformers' mask creation (our mask function) nor the attention makes an (L x L)

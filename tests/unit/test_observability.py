@@ -34,6 +34,7 @@ def test_logger_names_backend_plan_and_traffic(caplog):
     assert all("context parallelism over 1 rank(s), contiguous layout" in r.getMessage() for r in infos)
 
 
+@pytest.mark.transformers
 def test_forward_plan_stats_of_a_cp_flash_model_at_world_size_1():
     model = tiny_model("qwen3", "cp_flash", window=6, layers=3).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -48,6 +49,7 @@ def test_forward_plan_stats_of_a_cp_flash_model_at_world_size_1():
     assert stats[0][1].entries_visible < stats[1][1].entries_visible
 
 
+@pytest.mark.transformers
 def test_context_backend_reaches_cp_flash_layers(caplog):
     model = tiny_model("mistral", "cp_flash", window=6)
     ids = torch.randint(3, 128, (1, 12))
