@@ -4,17 +4,23 @@ the default (CI) test suite catches every one.
     python tests/mutations.py                 # every mutant; prints the table; exit 1 if one survives
     python tests/mutations.py --only sinks    # mutants whose name contains "sinks"
     python tests/mutations.py --list          # the mutants, without running anything
+    python tests/mutations.py --record docs/data/mutants.json   # run, and record the outcomes there
+    python tests/mutations.py --page docs/mutants.md             # render the page from the record (runs nothing)
 
 Each mutant replaces one exact piece of source (found exactly once) and runs the test files of the
-CI suite that are meant to catch it (``-m 'not fuzz'``, as in CI, so the short fuzz run counts and
-the long one does not). A mutant is caught when that run fails; the table says which test failed
-first. ``tests/test_mutations.py`` checks in CI that every mutant still applies to the current code,
-so the list cannot silently rot.
+CI suite that are meant to catch it (every test of those files but the long fuzz run: :data:`MARKS`).
+A mutant is caught when that run fails; the table says which test failed first. The record
+(``docs/data/mutants.json``) keeps the outcome of each mutant's last run (``--record`` with ``--only``
+updates those mutants alone), and ``docs/mutants.md`` is rendered from it (:func:`page`).
+``tests/meta/test_mutations.py`` checks in CI that every mutant still applies to the current code, so the
+list cannot silently rot; ``tests/meta/test_generated_pages.py`` that the record names exactly the
+mutants of :data:`MUTANTS` and the page is current.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -25,6 +31,12 @@ import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD, PAGE = "docs/data/mutants.json", "docs/mutants.md"  # relative to the repository root
+
+# every test of a mutant's files but the long fuzz run: tests/conftest.py keeps a long group out unless
+# the -m expression names it, so the expression names each (it selects what "not fuzz" selects)
+LONG_GROUPS = ("families", "faults", "strategies", "slow")
+MARKS = f"not fuzz and ({' or '.join(LONG_GROUPS)} or not ({' or '.join(LONG_GROUPS)}))"
 
 
 @dataclass(frozen=True)
@@ -40,148 +52,150 @@ class Mutant:
 MUTANTS = (
     Mutant("window reach +1 (key at distance W visible)", "masks", "cp_attention/masks.py",
            "reach = INF if self.window is None else self.window - 1",
-           "reach = INF if self.window is None else self.window", ("tests/test_distributed.py",)),
+           "reach = INF if self.window is None else self.window", ("tests/multirank/test_distributed.py",)),
     Mutant("window reach -1 (key at distance W-1 hidden)", "masks", "cp_attention/masks.py",
            "reach = INF if self.window is None else self.window - 1",
-           "reach = INF if self.window is None else self.window - 2", ("tests/test_distributed.py",)),
+           "reach = INF if self.window is None else self.window - 2", ("tests/multirank/test_distributed.py",)),
     Mutant("chunks counted from the document's first token", "masks", "cp_attention/masks.py",
            "p0 = np.zeros_like(starts) if meta.position is None else",
-           "p0 = np.zeros_like(starts) if True else", ("tests/test_chunks.py",)),
+           "p0 = np.zeros_like(starts) if True else", ("tests/multirank/test_chunks.py",)),
     Mutant("chunk boundary one position late", "masks", "cp_attention/masks.py",
            "first = starts + (-p0) % C",
-           "first = starts + (1 - p0) % C", ("tests/test_chunks.py",)),
+           "first = starts + (1 - p0) % C", ("tests/multirank/test_chunks.py",)),
     Mutant("a document starts only where positions fall", "masks", "cp_attention/masks.py",
            "opens_BL[:, 1:] |= pos[:, 1:] != pos[:, :-1] + 1",
-           "opens_BL[:, 1:] |= pos[:, 1:] < pos[:, :-1]", ("tests/test_distributed.py",)),
+           "opens_BL[:, 1:] |= pos[:, 1:] < pos[:, :-1]", ("tests/multirank/test_distributed.py",)),
     Mutant("sinks dropped in the ring", "ring/sinks", "cp_attention/ring.py",
            "        out_THDv, lse_HT = apply_sinks(out_THDv, lse_HT, sinks)",
-           "        pass", ("tests/test_merge.py", "tests/test_distributed.py")),
+           "        pass", ("tests/unit/test_merge.py", "tests/multirank/test_distributed.py")),
     Mutant("merge weights swapped", "merge", "cp_attention/merge.py",
            "out_a_THD.mul_(w_a_TH1).add_(out_b_THD.to(dtype) * w_b_TH1)",
-           "out_a_THD.mul_(w_b_TH1).add_(out_b_THD.to(dtype) * w_a_TH1)", ("tests/test_merge.py",)),
+           "out_a_THD.mul_(w_b_TH1).add_(out_b_THD.to(dtype) * w_a_TH1)", ("tests/unit/test_merge.py",)),
     Mutant("dK/dV of a received span not returned to its owner", "ring", "cp_attention/ring.py",
            "                dk_BLKD[:, a:b] += gbuf.k[:, at:at + b - a]",
-           "                pass", ("tests/test_distributed.py",)),
+           "                pass", ("tests/multirank/test_distributed.py",)),
     Mutant("halo one token long (over-sending)", "planner", "cp_attention/plan.py",
            "ranges = sorted({(sq.k0 % Ls, (sq.k1 - 1) % Ls + 1) for sq in seqs})",
            "ranges = sorted({(max(0, sq.k0 % Ls - 1), (sq.k1 - 1) % Ls + 1) for sq in seqs})",
-           ("tests/test_benchmarks.py",)),
+           ("tests/tools/test_benchmarks.py",)),
     Mutant("halo one token short", "planner", "cp_attention/plan.py",
            "ranges = sorted({(sq.k0 % Ls, (sq.k1 - 1) % Ls + 1) for sq in seqs})",
            "ranges = sorted({(min(sq.k0 % Ls + 1, (sq.k1 - 1) % Ls), (sq.k1 - 1) % Ls + 1) for sq in seqs})",
-           ("tests/test_distributed.py",)),
+           ("tests/multirank/test_distributed.py",)),
     Mutant("zigzag: rank r holds slices r and 2P-2-r", "layouts", "cp_attention/layout.py",
            "ranges = [bounds[rank], bounds[2 * world_size - 1 - rank]]",
            "ranges = [bounds[rank], bounds[(2 * world_size - 2 - rank) % (2 * world_size)]]",
-           ("tests/test_layout.py",)),
+           ("tests/unit/test_layout.py",)),
     Mutant("gather returns shards in rank order, not token order", "layouts", "cp_attention/layout.py",
-           "    pieces.sort(key=lambda item: item[0])\n", "", ("tests/test_layout.py",)),
+           "    pieces.sort(key=lambda item: item[0])\n", "", ("tests/unit/test_layout.py",)),
     Mutant("flash lse: +inf of rows that see no key not mapped back to -inf", "flash", "cp_attention/backends/flash.py",
            'return torch.where(torch.isposinf(lse_HT), torch.full_like(lse_HT, float("-inf")), lse_HT)',
-           "return lse_HT", ("tests/test_flash_translation.py",)),
+           "return lse_HT", ("tests/unit/test_flash_translation.py",)),
     Mutant("flash-attn 3 backward gets +inf, not -inf, for rows that see no key", "flash",
            "cp_attention/backends/flash.py",
            'empty_lse = float("-inf")  # its backward preprocess reads -inf as "no key" (log2 lse 0, all masked)',
-           'empty_lse = float("inf")', ("tests/test_flash_translation.py",)),
+           'empty_lse = float("inf")', ("tests/unit/test_flash_translation.py",)),
     Mutant("flash-attn 2 backward gets -inf, not +inf, for rows that see no key", "flash",
            "cp_attention/backends/flash.py",
            'empty_lse = float("inf")  # its forward writes +inf for rows that see nothing',
-           'empty_lse = float("-inf")', ("tests/test_flash_translation.py",)),
+           'empty_lse = float("-inf")', ("tests/unit/test_flash_translation.py",)),
     Mutant("flash-attn 3 forward: window sides swapped", "flash", "cp_attention/backends/flash.py",
            "                  **_window_kwargs(self._fwd_params, window_size_left, window_size_right))\n"
            "        if softcap:\n            kw[\"softcap\"] = softcap\n        out_THD, lse_HT, *_ = _call(",
            "                  **_window_kwargs(self._fwd_params, window_size_right, window_size_left))\n"
            "        if softcap:\n            kw[\"softcap\"] = softcap\n        out_THD, lse_HT, *_ = _call(",
-           ("tests/test_flash_translation.py",)),
+           ("tests/unit/test_flash_translation.py",)),
     Mutant("flash-attn 2 / PyTorch flash: adapter passes max_seqlen_k unchanged", "flash",
            "cp_attention/backends/flash.py",
            "return max(max_seqlen_q, max_seqlen_k) if max_seqlen_k > 0 else max_seqlen_k",
-           "return max_seqlen_k", ("tests/test_flash_translation.py",)),
+           "return max_seqlen_k", ("tests/unit/test_flash_translation.py",)),
     Mutant("gpu_check: a forced ok = True in the verdict", "gpu_check", "benchmarks/gpu_check.py",
-           "ok = math.isfinite(err) and err <= factor * base", "ok = True", ("tests/test_gpu_check.py",)),
+           "ok = math.isfinite(err) and err <= factor * base", "ok = True", ("tests/tools/test_gpu_check.py",)),
     Mutant("gradient scaling: loss normalised by all label tokens (SUM convention)", "training",
            "cp_attention/integrations/hf_batch.py",
            '{"num_items_in_batch": num_items.to(device, torch.float32) / cp.world_size}',
            '{"num_items_in_batch": num_items.to(device, torch.float32)}',
-           ("tests/test_training.py::test_ddp_fsdp2_checkpointing_collator_cp2",)),
+           ("tests/integrations/test_training.py::test_ddp_fsdp2_checkpointing_collator_cp2",)),
     Mutant("failures: a lost connection raises gloo's error, not blamed on its peer", "failures",
            "cp_attention/comm.py",
            "raise self._peer_died(exc.peer, what, exc.cause) from exc.cause",
-           "raise exc.cause", ("tests/test_real_faults.py::test_real_fault",)),
+           "raise exc.cause", ("tests/multirank/test_real_faults.py::test_real_fault",)),
     Mutant("failures: the agreement's all-gather as a gloo collective (exit waits for the group timeout)",
            "failures", "cp_attention/comm.py",
            '        tensor = tensor.contiguous()\n        if self.backend == "nccl":',
-           '        tensor = tensor.contiguous()\n        if True:', ("tests/test_real_faults.py::test_real_fault",)),
+           '        tensor = tensor.contiguous()\n        if True:',
+           ("tests/multirank/test_real_faults.py::test_real_fault",)),
     Mutant("failures: a wait queues behind one blocked by a failed group", "failures", "cp_attention/comm.py",
            "        if start:\n            try:\n                threading.Thread(",
            "        if start and self._busy == 1:\n            try:\n                threading.Thread(",
-           ("tests/test_real_faults.py::test_real_fault",)),
+           ("tests/multirank/test_real_faults.py::test_real_fault",)),
     Mutant("checkpoint recompute uses the active context, not the batch's", "training", "cp_attention/engine.py",
            "    if bound is not None:\n        cp = bound\n",
            "    if False:\n        cp = bound\n",
-           ("tests/test_training.py::test_ddp_fsdp2_checkpointing_collator_cp2",)),
+           ("tests/integrations/test_training.py::test_ddp_fsdp2_checkpointing_collator_cp2",)),
     Mutant("usp: a head group's tokens in member order, not global order", "strategies", "cp_attention/ulysses.py",
-           "        runs.sort()\n", "", ("tests/test_ulysses.py::test_strategies_exact_against_the_oracle",)),
+           "        runs.sort()\n", "", ("tests/multirank/test_ulysses.py::test_strategies_exact_against_the_oracle",)),
     Mutant("usp: a failure in a sub-group recorded under its rank in the sub-group", "strategies",
            "cp_attention/comm.py", "        self.parent.report_failure(where, exc)",
            "        self.parent._record(self.rank, f\"rank {self.rank} failed in {where}: {exc}\")",
-           ("tests/test_failures.py::test_rank_raising_inside_attention_is_named_by_the_others",)),
+           ("tests/multirank/test_failures.py::test_rank_raising_inside_attention_is_named_by_the_others",)),
     Mutant("auto: picks the most expensive candidate", "strategies", "cp_attention/strategy.py",
-           "if best is None or t < best[0]:", "if best is None or t > best[0]:", ("tests/test_strategy.py",)),
+           "if best is None or t < best[0]:", "if best is None or t > best[0]:", ("tests/unit/test_strategy.py",)),
     Mutant("cost model: the all-to-alls' backward bytes not counted", "strategies", "cp_attention/strategy.py",
            "a2a += 2 * _moving(", "a2a += _moving(",
-           ("tests/test_strategy.py",)),
+           ("tests/unit/test_strategy.py",)),
     Mutant("mixers: a recurrence's state not reset at a document start", "mixers", "cp_attention/mixers.py",
            "        opens = inside[geo.doc_start[p.row, p.start + 1:p.end] == inside].tolist()",
-           "        opens = []", ("tests/test_mixers.py",)),
+           "        opens = []", ("tests/integrations/test_mixers.py",)),
     Mutant("mixers: a convolution halo one token short", "mixers", "cp_attention/mixers.py",
            "    taps = torch.where(~ok, torch.full_like(src, zero),",
            "    taps = torch.where(~ok | ((owner != r) & (torch.arange(kernel) == 0)), torch.full_like(src, zero),",
-           ("tests/test_mixers.py",)),
+           ("tests/integrations/test_mixers.py",)),
     Mutant("mixers: a piece's incoming state from the wrong neighbour", "mixers", "cp_attention/mixers.py",
            "        links, q = [], ends[(p.row, p.start)]",
            "        links, q = [], ends.get(((p.row + 1) % geo.batch, p.start), ends[(p.row, p.start)])",
-           ("tests/test_mixers.py",)),
-    Mutant("mixers: no agreement before a convolution's first exchange", "mixers", "cp_attention/integrations/mixers.py",
+           ("tests/integrations/test_mixers.py",)),
+    Mutant("mixers: no agreement before a convolution's first exchange", "mixers",
+           "cp_attention/integrations/mixers.py",
            "        agree(record, record.cp.comm, (0, x.shape[0], x.shape[1], kernel))", "",
-           ("tests/test_mixers.py::test_ranks_with_different_batches_raise_together_before_an_exchange",)),
+           ("tests/integrations/test_mixers.py::test_ranks_with_different_batches_raise_together_before_an_exchange",)),
     Mutant("mixers: the incoming state not carried through a piece", "mixers", "cp_attention/mixers.py",
            "            passes = carries and not any(opens[a + 1:e])", "            passes = False",
-           ("tests/test_mixers.py",)),
+           ("tests/integrations/test_mixers.py",)),
     Mutant("cpu backend: tiles batched whatever their keys' stride", "cpu", "cp_attention/backends/cpu.py",
            "and (last.n > 1 and k0 == last.k0 + last.n * last.k_step", "and (last.n > 1",
-           ("tests/test_cpu_backend.py",)),
+           ("tests/unit/test_cpu_backend.py",)),
     Mutant("cpu backend: a merged part overwrites the row's earlier result", "cpu", "cp_attention/backends/cpu.py",
            "out[rows].mul_(torch.exp(old - new).t()[..., None])", "out[rows].mul_(0.0)",
-           ("tests/test_cpu_backend.py",)),
+           ("tests/unit/test_cpu_backend.py",)),
     Mutant("cpu backend: dK/dV of overlapping spans added in one overlapping view", "cpu",
            "cp_attention/backends/cpu.py", "width = min(call.k_step, call.S - start)",
-           "width = call.S - start", ("tests/test_cpu_backend.py",)),
+           "width = call.S - start", ("tests/unit/test_cpu_backend.py",)),
     Mutant("cpu backend: a long full part's later key slices dropped in the backward", "cpu",
            "cp_attention/backends/cpu.py", "for s0 in range(0, call.S, max_span):",
-           "for s0 in range(0, min(call.S, max_span), max_span):", ("tests/test_cpu_backend.py",)),
+           "for s0 in range(0, min(call.S, max_span), max_span):", ("tests/unit/test_cpu_backend.py",)),
     Mutant("batch: a memoised check returned for a dead tensor's reused id", "batch", "cp_attention/batch.py",
            "hit[0]() is tensor and hit[1] == version", "hit[1] == version",
-           ("tests/test_training.py::test_tensor_fact_is_weak_and_versioned",
-            "tests/test_training.py::test_position_check_syncs_once_per_batch_and_tensor")),
+           ("tests/integrations/test_training.py::test_tensor_fact_is_weak_and_versioned",
+            "tests/integrations/test_training.py::test_position_check_syncs_once_per_batch_and_tensor")),
     Mutant("bidirectional spans: the later keys of a span not planned", "spans", "cp_attention/masks.py",
            "    if extra is not None and meta.spans is not None:", "    if False:",
-           ("tests/test_multimodal.py",)),
+           ("tests/integrations/test_multimodal.py",)),
     Mutant("spans: the mask function's corners all read from row 0", "spans", "cp_attention/integrations/overlays.py",
            "seen = mask_function(rows, torch.zeros_like(q_idx), q_idx, kv_idx)",
            "seen = mask_function(torch.zeros_like(rows), torch.zeros_like(q_idx), q_idx, kv_idx)",
-           ("tests/test_multimodal.py::test_span_shape_checked_against_the_mask_function",)),
+           ("tests/integrations/test_multimodal.py::test_span_shape_checked_against_the_mask_function",)),
     Mutant("length-dependent rope: each rank's own largest position", "rope", "cp_attention/integrations/rope.py",
            "    largest = _largest_position(cp, position_ids)", "    largest = position_ids.amax()",
-           ("tests/test_rope.py",)),
+           ("tests/integrations/test_rope.py",)),
     Mutant("decoders numbering their own positions: position_ids read as documents", "positions",
            "cp_attention/integrations/model_check.py",
            "    if family_takes_positions(type(module).__module__):\n        return position_ids",
            "    if True:\n        return position_ids",
-           ("tests/test_model_check.py::test_decoders_numbering_their_own_positions_at_world_size_1",)),
+           ("tests/integrations/test_model_check.py::test_decoders_numbering_their_own_positions_at_world_size_1",)),
     Mutant("compiled under CP: the backward op runs the forward's passes", "compile", "cp_attention/compiled.py",
            "passes(dout, out, lse, need_dsinks))", "passes()) + (None, None)",
-           ("tests/test_compile.py::test_compiled_under_context_parallelism_is_exact",)),
+           ("tests/integrations/test_compile.py::test_compiled_under_context_parallelism_is_exact",)),
 )
 
 
@@ -218,7 +232,7 @@ def run_mutant(m: Mutant, timeout: float = 1800) -> tuple[bool, str, float]:
             f.write(mutated)
         env = dict(os.environ, PYTHONPATH=tmp, OMP_NUM_THREADS="1")
         env.pop("CP_ATTENTION_NO_SKIPS", None)
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not fuzz", *m.tests]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", MARKS, *m.tests]
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, flags=re.M)
     caught = proc.returncode != 0 and bool(failed)
@@ -226,24 +240,77 @@ def run_mutant(m: Mutant, timeout: float = 1800) -> tuple[bool, str, float]:
     return caught, detail, time.monotonic() - start
 
 
+def read_record(path: str) -> dict:
+    """The record of the mutants' last runs: {"results": [{"name", "caught", "detail", ...}]}."""
+    with open(path) as f:
+        return json.load(f)
+
+
+def page(record: dict, data: str = RECORD, page_path: str = PAGE) -> str:
+    """The mutation check's page: :data:`MUTANTS` in order, each with its outcome in ``record``."""
+    last = {r["name"]: r for r in record["results"]}
+    run = [last[m.name] for m in MUTANTS if last.get(m.name, {}).get("caught") is not None]
+    caught = sum(bool(r["caught"]) for r in run)
+    rows = ["| planted bug | area | first failing test of the default suite |", "|---|---|---|"]
+    for m in MUTANTS:
+        r = last.get(m.name, {})
+        if r.get("caught") is None:
+            outcome = f"not run yet (meant for {', '.join(m.tests)})"
+        else:
+            outcome = r["detail"] if r["caught"] else f"SURVIVED: {r['detail']}"
+        rows.append(f"| {m.name} | {m.area} | {outcome.replace('|', '/')} |")
+    not_run = len(MUTANTS) - len(run)
+    text = [
+        f"Generated by `python tests/mutations.py --page {page_path}` from the record `{data}`; "
+        "do not edit by hand.", "",
+        "# Mutation check", "",
+        "`python tests/mutations.py` plants each bug below in a temporary copy of the repository and runs the test "
+        "files of the default CI suite meant to catch it; it exits 1 if one survives. "
+        f"`python tests/mutations.py --record {data}` runs them and records the outcomes, which this page shows. "
+        "`tests/meta/test_mutations.py` keeps every planted bug's source text present in the code, so the list "
+        "cannot silently rot.", "",
+        f"Recorded: {caught} of {len(run)} mutants caught" + (f"; {not_run} not run yet." if not_run else "."), "",
+        *rows,
+    ]
+    return "\n".join(text) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Plant bugs in a copy of the repository; the CI suite must catch "
                                                  "every one.")
     parser.add_argument("--only", default=None, help="run the mutants whose name contains this text")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--record", default="", help=f"record the outcomes in this JSON file (the page's: {RECORD})")
+    parser.add_argument("--page", default="", help=f"run nothing: render the page ({PAGE}) from the record "
+                                                   f"(--record, else {RECORD})")
     args = parser.parse_args(argv)
     mutants = [m for m in MUTANTS if args.only is None or args.only in m.name]
     if args.list:
         for m in mutants:
             print(f"{m.area:10s} {m.name}  ({m.path}; {', '.join(m.tests)})")
         return 0
+    if args.page:
+        data = args.record or RECORD
+        text = page(read_record(os.path.join(ROOT, data)), data, args.page)
+        with open(os.path.join(ROOT, args.page), "w") as f:
+            f.write(text)
+        return 0
     print("| mutant | area | caught by | seconds |\n|---|---|---|---:|", flush=True)
-    survived = 0
+    survived, outcomes = 0, {}
     for m in mutants:
         caught, detail, seconds = run_mutant(m)
         survived += not caught
+        outcomes[m.name] = dict(name=m.name, caught=caught, detail=detail, seconds=round(seconds))
         print(f"| {m.name} | {m.area} | {detail if caught else 'SURVIVED: ' + detail} | {seconds:.0f} |", flush=True)
     print(f"\n{len(mutants) - survived} of {len(mutants)} mutants caught")
+    if args.record:
+        path = os.path.join(ROOT, args.record)
+        old = {r["name"]: r for r in read_record(path)["results"]} if os.path.exists(path) else {}
+        results = [outcomes.get(m.name) or old.get(m.name) or dict(name=m.name, caught=None, detail=None)
+                   for m in MUTANTS]
+        with open(path, "w") as f:
+            json.dump(dict(results=results), f, indent=1)
+            f.write("\n")
     return 1 if survived else 0
 
 

@@ -21,7 +21,7 @@ small all-gather).
 
 Which rotary modules (:func:`length_dependent`): those whose forward transformers' rope-update wrapper
 wraps and whose rope type that wrapper updates per forward (:func:`updates_per_forward`, the rule of
-transformers' wrapper; ``tests/test_rope.py`` checks it against every type of the rope registry by
+transformers' wrapper; ``tests/integrations/test_rope.py`` checks it against every type of the rope registry by
 computing each one), and those whose own forward reads ``max(position_ids)``. A rotary module with
 such a rope whose forward takes no ``position_ids`` cannot be given the maximum and is refused by
 the model check (:func:`rope_findings`).

@@ -15,6 +15,9 @@
 * :mod:`~cp_attention.tools.tiny_models`: tiny random models of every mask-bearing transformers
   family (probe, examples, tests).
 * :mod:`~cp_attention.tools.refusal_page`: docs/refusals.md from the catalogue of refusals.
+* :mod:`~cp_attention.tools.sweeps`: sweeps over every family of transformers' auto mappings
+  (causal LMs, task heads, image-text-to-text) under cp_flash, and the support pages in ``docs/``
+  rendered from their records (``python -m cp_attention.tools.sweeps.family``, ``.heads``, ``.vlm``).
 
 Nothing in the engine imports this package. Not part of the stable API.
 """

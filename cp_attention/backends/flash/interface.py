@@ -104,7 +104,7 @@ def fa2_max_seqlen_k(max_seqlen_q: int, max_seqlen_k: int) -> int:
     side against ``max_seqlen_q - 1`` (``hopper/flash_api.cpp``, ``mha_fwd`` / ``mha_bwd``, and
     ``set_params_fprop`` in earlier releases), which is exact for every sequence; flash-attn 4 (``flash_attn/cute/
     interface.py``, ``_resolve_causal_local_window``) takes unlimited sides as None and reads no
-    sequence length for the window. ``tests/test_flash_translation.py`` runs every interface behind
+    sequence length for the window. ``tests/unit/test_flash_translation.py`` runs every interface behind
     stand-ins that apply these rules as the sources do."""
     return max(max_seqlen_q, max_seqlen_k) if max_seqlen_k > 0 else max_seqlen_k
 

@@ -1,0 +1,503 @@
+"""The model check (issue 19): a model that cp_flash cannot run exactly under context parallelism is
+refused on every rank, naming the family, the module and why, before a K/V block moves; a forward in
+which an attention layer did not reach cp_flash raises on every rank; a CPMask never stands in for a
+dense mask silently; name-selected attention classes never pick a FlashAttention-2 class for cp_flash;
+RoBERTa-style default positions; ranks of a sampler loop given different batches raise together.
+
+Oracles: the documented semantics of each mixer (a convolution, a recurrent state... sees the
+previous shard's tokens), and for the exact cases each document run alone under eager.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import cp_attention
+from cp_attention.integrations import model_check
+from cp_attention.integrations import source as model_source
+from cp_attention.integrations.transformers import CPMask, is_modeling_module
+from cp_attention.tools.launch import run_ranks
+
+from cp_attention.tools.sweeps import family as sweep
+from cp_attention.tools.sweeps.configs import build_model, tiny_config
+
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model(family: str, implementation: str = "eager", seed: int = 0):
+    torch.manual_seed(seed)
+    return build_model(tiny_config(family), implementation)
+
+
+REFUSED = {  # family -> what the check must report (from each mixer's documented structure)
+    # its mixers run across ranks (issue 21) but it has no position_ids to take the documents from
+    "mamba": {"positions computed from the shard"},
+    "kimi_linear": {"a recurrent state"},  # a KDA recurrence (not an adapted function) after its convolutions
+    "recurrent_gemma": {"a convolution along the sequence"},
+    "rwkv": {"a token shift", "a recurrent state"},
+    "xlstm": {"a recurrent state"},
+    "minimax": {"attention outside the attention interface"},
+    "openai-gpt": {"attention outside the attention interface", "no attention layer through cp_flash"},
+    "bloom": {"attention outside the attention interface"},
+    "bart": {"positions computed from the shard"},
+    "deepseek_v32": {"attention outside the attention interface"},
+}
+EXACT = ("llama", "mistral", "qwen2_moe", "gemma3_text", "gpt2", "deepseek_v3", "roberta", "gpt_oss", "llama4_text",
+         "phimoe", "gpt_neox",
+         "qwen3_next", "lfm2_moe", "jamba", "nemotron_h")  # hybrids: their mixers run across ranks (issue 21)
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_refused_families_are_found(family):
+    model = _model(family)
+    found = {f.what for f in model_check.model_findings(model)}
+    assert REFUSED[family] <= found, found
+    with pytest.raises(NotImplementedError) as info:
+        model_check.check_model(model)
+    message = str(info.value)
+    assert family in message and type(model).__name__ in message and "context_parallel" in message
+    assert all(what in message for what in REFUSED[family])
+
+
+@pytest.mark.parametrize("family", EXACT)
+def test_exact_families_have_no_findings(family):
+    assert model_check.model_findings(_model(family)) == ()
+
+
+def test_each_rule_on_a_planted_mixer():
+    """Each rule on its own, planted into a family that is otherwise exact (llama)."""
+    cases = {
+        "a convolution along the sequence": nn.Conv1d(4, 4, kernel_size=3, groups=4),
+        "a token shift": nn.ZeroPad2d((0, 0, 1, -1)),
+    }
+    for what, plant in cases.items():
+        model = _model("llama")
+        model.model.layers[0].mixer = plant
+        assert what in {f.what for f in model_check.model_findings(model)}
+    # a token shift written inline: MobileBERT's trigram input (its embeddings read each token's neighbours)
+    import transformers as tf
+
+    config = tf.MobileBertConfig(vocab_size=64, hidden_size=32, embedding_size=16, intermediate_size=32,
+                                 num_hidden_layers=1, num_attention_heads=4, intra_bottleneck_size=32,
+                                 true_hidden_size=32)
+    assert "a token shift" in {f.what for f in model_check.model_findings(tf.MobileBertModel(config))}
+    config.trigram_input = False
+    assert "a token shift" not in {f.what for f in model_check.model_findings(tf.MobileBertModel(config))}
+    # a pointwise convolution mixes no tokens
+    model = _model("llama")
+    model.model.layers[0].mixer = nn.Conv1d(4, 4, kernel_size=1)
+    assert model_check.model_findings(model) == ()
+
+
+class _StateMixer(nn.Module):
+    def forward(self, hidden_states, cache_params=None):
+        return hidden_states.cumsum(1)
+
+
+class _OwnAttention(nn.Module):
+    def forward(self, q, k, v):
+        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)), -1), v)
+
+
+class _AlibiAttention(nn.Module):
+    def forward(self, hidden_states, alibi=None):
+        attention_interface = None  # noqa: F841 - stands for the dispatch
+        return hidden_states
+
+
+def test_state_bypass_and_bias_rules():
+    for plant, what in ((_StateMixer(), "a recurrent state"), (_OwnAttention(), "attention outside the attention interface"),
+                        (_AlibiAttention(), "a score bias")):
+        model = _model("llama")
+        model.model.layers[0].mixer = plant
+        assert what in {f.what for f in model_check.model_findings(model)}, what
+
+
+class _Hybrid(nn.Module):
+    """A mixer module of a transformers modeling module whose mixer functions cp_attention adapted
+    (its source is set by the test: what it calls decides)."""
+
+    def __init__(self):
+        super().__init__()
+        self.A_log = nn.Parameter(torch.zeros(2))
+        self.conv1d = nn.Conv1d(4, 4, kernel_size=3, groups=4, padding=2)
+
+    def forward(self, hidden_states):
+        return hidden_states
+
+
+_Hybrid.__module__ = "transformers.models.qwen3_next.modeling_qwen3_next"
+
+
+@pytest.mark.parametrize("source, found", [
+    ("causal_conv1d_fn(x, self.conv1d.weight) torch_chunk_gated_delta_rule(q)", set()),
+    # its convolution is not the one it hands over
+    ("causal_conv1d_fn(x, self.other.weight) torch_chunk_gated_delta_rule(q)", {"a convolution along the sequence"}),
+    ("causal_conv1d_fn(x, self.conv1d.weight) torch_chunk_gated_delta_rule(q) y = x.cumsum(1)",
+     {"a sequence operation outside the adapted mixer functions", "a convolution along the sequence"}),
+    ("causal_conv1d_fn(x, self.conv1d.weight) y = F.unfold(x, 3)",
+     {"a sequence operation outside the adapted mixer functions", "a convolution along the sequence"}),
+    ("causal_conv1d_fn(x) y = F.conv1d(x, w)",
+     {"a sequence operation outside the adapted mixer functions", "a convolution along the sequence"}),
+    ("causal_conv1d_fn(x, self.conv1d.weight) inline_scan(q)", {"a recurrent state"}),  # not an adapted scan
+    ("torch_chunk_gated_delta_rule(q) self.conv1d.weight", {"a convolution along the sequence"}),
+])
+def test_hybrid_mixer_rules(monkeypatch, source, found):
+    """A mixer passes only when its convolution and its recurrence both go through adapted functions
+    and it does no other sequence operation itself."""
+    import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401 - adapted as it loads
+
+    original = model_source.class_source
+    monkeypatch.setattr(model_source, "class_source", lambda cls: source if cls is _Hybrid else original(cls))
+    model = _model("llama")
+    model.model.layers[0].mixer = _Hybrid()
+    got = {f.what for f in model_check.model_findings(model)}
+    assert got == found, got
+    # the same class in a module whose functions are not adapted: both refused
+    monkeypatch.setattr(_Hybrid, "__module__", "my_models.hybrid")
+    got = {f.what for f in model_check.model_findings(model)}
+    assert {"a convolution along the sequence", "a recurrent state"} <= got, got
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-rank: refused together before K/V moves; the second guard
+
+
+def _count_layer_calls():
+    from cp_attention.integrations import transformers as adapter
+
+    calls = []
+    original = adapter.attend_layer
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    adapter.attend_layer = counting
+    return calls
+
+
+def _refused_worker(rank, world_size, family):
+    calls = _count_layer_calls()
+    model = _model(family, "cp_flash")
+    ids, pos = sweep.make_inputs()
+    with cp_attention.context_parallel(timeout=60) as cp:
+        batch = cp.shard_batch(input_ids=ids, position_ids=pos)
+        if "position_ids" not in sweep.forward_kwargs(model) or not sweep.forward_kwargs(model)["position_ids"]:
+            batch.pop("position_ids")
+        try:
+            model(**batch)
+            return None, len(calls)
+        except NotImplementedError as exc:
+            return str(exc), len(calls)
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "bart"])
+def test_refused_on_every_rank_before_any_layer_runs(family):
+    for message, layer_calls in run_ranks(2, _refused_worker, family, timeout=240):
+        assert message is not None and family in message and "context parallelism" in message, message
+        assert layer_calls == 0  # no attention layer ran: no K/V block moved
+
+
+def _bypass_worker(rank, world_size, bypass: bool, twice: bool = False):
+    model = _model("llama", "cp_flash")
+    if bypass:  # one layer computes its attention itself (as a name-selected class would)
+        attn = model.model.layers[1].self_attn
+        attn.forward = lambda hidden_states, **kw: (hidden_states * 0.5, None)
+    if twice:  # one layer calls the interface twice (DiffLlama's differential attention does)
+        attn0 = model.model.layers[0].self_attn
+        original = attn0.forward
+
+        def forward_twice(*args, **kw):
+            original(*args, **kw)
+            return original(*args, **kw)
+
+        attn0.forward = forward_twice
+    ids, pos = sweep.make_inputs()
+    with cp_attention.context_parallel(timeout=60) as cp:
+        batch = cp.shard_batch(input_ids=ids, position_ids=pos)
+        try:
+            logits = model(**batch, use_cache=False).logits  # no cache: a layer called twice appends no keys
+            return float(logits.sum())
+        except NotImplementedError as exc:
+            return str(exc)
+
+
+@pytest.mark.parametrize("twice", [False, True], ids=["once", "another-layer-twice"])
+def test_a_layer_that_does_not_reach_cp_flash_raises_on_every_rank(twice):
+    """Counted per module: a bypassing layer is found also when another layer calls cp_flash twice
+    (so that the number of calls matches the number of layers)."""
+    for out in run_ranks(2, _bypass_worker, True, twice, timeout=240):
+        found = re.search(r"(\d+) attention layer\(s\) of llama .* but (\d+) of them did not reach cp_flash",
+                          str(out))
+        assert found and int(found[1]) >= 2 and int(found[2]) == 1, out
+    for out in run_ranks(2, _bypass_worker, False, twice, timeout=240):
+        assert isinstance(out, float), out  # every layer reached cp_flash, one of them twice: no refusal
+
+
+# ----------------------------------------------------------------------------------------------
+# CPMask, name-selected classes, positions, autocast
+
+
+def test_cpmask_is_never_a_silent_tensor():
+    mask = CPMask(batch_size=1, q_length=4, kv_length=4, q_offset=0, kv_offset=0, valid=None, opens=None,
+                  family="bloom")
+    assert mask.ndim == 4 and mask.contiguous() is mask and mask.q_length == 4
+    uses = (lambda: torch.zeros(4) + mask, lambda: mask + 1, lambda: 1.0 + mask, lambda: 2 * mask, lambda: mask[..., :2], lambda: mask.size(),
+            lambda: mask.to(torch.float32), lambda: mask.dtype, lambda: torch.where(mask, 1.0, 0.0),
+            lambda: torch.cat([mask]))
+    for use in uses:
+        with pytest.raises(NotImplementedError, match="bloom's modeling code uses the attention mask as a dense"):
+            use()
+    assert not hasattr(mask, "__array__")  # protocols stay plain AttributeErrors
+
+
+def _name_selected_modules() -> list[str]:
+    """Every transformers modeling module that selects attention by implementation name: a by-name
+    import of is_flash_attention_requested, or a table of classes keyed by "eager"."""
+    import transformers
+
+    root = Path(transformers.__file__).parent / "models"
+    found = []
+    for path in sorted(root.glob("*/modeling_*.py")):
+        text = path.read_text()
+        if "is_flash_attention_requested" in text or ('"eager":' in text and "_CLASSES" in text):
+            found.append(f"transformers.models.{path.parent.name}.{path.stem}")
+    return found
+
+
+def test_every_name_selecting_modeling_module_is_adapted():
+    import importlib
+
+    from cp_attention.integrations.transformers import adapted_sites
+
+    modules = _name_selected_modules()
+    assert len(modules) > 20
+    for name in modules:
+        assert is_modeling_module(name)
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an optional dependency of that model (timm, ...)
+            continue
+    adapted = set(adapted_sites())
+    missed = [name for name in modules if name in sys.modules and name not in adapted
+              and hasattr(sys.modules[name], "is_flash_attention_requested")]
+    assert not missed
+
+
+@pytest.mark.parametrize("family", ["falcon", "gpt_neo", "git"])
+def test_name_selected_classes_never_pick_flash_attention_2(family):
+    model = _model(family, "cp_flash")
+    classes = {type(m).__name__ for m in model.modules()}
+    assert not any("Flash" in name for name in classes), classes
+    ids, pos = sweep.make_inputs()
+    try:  # on one device: the family's own attention class, or a clear refusal
+        model(input_ids=ids)
+    except NotImplementedError as exc:
+        assert family in str(exc)
+
+
+def _roberta_worker(rank, world_size, with_model: bool):
+    model = _model("roberta", "cp_flash")
+    ids, _ = sweep.make_inputs()
+    starts = torch.zeros_like(ids, dtype=torch.bool)
+    offsets = torch.tensor(sweep.DOCS).cumsum(0)[:-1]
+    starts[0, offsets] = True
+    with cp_attention.context_parallel(timeout=60) as cp:
+        batch = cp.shard_batch(input_ids=ids, document_starts=starts, model=model if with_model else None)
+        try:
+            return cp.gather(model(**batch).logits.detach(), dim=1).tolist()
+        except NotImplementedError as exc:
+            return str(exc)
+
+
+def test_roberta_default_positions():
+    eager = _model("roberta")
+    ids, _ = sweep.make_inputs()
+    start, pieces = 0, []
+    for n in sweep.DOCS:  # each document alone, with the model's own default positions
+        pieces.append(eager(input_ids=ids[:, start:start + n]).logits.detach())
+        start += n
+    truth = torch.cat(pieces, dim=1)
+    for out in run_ranks(2, _roberta_worker, True, timeout=240):
+        assert (torch.tensor(out) - truth).abs().max() < 1e-4
+    for out in run_ranks(2, _roberta_worker, False, timeout=240):
+        assert isinstance(out, str) and "padding_idx + 1" in out and "position_ids" in out, out
+
+
+def test_mixed_dtypes_under_autocast():
+    """A float32 model under bfloat16 autocast hands cp_flash float32 q/k (RoPE upcasts) and bfloat16
+    v: computed in the autocast dtype, as sdpa does."""
+    ids, _ = sweep.make_inputs()
+    out = {}
+    for implementation in ("sdpa", "cp_flash"):
+        model = _model("llama", implementation)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out[implementation] = model(input_ids=ids).logits.float()  # one document
+    assert (out["sdpa"] - out["cp_flash"]).abs().max() < 2e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# ranks of a sampler loop (what accelerator.prepare(dataloader) builds) given different batches
+
+
+def _sampler_worker(rank, world_size):
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    torch.manual_seed(0)
+    model = _model("llama", "cp_flash")
+    data = [torch.randint(3, 100, (44,), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    loader = DataLoader(data, batch_size=1, sampler=DistributedSampler(data, num_replicas=world_size, rank=rank,
+                                                                        shuffle=False))
+    with cp_attention.context_parallel(timeout=60) as cp:
+        for ids in loader:
+            try:
+                model(**cp.shard_batch(input_ids=ids, labels=ids.clone()))
+                return None
+            except ValueError as exc:
+                return str(exc)
+
+
+def test_a_sampler_loop_handing_ranks_different_batches_raises_on_every_rank():
+    for message in run_ranks(2, _sampler_worker, timeout=240):
+        assert message is not None and "given different batches" in message and "sampler" in message, message
+
+
+# ----------------------------------------------------------------------------------------------
+# world size 1: cp_flash computes what the family's own eager computes, or refuses
+
+
+def _logits(model, ids, pos=None):
+    kwargs = {"position_ids": pos} if pos is not None else {}
+    out = model(input_ids=ids, use_cache=False, **kwargs)
+    return out.logits
+
+
+def test_a_layer_declared_bidirectional_follows_its_causal_mask():
+    """BigBird-Pegasus's decoder leaves its attention's ``is_causal`` at the default False and hands
+    it a causal mask, which eager follows: cp_flash (which reads bidirectional layers from that
+    flag, ModernBERT's) must follow the mask too."""
+    eager = _model("bigbird_pegasus")
+    cp_model = build_model(tiny_config("bigbird_pegasus"), "cp_flash", eager.state_dict())
+    assert not any(getattr(m, "is_causal", True) for m in cp_model.modules() if hasattr(m, "is_causal"))
+    ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = float((_logits(cp_model, ids) - _logits(eager, ids)).abs().max())
+    assert err <= 1e-5, err
+
+
+def test_score_tensors_handed_to_the_attention_are_refused():
+    """Inkling hands its attention a relative-position ``position_bias`` (a tensor over (query, key)
+    pairs) through the interface's keywords: the model check finds it, and at world size 1 (no
+    check there) the cp_flash layer raises instead of dropping it."""
+    findings = model_check.model_findings(_model("inkling_text", "cp_flash"))
+    assert any(f.what == "a score bias" and "position_bias" in f.why and "self_attn" in f.module for f in findings)
+    model = _model("inkling_text", "cp_flash")
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NotImplementedError, match="'position_bias'.*score bias"):
+        _logits(model, ids)
+
+
+@pytest.mark.parametrize("family", ["bigbird_pegasus", "moss_transcribe_diarize"])
+def test_one_rank_packed_documents_without_position_ids_are_refused(family):
+    """A model whose forward takes no position_ids cannot restart positions at the documents
+    cp.shard_batch recorded: a one-rank block refuses a packed batch before any layer runs, and runs
+    a batch of one document per row (padding included) as the family's own eager does."""
+    eager = _model(family)
+    cp_model = build_model(tiny_config(family), "cp_flash", eager.state_dict())
+    calls = []
+    for m in cp_model.modules():
+        if model_check.uses_attention_interface(type(m)) and not model_check._is_model(m):
+            m.register_forward_pre_hook(lambda *a: calls.append(1))
+    ids, pos = sweep.make_inputs()
+    with cp_attention.context_parallel() as cp:
+        batch = cp.shard_batch(input_ids=ids, position_ids=pos)
+        batch.pop("position_ids")
+        with pytest.raises(NotImplementedError, match="packed documents.*takes no position_ids"):
+            cp_model(**batch, use_cache=False)
+    assert not calls, "refused before any attention layer ran"
+    mask = torch.ones_like(ids)
+    mask[:, -5:] = 0  # right padding: one-token documents of their own, not packing
+    with cp_attention.context_parallel() as cp, torch.no_grad():
+        batch = cp.shard_batch(input_ids=ids, attention_mask=mask)
+        batch.pop("position_ids")
+        got = cp_model(**batch, use_cache=False).logits
+        want = eager(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert float((got - want)[:, :-5].abs().max()) <= 1e-5
+
+
+NUMBER_OWN_POSITIONS = ("bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "musicgen",
+                        "musicgen_melody", "pegasus", "plbart")
+
+
+@pytest.mark.parametrize("family", NUMBER_OWN_POSITIONS)
+def test_decoders_numbering_their_own_positions_at_world_size_1(family, monkeypatch):
+    """Decoders whose models take no position_ids but accept them through keyword arguments: without
+    a context, packed position_ids handed to them are not their positions (they number the whole row),
+    so cp_flash runs the row as their own eager does (logits and gradients against eager given the same
+    call); a collator's cu_seq_lens (documents with the row's positions) are refused. Planted: the
+    position_ids read as documents, the result differs from the family's eager."""
+    from hf_cases import flat_grads, grad_tol
+
+    eager = _model(family)
+    cp_model = build_model(tiny_config(family), "cp_flash", eager.state_dict())
+    assert not model_check.family_takes_positions(type(cp_model).__module__)
+    ids, pos = sweep.make_inputs()
+    R = torch.randn(*ids.shape, cp_model.config.get_text_config().vocab_size,
+                    generator=torch.Generator().manual_seed(5))
+
+    def run(model):
+        model.zero_grad(set_to_none=True)
+        logits = _logits(model, ids, pos)
+        (logits * R[..., :logits.shape[-1]]).sum().backward()
+        return logits.detach(), flat_grads(model)
+
+    (want, want_g), (got, got_g) = run(eager), run(cp_model)
+    assert float((got - want).abs().max()) <= 1e-4
+    assert float((got_g - want_g).abs().max()) <= grad_tol(float(want_g.abs().max()))
+    cu = torch.tensor([0, *torch.tensor(sweep.DOCS).cumsum(0).tolist()], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="number positions over the whole row"):
+        cp_model(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(sweep.DOCS),
+                 max_length_k=max(sweep.DOCS), use_cache=False)
+    monkeypatch.setattr(model_check, "family_takes_positions", lambda name: True)
+    with torch.no_grad():
+        planted = _logits(cp_model, ids, pos)
+    assert float((planted - want).abs().max()) > 1e-3
+
+
+def test_families_taking_positions_keep_them():
+    assert model_check.family_takes_positions("transformers.models.llama.modeling_llama")
+    assert model_check.family_takes_positions("transformers.models.gpt2.modeling_gpt2")
+
+
+def test_m_rope_rows_and_sinusoidal_position_starts():
+    """M-RoPE rows handed to a layer as position_ids (GLM-4V, ERNIE-VL) carry no documents (the mask's
+    do); a sinusoidal position table with a padding index (Kosmos-2.5) numbers from padding_idx + 1."""
+    layer = nn.Linear(2, 2)
+    assert model_check.layer_position_ids(layer, torch.zeros(3, 1, 5, dtype=torch.long), False) is None
+    two_d = torch.arange(5)[None]
+    assert model_check.layer_position_ids(layer, two_d, False) is two_d
+
+    class Sinusoidal(nn.Module):
+        padding_idx = 1
+
+    model = nn.Module()
+    model.embed_positions = Sinusoidal()
+    assert model_check.default_position_start(model) == 2

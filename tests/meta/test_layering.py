@@ -1,0 +1,279 @@
+"""The package's floor plan, checked statically from its source (no import of the package), with no
+exemption:
+
+* every module belongs to a layer, and imports only modules of its own layer or of layers below
+  (no upward import): the ground (``masks``, ``torch_compat``, ``waits``, ``refusals``) < ``comm`` <
+  ``layout``, ``kernels`` < ``plan`` < ``backends`` < ``strategies`` < ``engine`` < ``integrations`` <
+  the public root (``cp_attention``, ``api``) < ``tools`` < ``__main__``;
+* no import cycle, lazy (function-level) imports included: a package's ``__init__`` may import its
+  modules, its modules import their siblings, never the package above them;
+* no module imports another module's private (``_name``) names, or reaches them through a module
+  it imported;
+* torch's private APIs (``torch._...``) are used in ``torch_compat.py`` alone;
+* no module is over 600 lines;
+* no shim: a module other than a package's ``__init__`` holds more than imports;
+* the transformers adapter uses at most five names of the engine (names it imports from outside
+  ``integrations``, and attributes it reads on engine modules it imported; the catalogue of refusals,
+  ``cp_attention.refusals``, through which every layer raises, is not the engine's).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+while not os.path.exists(os.path.join(ROOT, "pyproject.toml")):
+    ROOT = os.path.dirname(ROOT)
+PACKAGE = os.path.join(ROOT, "cp_attention")
+MAX_LINES = 600
+LAYERS = (
+    ("masks", "torch_compat", "waits", "refusals"),
+    ("comm",),
+    ("layout", "kernels"),
+    ("plan",),
+    ("backends",),
+    ("strategies",),
+    ("engine",),
+    ("integrations",),
+    ("", "api"),  # the public root: cp_attention/__init__.py and api.py
+    ("tools",),
+    ("__main__",),
+)
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _modules(package: str = PACKAGE) -> dict[str, str]:
+    """Dotted module name -> path of every module of the package."""
+    found = {}
+    for folder, _, files in os.walk(package):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, os.path.dirname(package))[:-3].replace(os.sep, ".")
+                found[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _package_of(module: str, path: str) -> str:
+    return module if path.endswith("__init__.py") else module.rpartition(".")[0]
+
+
+def _imports(module: str, path: str, tree: ast.AST, modules: dict[str, str]):
+    """(imported module, imported name or None, line) of every import of a ``cp_attention`` module,
+    at any depth (lazy imports included); ``from X import y`` where ``X.y`` is a module yields that
+    module with name None."""
+    package = _package_of(module, path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "cp_attention":
+                    yield alias.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "cp_attention":
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                yield (sub, None, node.lineno) if sub in modules else (target, alias.name, node.lineno)
+
+
+def _module_aliases(module: str, path: str, tree: ast.AST, modules: dict[str, str]) -> set[str]:
+    """Local names bound to a module of the package (``from . import engine``, ``import x.y as z``)."""
+    names = set()
+    package = _package_of(module, path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("cp_attention")):
+            if node.level:
+                base = package.split(".")
+                target = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            names |= {alias.asname or alias.name for alias in node.names if f"{target}.{alias.name}" in modules}
+        elif isinstance(node, ast.Import):
+            names |= {alias.asname for alias in node.names if alias.asname and alias.name in modules}
+    return names
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def layer_of(module: str) -> int | None:
+    """The layer index of a module (its first name below ``cp_attention``); None: not in the plan."""
+    parts = module.split(".")
+    return LAYER_OF.get(parts[1] if len(parts) > 1 else "")
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (or a module importing itself)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in edges.get(v, ()):
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _is_shim(path: str, tree: ast.Module) -> bool:
+    """A module (not a package's ``__init__``) holding nothing but its docstring, imports and ``__all__``."""
+    if path.endswith("__init__.py"):
+        return False
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["__all__"]:
+            continue
+        return False
+    return True
+
+
+def layering_violations(modules: dict[str, str] = MODULES) -> list[str]:
+    """Every breach of the rules of this file's docstring, as readable lines."""
+    problems, edges = [], {}
+    for module, path in sorted(modules.items()):
+        with open(path) as f:
+            source = f.read()
+        tree = ast.parse(source, path)
+        lines = source.count("\n") + (not source.endswith("\n"))
+        if lines > MAX_LINES:
+            problems.append(f"{module}: {lines} lines (at most {MAX_LINES}): split it by responsibility")
+        if _is_shim(path, tree):
+            problems.append(f"{module}: a shim (it only imports): import the module it re-exports instead")
+        mine = layer_of(module)
+        if mine is None:
+            problems.append(f"{module}: in no layer of the floor plan (tests/test_layering.py LAYERS)")
+        for target, name, line in _imports(module, path, tree, modules):
+            edges.setdefault(module, set()).add(target)
+            theirs = layer_of(target)
+            if mine is not None and theirs is not None and theirs > mine:
+                problems.append(f"{module}:{line} imports {target}: an upward import (layer "
+                                f"{'/'.join(LAYERS[theirs]) or 'root'} is above {'/'.join(LAYERS[mine]) or 'root'})")
+            if name is not None and _private(name) and target != module:
+                problems.append(f"{module}:{line} imports the private name {name} of {target}")
+        aliases = _module_aliases(module, path, tree, modules)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and _private(node.attr):
+                if node.value.id in aliases:
+                    problems.append(f"{module}:{node.lineno} uses the private name {node.value.id}.{node.attr}")
+                if node.value.id == "torch" and not module.endswith("torch_compat"):
+                    problems.append(f"{module}:{node.lineno} uses torch.{node.attr}: torch's private APIs go "
+                                    f"through cp_attention/torch_compat.py")
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and not module.endswith("torch_compat"):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if any(n.startswith("torch._") for n in names):
+                    problems.append(f"{module}:{node.lineno} imports a private torch module: use torch_compat")
+    for cycle in _cycles(edges):
+        problems.append(f"an import cycle: {' -> '.join(cycle)} (lazy imports count)")
+    return problems
+
+
+def adapter_engine_names(path: str = MODULES["cp_attention.integrations.transformers"]) -> set[str]:
+    """The engine names the transformers adapter uses: names it imports from the package outside
+    ``integrations``, and the attributes it reads on engine modules it imports."""
+    module = "cp_attention.integrations.transformers"
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    names, engine_modules = set(), set()
+    for target, name, _ in _imports(module, path, tree, MODULES):
+        if target.startswith("cp_attention.integrations") or target == "cp_attention.refusals":
+            continue
+        if name is None:
+            engine_modules.add(target.rpartition(".")[2])
+        else:
+            names.add(name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in engine_modules:
+            names.add(f"{node.value.id}.{node.attr}")
+    return names
+
+
+def test_layering_holds():
+    assert layering_violations() == []
+
+
+def test_adapter_uses_at_most_five_engine_names():
+    names = adapter_engine_names()
+    assert len(names) <= 5, sorted(names)
+
+
+def _plant(tmp_path, files: dict[str, str]) -> dict[str, str]:
+    """Write ``files`` (module name -> source) under tmp_path; returns module -> path."""
+    found = {}
+    for module, source in files.items():
+        path = tmp_path / (module.replace(".", "_") + ".py")
+        path.write_text(source)
+        found[module] = str(path)
+    return found
+
+
+@pytest.mark.parametrize("module, planted, expected", [
+    ("cp_attention.engine.x", "from ..integrations import hf_batch\n", "an upward import"),
+    ("cp_attention.engine.x", "def f():\n    from ..tools.launch import run_ranks\n", "an upward import"),
+    ("cp_attention.plan.x", "from ..backends.base import VarlenBackend\n", "an upward import"),
+    ("cp_attention.masks", "from .comm import Comm\n", "an upward import"),
+    ("cp_attention.engine.x", "from .attend import _reused\n", "imports the private name _reused"),
+    ("cp_attention.engine.x", "import torch\nX = torch._C\n", "torch's private APIs go through"),
+    ("cp_attention.engine.x", "import torch._dynamo\n", "imports a private torch module"),
+    ("cp_attention.engine.x", "X = 1\n" * (MAX_LINES + 1), "lines (at most"),
+    ("cp_attention.probe", "from cp_attention.tools.probe import main\n", "a shim"),
+    ("cp_attention.nowhere", "X = 1\n", "in no layer"),
+])
+def test_each_rule_catches_its_breach(tmp_path, module, planted, expected):
+    """A planted breach is reported (the check can fail)."""
+    problems = layering_violations(_plant(tmp_path, {module: planted}))
+    assert any(expected in p for p in problems), problems
+
+
+def test_a_private_name_through_a_module_is_caught(tmp_path):
+    planted = _plant(tmp_path, {"cp_attention.engine.x": "from . import attend\nX = attend._reused\n",
+                                "cp_attention.engine.attend": "def _reused():\n    pass\n"})
+    assert any("uses the private name attend._reused" in p for p in layering_violations(planted))
+
+
+def test_a_lazy_cycle_is_caught(tmp_path):
+    """Two modules importing each other, one of them inside a function, are a cycle."""
+    planted = _plant(tmp_path, {"cp_attention.engine.a": "from .b import f\n",
+                                "cp_attention.engine.b": "def f():\n    from .a import g\n"})
+    assert any("an import cycle" in p and "engine.a" in p for p in layering_violations(planted))
+
+
+def test_users_of_the_engine_import_it_freely(tmp_path):
+    """Tools and integrations import the engine (downward); only upward imports are refused."""
+    planted = _plant(tmp_path, {"cp_attention.tools.user": "from ..engine import attend\nimport cp_attention\nX = 1\n",
+                                "cp_attention.integrations.user": "from ..engine.layer import attend_layer\nX = 1\n"})
+    assert layering_violations(planted) == []
