@@ -36,7 +36,8 @@ def check_strategy(strategy, ulysses_size=None) -> str:
     """``strategy`` if it is one of :data:`STRATEGIES` and ``ulysses_size`` fits it (a positive int
     for "usp", None for the others), else ValueError."""
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {list(STRATEGIES)} (see cp_attention.strategies.choice), got {strategy!r}")
+        raise ValueError(f"strategy must be one of {list(STRATEGIES)} (see cp_attention.strategies.choice), "
+                         f"got {strategy!r}")
     if ulysses_size is not None and (strategy != "usp" or isinstance(ulysses_size, bool)
                                      or not isinstance(ulysses_size, int) or ulysses_size < 1):
         raise ValueError(f"ulysses_size is the head-group size of strategy='usp' (a positive int dividing the world "
