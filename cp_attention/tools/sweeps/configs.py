@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -53,7 +55,7 @@ HEAD_DIM_KEYS = ("head_dim", "attention_head_dim", "d_head", "dim_head", "kv_cha
                  "swa_head_dim", "linear_head_dim", "linear_key_head_dim", "linear_value_head_dim",
                  "mamba_d_head", "mamba_head_dim", "mamba_headdim", "index_head_dim", "indexer_head_dim",
                  "global_head_dim")
-FIXED = {  # name -> value, applied when the default is an int (MLA, SSM, linear attention, indexers, ...)
+FIXED = MappingProxyType({  # name -> value, applied when the default is an int (MLA, SSM, linear attention, indexers, ...)
     "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "qk_head_dim": 24, "kv_lora_rank": 16,
     "q_lora_rank": 32, "o_lora_rank": 16, "rotary_dim": 8, "rotary_emb_base": None,
     "state_size": 8, "d_state": 8, "ssm_state_size": 8, "mamba_d_state": 8,
@@ -66,7 +68,7 @@ FIXED = {  # name -> value, applied when the default is an int (MLA, SSM, linear
     "num_kv_shared_layers": 0, "kv_n_heads": 2, "router_hidden_size": 32, "backbone_hidden_size": 64,
     "num_memory_blocks": 1, "num_mem_blocks": 1, "adapter_rank": 8, "gated_norm_rank": 8, "hc_lowrank": 8,
     "moe_latent_size": 32, "ple_embed_dim": 16, "loop_gate_rank": 8,
-}
+})
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_layer")
 TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k_experts", "num_selected_experts",
              "moe_k", "top_k")
@@ -81,11 +83,11 @@ INTERVAL_RE = re.compile(r"(interval|period|every_n|_step$|_pattern$|layer_group
 OFFSET_RE = re.compile(r"offset$")
 TOKEN_ID_RE = re.compile(r"(_token_id|_token_index|_token_ids)$")
 INDEX_LIST_RE = re.compile(r"(layer|idx|indices|ids)")
-NONE_FILL = {"head_dim": HEAD_DIM, "num_key_value_heads": KV_HEADS, "num_experts_per_tok": 2,
-             "n_routed_experts": 4, "n_shared_experts": 1}  # None in the defaults, required by the model code
-SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
+NONE_FILL = MappingProxyType({"head_dim": HEAD_DIM, "num_key_value_heads": KV_HEADS, "num_experts_per_tok": 2,
+             "n_routed_experts": 4, "n_shared_experts": 1})  # None in the defaults, required by the model code
+SPECIAL_IDS = MappingProxyType({"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
                "cls_token_id": 1, "sep_token_id": 2, "mask_token_id": 3, "unk_token_id": 0,
-               "forced_eos_token_id": 2, "forced_bos_token_id": 1, "eod_token_id": 2}
+               "forced_eos_token_id": 2, "forced_bos_token_id": 1, "eod_token_id": 2})
 TEXT_SUBCONFIGS = ("text_config", "decoder_config", "global_config", "encoder_config", "patcher_config",
                    "attn_config", "ffn_config", "depth_decoder_config")
 
@@ -113,8 +115,8 @@ def _dory(kwargs):
     kwargs.update(n_input_layers=1, n_recurrent_layers=n - 2, n_output_layers=1)
 
 
-_QSA = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4)
-OVERRIDES: dict[str, tuple[str, object]] = {
+_QSA = MappingProxyType(dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4))
+OVERRIDES: Mapping[str, tuple[str, object]] = MappingProxyType({
     "mamba2": ("its SSM heads are the generic `num_heads`/`head_dim` names: hidden * expand = num_heads * head_dim",
                _set(num_heads=8)),
     "granitemoehybrid": ("the defaults have only Mamba layers; the family's mix is Mamba + attention",
@@ -142,18 +144,18 @@ OVERRIDES: dict[str, tuple[str, object]] = {
     "musicgen": ("input_ids are (batch x num_codebooks, L): one codebook keeps them (1, L)", _set(num_codebooks=1)),
     "musicgen_melody": ("input_ids are (batch x num_codebooks, L): one codebook keeps them (1, L)",
                         _set(num_codebooks=1)),
-}
+})
 # After the model is built: {model_type: (reason, function(model))}
-POST_BUILD: dict[str, tuple[str, object]] = {
+POST_BUILD: Mapping[str, tuple[str, object]] = MappingProxyType({
     "xmod": ("the model refuses to run before a default language adapter is chosen",
              lambda m: m.set_default_language(next(iter(m.config.languages)))),
-}
+})
 
-FLOAT64: dict[str, str] = {  # family -> why its comparison runs in float64 (every other family: float32)
+FLOAT64: Mapping[str, str] = MappingProxyType({  # family -> why its comparison runs in float64 (every other family: float32)
     "gemma3n_text": "its activation-sparsity gate (a 95% Gaussian top-k, then ReLU) is discontinuous: the "
                     "rounding-level float32 difference between any two attention orders flips gate elements "
                     "and moves gradients by ~1e-3 relative (with the gate off, cp_flash is within 1e-5 in float32)",
-}
+})
 
 
 def model_dtype(family: str) -> torch.dtype:

@@ -25,6 +25,7 @@ import json
 import sys
 import time
 import traceback
+from types import MappingProxyType
 
 import torch
 
@@ -36,8 +37,8 @@ from .tables import heads_page
 
 __all__ = ["KINDS", "entries", "tiny_config", "run_entries", "main"]
 
-KINDS = {"sequence": "SEQUENCE_CLASSIFICATION", "token": "TOKEN_CLASSIFICATION", "qa": "QUESTION_ANSWERING",
-         "masked": "MASKED_LM"}
+KINDS = MappingProxyType({"sequence": "SEQUENCE_CLASSIFICATION", "token": "TOKEN_CLASSIFICATION", "qa": "QUESTION_ANSWERING",
+         "masked": "MASKED_LM"})
 L, LABELS, TOL = 40, 3, 2e-5
 MAX_PARAMS = 50_000_000  # a larger "tiny" model is unbuildable here (the sweep's process would run out of memory)
 

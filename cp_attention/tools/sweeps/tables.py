@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import MappingProxyType
 
 from .compare import GRAD_REL_TOL, TOL
 from .configs import FLOAT64
@@ -24,13 +25,13 @@ __all__ = ["PAGES", "VLM_SLOTS", "reason", "ws1_as_eager", "summary_markdown", "
            "vlm_table", "family_page", "heads_page", "vlm_page", "render", "read_record"]
 
 
-FAMILY_NOTES = {  # family -> what its row alone does not say
+FAMILY_NOTES = MappingProxyType({  # family -> what its row alone does not say
     "zamba": "refused at CP = 2 since the model check refuses a mixer that seems to compute scores itself: it reads "
              "Zamba's per-head projections (`x_proj_weight[:, None] @ ... .transpose(...)`) as scores; a safe "
              "refusal, not a wrong result (an earlier sweep had it exact at CP = 2).",
     "hrm_text": "refused by transformers itself when the model is built (its prefix-LM mask overlay, for any "
                 "flash-named implementation).",
-}
+})
 
 
 def reason(rec: dict) -> str:
@@ -231,11 +232,11 @@ def vlm_page(record: dict, data: str = "docs/data/vlms.json", page: str = "docs/
 
 
 # name -> (page, record, renderer): paths relative to the repository root
-PAGES = {
+PAGES = MappingProxyType({
     "families": ("docs/supported_models.md", "docs/data/families.json", family_page),
     "heads": ("docs/supported_heads.md", "docs/data/heads.json", heads_page),
     "vlms": ("docs/supported_vlms.md", "docs/data/vlms.json", vlm_page),
-}
+})
 
 
 def read_record(path: str) -> dict:

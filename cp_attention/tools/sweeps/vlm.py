@@ -20,6 +20,8 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -53,8 +55,8 @@ def call(model, inputs: dict) -> torch.Tensor:
 START_KEYS = ("vision_start_token_id", "image_start_token_id", "boi_token_id", "boi_token_index", "image_bos_token_id")
 END_KEYS = ("vision_end_token_id", "image_end_token_id", "eoi_token_id", "eoi_token_index")
 # families placing an image's features at the True entries of a (B, L) mask, not at token ids
-POSITION_MASKS = {"kosmos-2": "image_embeds_position_mask", "kosmos-2.5": "image_embeds_position_mask"}
-TOKEN_TYPE_IMAGE = {"gemma3", "shieldgemma2"}  # token_type_ids mark the image tokens (Gemma 3's image blocks)
+POSITION_MASKS = MappingProxyType({"kosmos-2": "image_embeds_position_mask", "kosmos-2.5": "image_embeds_position_mask"})
+TOKEN_TYPE_IMAGE = frozenset({"gemma3", "shieldgemma2"})  # token_type_ids mark the image tokens (Gemma 3's image blocks)
 
 
 def _vision(config):
@@ -200,7 +202,7 @@ def _decoder_ids(rename: bool = False):
     return lambda b: dict(b, decoder_input_ids=(b.pop("input_ids") if rename else b["input_ids"]).clone())
 
 
-BATCH_FIXES: dict[str, tuple[str, object]] = {  # {family: (reason, function(batch) -> batch)}
+BATCH_FIXES: Mapping[str, tuple[str, object]] = MappingProxyType({  # {family: (reason, function(batch) -> batch)}
     "idefics": ("its cross-attention reads which images each token sees", lambda b: dict(
         b, image_attention_mask=torch.ones(*b["input_ids"].shape, 1, dtype=torch.long)) if "pixel_values" in b else b),
     "pix2struct": ("an encoder-decoder over image patches: the text is its decoder's ids", _decoder_ids(True)),
@@ -209,7 +211,7 @@ BATCH_FIXES: dict[str, tuple[str, object]] = {  # {family: (reason, function(bat
     "udop": ("an encoder-decoder over a layout: every token's bounding box, the row as the decoder's ids too",
              lambda b: dict(_decoder_ids()(b), bbox=torch.zeros(*b["input_ids"].shape, 4))),
     "vision-encoder-decoder": ("an encoder-decoder over the image: the text is its decoder's ids", _decoder_ids(True)),
-}
+})
 
 
 def _rows(config, g, lead=(1,), width=None) -> torch.Tensor:
@@ -253,7 +255,7 @@ _QFORMER = ("an image (a clip of 4 frames) and the instruction's ids for its Q-F
     pixel_values=plain_pixels(c, g)["pixel_values"] if c.model_type == "instructblip" else
     plain_pixels(c, g)["pixel_values"].unsqueeze(1).expand(1, 4, -1, -1, -1).clone(),
     qformer_input_ids=torch.randint(3, 60, (1, 8), generator=g)))
-RECIPES: dict[str, tuple[str, object]] = {  # {family: (reason, function(config, g) -> image inputs)}
+RECIPES: Mapping[str, tuple[str, object]] = MappingProxyType({  # {family: (reason, function(config, g) -> image inputs)}
     "deepseek_vl_hybrid": ("a low- and a high-resolution view of the image", lambda c, g: dict(
         plain_pixels(c, g), high_res_pixel_values=torch.randn(1, 3, *[_square(c.high_res_vision_config)] * 2,
                                                              generator=g))),
@@ -280,16 +282,16 @@ RECIPES: dict[str, tuple[str, object]] = {  # {family: (reason, function(config,
         pixel_values=_rows(c, g, lead=()), image_grid_hw=torch.tensor([[SIDE, SIDE]]))),
     "video_llama_3": ("Qwen-style patches with image_grid_thw and image_merge_sizes", lambda c, g: dict(
         qwen_pixels(c, g), image_merge_sizes=torch.tensor([2]))),
-}
+})
 
 
 # ---- runs ----
 
 NOISY_FACTOR = 4.0
-NOISY: dict[str, str] = {  # {family: why}: float32 rounding beyond the gradient bound of compare (NOISY_FACTOR x it)
+NOISY: Mapping[str, str] = MappingProxyType({  # {family: why}: float32 rounding beyond the gradient bound of compare (NOISY_FACTOR x it)
     "muse_spark": "float32 rounding: sdpa differs from eager by the same 1.3e-5 / 2.6e-5 relative gradient error "
                   "as cp_flash (embedding gradients summed over many logits)",
-}
+})
 
 
 def noisy(family: str, rec: dict) -> dict:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -53,7 +55,7 @@ ADAPTER_IN_RE = re.compile(r"((adapter|projector|merger)_(in_dim|out_dim|input_s
 ID_KEY_RE = re.compile(r"(_id|_index|_ids)$")
 IMAGE_KEYS = ("image_token_id", "image_token_index")
 CODES, CODE_BASE = 16, configs.ID_RANGE[1]  # a tiny VQ image tokenizer's codebook; its codes are the ids from CODE_BASE
-VQ_TOKENIZER = dict(base_channels=32, channel_multiplier=[1, 1, 1], num_res_blocks=1, resolution=16)
+VQ_TOKENIZER = MappingProxyType(dict(base_channels=32, channel_multiplier=[1, 1, 1], num_res_blocks=1, resolution=16))
 
 
 def shrink_vision(d: dict, vocab: int, taken: set[int]) -> dict:
@@ -143,7 +145,7 @@ _MUSE = ("its adapter takes the merged vision width (vision hidden x merge^2)",
          _sub("", out_hidden_size=4 * HIDDEN, projector_hidden_size=HIDDEN))
 _VQ, _NO_VISION = ("its image codes are text ids named by a vocabulary map the checkpoint brings",
                    "its defaults have no vision config; the tiny one pools 2 x 2")
-OVERRIDES: dict[str, tuple[str, object]] = {  # {family: (reason, function(kwargs) editing them)}, after the rules
+OVERRIDES: Mapping[str, tuple[str, object]] = MappingProxyType({  # {family: (reason, function(kwargs) editing them)}, after the rules
     "apertus1p5": ("its image codes are the text ids from image_token_offset; its audio tokenizer has "
                    "codebook_dim = hidden_size", lambda kw: (
                        kw["audio_config"].update(codebook_size=8, codebook_dim=HIDDEN, num_filters=8),
@@ -185,7 +187,7 @@ OVERRIDES: dict[str, tuple[str, object]] = {  # {family: (reason, function(kwarg
     "vipllava": ("it reads five vision layers by index", _sub("", vision_feature_layers=[-1, -2, -3, -1, -2])),
     "vision-encoder-decoder": ("its text decoder cross-attends to the image (family_sweep's rules turn that off)",
                                _sub("decoder", add_cross_attention=True, is_decoder=True)),
-}
+})
 
 
 def _mrope(text: dict) -> None:
