@@ -111,7 +111,6 @@ class Finding(tuple):
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _forward_args(cls: type) -> frozenset:
     try:
         return frozenset(inspect.signature(cls.forward).parameters)

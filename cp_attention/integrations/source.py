@@ -4,11 +4,13 @@ structure (the model check, the heads' losses, the mixers' tags) rather than fro
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 __all__ = ["class_source"]
 
 
+@functools.lru_cache(maxsize=None)
 def class_source(cls: type) -> str:
     """The source of ``cls`` and of its bases that are model code (not torch's, not transformers'
     shared base classes such as ``PreTrainedModel``); "" where it cannot be read."""
