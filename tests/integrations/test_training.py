@@ -107,7 +107,7 @@ def _torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 600) -> 
 
 @pytest.mark.parametrize("repeat", range(2))
 def test_errors_leave_the_group_usable_and_exit_cleanly(repeat):
-    proc = _torchrun(os.path.join(ROOT, "tests", "cp_errors_script.py"))
+    proc = _torchrun(os.path.join(ROOT, "tests", "support", "cp_errors_script.py"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "SIGABRT" not in proc.stderr and "terminate called" not in proc.stderr
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
