@@ -118,7 +118,7 @@ def fixed_cases(L: int) -> dict[str, list[Call]]:
 
 PLAN_DOCUMENTS = {"1doc": None, "6docs": (0.014, 0.079, 0.626, 0.121, 0.076, 0.084)}
 """Documents of the plan cases as fractions of L (the second mix: a document longer than the window
-among short ones, as in tests/test_flash_translation.py)."""
+among short ones, as in tests/unit/test_flash_translation.py)."""
 
 
 def _document_lengths(fracs, L):

@@ -10,7 +10,7 @@ Markers (registered in pyproject.toml):
   measurements, the command line's entry points). Every test under ``multirank/`` carries it
   (:func:`pytest_collection_modifyitems`); elsewhere a module that spawns ranks declares it in
   ``pytestmark``, a single test that starts a child process in a decorator. The inner loop, single
-  process: ``python -m pytest -m "not multirank"`` (under 2 minutes on 2 cores).
+  process: ``OMP_NUM_THREADS=1 python -m pytest -m "not multirank"`` (under 2 minutes on 2 cores).
 * ``transformers``: the test builds transformers models.
 * the long groups ``fuzz``, ``families``, ``faults``, ``strategies`` and ``slow`` stay out of every
   run whose ``-m`` expression does not name them (``python -m pytest -m faults`` runs the faults).
