@@ -21,14 +21,13 @@ The verdict per family and world size (:func:`problems`):
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-import cp_attention
 from cp_attention.tools.sweeps import configs, tables
+from sweep_support import sweep_env
 
 pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
 
@@ -74,18 +73,11 @@ def problems(record: dict) -> list[str]:
     return out
 
 
-def _env() -> dict:
-    """The sweep's environment: one thread, this process's cp_attention first on the path."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(cp_attention.__file__)))
-    return {**os.environ, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
-
-
 def _sweep(families, tmp_path, timeout: float) -> list[dict]:
     path = tmp_path / "sweep.json"
     cmd = [sys.executable, "-m", "cp_attention.tools.sweeps.family", "--families", ",".join(families), "--world",
            "1,2", "--json", str(path), "--jobs", "2", "--timeout", str(timeout)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=sweep_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(path.read_text())["results"]
 

@@ -21,8 +21,8 @@ import sys
 
 import pytest
 
-import cp_attention
 from cp_attention.tools.sweeps import vlm, vlm_configs as vs
+from sweep_support import sweep_env
 
 pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
 
@@ -81,18 +81,11 @@ def problems(record: dict) -> list[str]:
     return out
 
 
-def _env() -> dict:
-    """The sweep's environment: one thread, this process's cp_attention first on the path."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(cp_attention.__file__)))
-    return {**os.environ, "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
-
-
 def _sweep(families, tmp_path, timeout: float) -> list[dict]:
     path = tmp_path / "vlm_sweep.json"
     cmd = [sys.executable, "-m", "cp_attention.tools.sweeps.vlm", "--families", ",".join(families), "--json",
            str(path), "--jobs", "2", "--timeout", str(timeout)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=sweep_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(path.read_text())["results"]
 
