@@ -10,6 +10,8 @@ Legend: ``P`` ranks, ``L`` tokens; ``csum[i]`` the cost of tokens ``[0, i)`` (a
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -34,6 +36,10 @@ HEAD_TOKENS = 0.75
 """A long document's start longer than this x cap joins its nesting even without a rank to spare."""
 SEARCH = 16
 """Items tried per move when filling bins exactly."""
+BUNDLE_ABOVE = 8
+"""With more free items than this x P, tiny ones are packed in bundles (:func:`_bundle`)."""
+BUNDLE_SHARE = 1 / 16
+"""A bundle costs and holds at most this share of a rank's target cost and tokens."""
 
 
 class _Bin:
@@ -54,6 +60,75 @@ class _Bin:
         self.items.remove(item)
         self.load -= cost
         self.tokens -= tokens
+
+
+def _bin_density(bn: _Bin) -> float:
+    """The log of a bin's remaining cost per remaining target token (what an item's density is matched to)."""
+    return math.log(max(bn.cap_cost - bn.load, 1e-300) / max(bn.target_tokens - bn.tokens, 1.0))
+
+
+class _DensityIndex:
+    """The bins sorted by :func:`_bin_density`: :meth:`nearest` finds the bin an item goes to without
+    reading every bin (the packing's O(items x bins) scan was its cost at hundreds of ranks)."""
+
+    def __init__(self, bins: list[_Bin]):
+        self.bins = bins
+        self.pos = {id(bn): i for i, bn in enumerate(bins)}  # ties go to the first bin, as a scan would
+        self.key = {id(bn): (_bin_density(bn), i) for i, bn in enumerate(bins)}
+        self.keys = sorted(self.key.values())
+
+    def remove(self, bn: _Bin) -> None:
+        del self.keys[bisect.bisect_left(self.keys, self.key[id(bn)])]
+
+    def insert(self, bn: _Bin) -> None:
+        key = self.key[id(bn)] = (_bin_density(bn), self.pos[id(bn)])
+        bisect.insort(self.keys, key)
+
+    def nearest(self, density: float, c: float, n: int) -> _Bin | None:
+        """The first bin (in ``bins`` order) of those whose density is nearest ``density`` among the
+        ones with room for cost ``c`` and ``n`` tokens; None if there is none."""
+        keys, bins = self.keys, self.bins
+
+        def fits(i: int) -> bool:
+            bn = bins[i]
+            return bn.cap_cost - bn.load >= c and bn.tokens + n <= bn.cap_tokens
+
+        at = bisect.bisect_left(keys, (density, -1))
+        right = next(((keys[j][0] - density, keys[j][1]) for j in range(at, len(keys)) if fits(keys[j][1])), None)
+        left, j = None, at - 1
+        while j >= 0:  # below: the lowest index among the fitting bins of the nearest density
+            d, i = keys[j]
+            if left is not None and d != left[2]:
+                break
+            if fits(i):
+                left = (density - d, i, d)
+            j -= 1
+        options = [x[:2] for x in (left, right) if x is not None]
+        return bins[min(options)[1]] if options else None
+
+
+def _bundle(free: list[list], cost_of, size_of, target: float, tau: float) -> list[list]:
+    """The free items with the tiny ones (under :data:`BUNDLE_SHARE` of a rank's cost and tokens)
+    grouped, by density, into bundles of at most that share: a bundle is one item of several runs,
+    packed as one and split into its documents after packing (thousands of short documents over
+    hundreds of ranks)."""
+    c_max, n_max = BUNDLE_SHARE * target, BUNDLE_SHARE * tau
+    tiny, out = [], []
+    for item in free:
+        c, n = cost_of(item), size_of(item)
+        (tiny if c < c_max and n < n_max else out).append((c / n, c, n, item))
+    tiny.sort(key=lambda x: x[0])
+    bundle, bc, bn_ = [], 0.0, 0
+    for _, c, n, item in tiny:
+        if bundle and (bc + c > c_max or bn_ + n > n_max):
+            out.append((0, bc, bn_, bundle))
+            bundle, bc, bn_ = [], 0.0, 0
+        bundle.extend(item)
+        bc += c
+        bn_ += n
+    if bundle:
+        out.append((0, bc, bn_, bundle))
+    return [item for *_, item in out]
 
 
 class Batch:
@@ -186,8 +261,10 @@ class Batch:
         return groups, next_rank, recv
 
     def pack(self, free: list[list], groups: list[dict], next_rank: int, recv: list[int]) -> list[_Bin]:
-        """Step 3: the free items into bins, one per group and one per remaining rank, each to the
-        bin whose remaining cost per remaining target token is nearest the item's."""
+        """Step 3: the free items into bins, one per group and one per remaining rank, largest first,
+        each to the bin whose remaining cost per remaining target token is nearest the item's among
+        those with room for its cost and tokens (:class:`_DensityIndex`, O(log bins) per item);
+        many tiny items are packed as bundles of similar density (:func:`_bundle`)."""
         P, cap, target, tau = self.P, self.cap, self.target, self.tau
         cost_of, size_of = self.cost_of, self.size_of
         bins = []
@@ -199,19 +276,27 @@ class Batch:
                              max(k * tau - region_tokens, 0.05 * tau), group=g))
             bins[-1].recv = min(recv[r] for r in g["ranks"])
         bins += [_Bin(target, cap, tau, rank=r) for r in range(next_rank, P)]
-        free.sort(key=lambda item: -max(cost_of(item) / target, size_of(item) / tau))
-        for item in free:
+        bundles = _bundle(free, cost_of, size_of, target, tau) if len(free) > BUNDLE_ABOVE * P else free
+        bundles.sort(key=lambda item: -max(cost_of(item) / target, size_of(item) / tau))
+        index = _DensityIndex(bins)
+        for item in bundles:
             c, n = cost_of(item), size_of(item)
             density = math.log(max(c, 1e-300) / n)
-            best, best_key = None, None
-            for bn in bins:  # else the bin with most token room (its cost is settled later)
-                room = bn.cap_cost - bn.load
-                key = (bn.tokens + n > bn.cap_tokens, 1, bn.tokens - bn.cap_tokens) if room < c else (
-                    bn.tokens + n > bn.cap_tokens, 0,
-                    abs(density - math.log(max(room, 1e-300) / max(bn.target_tokens - bn.tokens, 1.0))))
-                if best_key is None or key < best_key:
-                    best, best_key = bn, key
+            best = index.nearest(density, c, n)
+            if best is None:  # no bin with room for its cost and tokens: the key over every bin
+                best_key = None
+                for bn in bins:  # else the bin with most token room (its cost is settled later)
+                    room = bn.cap_cost - bn.load
+                    key = (bn.tokens + n > bn.cap_tokens, 1, bn.tokens - bn.cap_tokens) if room < c else (
+                        bn.tokens + n > bn.cap_tokens, 0, abs(density - _bin_density(bn)))
+                    if best_key is None or key < best_key:
+                        best, best_key = bn, key
+            index.remove(best)
             best.add(item, c, n)
+            index.insert(best)
+        if bundles is not free:  # the bundles' documents become free items again, each whole
+            for bn in bins:
+                bn.items = [[run] for item in bn.items for run in item]
         return bins
 
     def grow(self, bn: _Bin, rank: _Bin, most: int) -> bool:
@@ -436,13 +521,19 @@ def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_o
     def movable(bn: _Bin) -> list:
         return [item for item in bn.items if len(item) == 1 and item[0][0] in starts]
 
-    def head(item, cost: float) -> int:  # end of the item's head of this cost
-        (p, q), = item
+    @functools.lru_cache(maxsize=None)
+    def _head(p: int, q: int, cost: float) -> int:
         return min(max(csum.left(csum[p] + cost), p + 1), q - 1)
 
-    def tail(item, cost: float) -> int:  # start of the item's tail of this cost
-        (p, q), = item
+    @functools.lru_cache(maxsize=None)
+    def _tail(p: int, q: int, cost: float) -> int:
         return min(max(csum.left(csum[q] - cost), p + 1), q - 1)
+
+    def head(item, cost: float) -> int:  # end of the item's head of this cost
+        return _head(*item[0], cost)
+
+    def tail(item, cost: float) -> int:  # start of the item's tail of this cost
+        return _tail(*item[0], cost)
 
     for bn in bins:  # first no bin over its token cap: its sparsest items to the bins with most room
         for item in sorted(movable(bn), key=lambda item: cost_of(item) / size_of(item)):
@@ -453,17 +544,42 @@ def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_o
                 break
             bn.remove(item, cost_of(item), size_of(item))
             dest.add(item, cost_of(item), size_of(item))
+    # the bins by excess cost (ties: bins order), kept sorted as moves change two bins at a time
+    by_pos = dict(enumerate(bins))
+    at = {id(bn): (bn.load - bn.cap_cost, i) for i, bn in by_pos.items()}
+    order = sorted(at.values())
+
+    def moved(*changed: _Bin) -> None:
+        for bn in changed:
+            del order[bisect.bisect_left(order, at[id(bn)])]
+            at[id(bn)] = (bn.load - bn.cap_cost, at[id(bn)][1])
+            bisect.insort(order, at[id(bn)])
+
+    def pairs():  # (over, under): the fullest and emptiest first, those with more than 0.1 tol to move;
+        # with the over-full bin's movable items (cost, tokens, item), densest first, and the
+        # under-full one's sparsest items (read once per bin and move)
+        sparsest = {}
+        for ex_o, i in reversed(order):
+            if ex_o <= 0.1 * tol:
+                return
+            give = dense = None
+            for ex_u, j in order:
+                if -ex_u <= 0.1 * tol:
+                    break
+                if give is None:
+                    give = [(cost_of(item), size_of(item), item) for item in movable(by_pos[i])]
+                    dense = sorted(give, key=lambda g: -g[0] / g[1])[:SEARCH]
+                if j not in sparsest:
+                    sparsest[j] = sorted(movable(by_pos[j]), key=lambda item: cost_of(item) / size_of(item))[:SEARCH]
+                yield by_pos[i], by_pos[j], give, dense, sparsest[j]
+
     for _ in range(4 * len(bins) + 8):
-        order = sorted(bins, key=lambda bn: bn.load - bn.cap_cost)
-        if order[-1].load - order[-1].cap_cost <= tol:
+        if order[-1][0] <= tol:
             return
         move = None
-        for over, under in ((o, u) for o in order[::-1] for u in order):  # the fullest and emptiest first
+        for over, under, give, dense, sparse in pairs():
             excess = min(over.load - over.cap_cost, under.cap_cost - under.load)
-            if excess <= 0.1 * tol:
-                continue
             room, room_over = under.cap_tokens - under.tokens, over.cap_tokens - over.tokens
-            give = [(cost_of(item), size_of(item), item) for item in movable(over)]
             best = None  # (cut tokens, -net cost, item, its head end or None, items taken back)
             whole = [g for g in give if g[0] <= excess + 0.1 * tol and g[1] <= room]
             if whole:  # a whole item
@@ -484,8 +600,6 @@ def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_o
                         if best is None or key < best[0]:
                             best = (key, item, -t, [])
             if best is None and give:  # a dense item for the under-full bin's sparsest ones
-                dense = sorted(give, key=lambda g: -g[0] / g[1])[:SEARCH]
-                sparse = sorted(movable(under), key=lambda item: cost_of(item) / size_of(item))[:SEARCH]
                 c_back = n_back = 0
                 for i in range(len(sparse)):
                     c_back += cost_of(sparse[i])
@@ -510,11 +624,14 @@ def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_o
                 move = (over, under, *best[1:])
                 break
         if move is None:
-            pair = next(((o, u) for o in order[::-1] for u in order if o.group is not None and u.group is None
-                         and o.load - o.cap_cost > tol and u.cap_cost - u.load > tol), None)
+            pair = next(((by_pos[i], by_pos[j]) for ex_o, i in reversed(order) if ex_o > tol
+                         for ex_u, j in order if -ex_u > tol
+                         if by_pos[i].group is not None and by_pos[j].group is None), None)
             if pair is None or not grow(*pair):
                 return
             bins.remove(pair[1])
+            del order[bisect.bisect_left(order, at[id(pair[1])])]
+            moved(pair[0])
             continue
         over, under, item, t, back = move
         over.remove(item, cost_of(item), size_of(item))
@@ -532,6 +649,7 @@ def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_o
         for item in back:
             under.remove(item, cost_of(item), size_of(item))
             over.add(item, cost_of(item), size_of(item))
+        moved(over, under)
 
 
 def layout_from_items(L: int, owned: list[list], size_of) -> Layout:
