@@ -17,6 +17,17 @@ milliseconds, and the ratios at 1M tokens to 128k of layout + plan (the issue's 
 total with the metadata. Each configuration is also timed with torch using every core
 (``torch.set_num_threads(os.cpu_count())``), the setting of a training process: the planner must
 not slow down there.
+
+``--scale`` measures how planning grows with the world size (issue #36), one rank's view, one
+thread, from ``cu_seqlens``: for P in ``--world-sizes`` (default 8 ... 1024), L in ``--lengths``
+(default 128k, 1M, 4M tokens) and ``--docs-list`` (default 1,000 and 10,000 documents), and the
+layer mixes of :data:`MIXES` (one plan per distinct mask), the balanced layout, this rank's plan of
+every distinct mask and ``strategy="auto"``'s choice per distinct mask (H 64 / K 8 / D 128, float16
+K/V). Prints the table, the growth exponent in P (64 to the largest P) and in L (smallest to
+largest length), and writes ``planning_scale.json`` and ``planning_scale.png`` to ``--out``. A
+configuration whose previous world size took more than ``--budget`` seconds is skipped (marked).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_planning.py --scale --out benchmarks/results/cpu
 """
 
 from __future__ import annotations
@@ -36,9 +47,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cp_attention.layout import balanced_layout_of  # noqa: E402
 from cp_attention.masks import MaskSpec, SequenceMeta  # noqa: E402
 from cp_attention.plan import build_plan  # noqa: E402
+from cp_attention.strategies.choice import CostModel, choose  # noqa: E402
 
 SOURCES = ("cu_seqlens", "position_ids")
 MASKS = {"causal": MaskSpec(), "window-4096": MaskSpec(window=4096), "chunked-8192": MaskSpec(chunk_size=8192)}
+MIXES = {"causal": [MaskSpec()], "window-4096": [MaskSpec(window=4096)], "chunked-8192": [MaskSpec(chunk_size=8192)],
+         "window-1024": [MaskSpec(window=1024)], "gemma-3 (5 x window-1024 + full)": [MaskSpec(window=1024)] * 5 + [MaskSpec()]}
+"""The layer mixes of ``--scale``: the layout sees every layer, one plan per distinct mask."""
+SHAPE = dict(heads=64, kv_heads=8, head_dim=128, head_dim_v=128, itemsize=2)
 
 
 def packed_lengths(L: int, docs: int, seed: int) -> np.ndarray:
@@ -88,6 +104,112 @@ def measure(L: int, P: int, docs: int, source: str, layout_name: str, mask: str,
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
+def scale_once(L: int, P: int, docs: int, mix: str, seed: int) -> dict:
+    """One step's planning at scale, one rank's view: (ms) metadata from cu_seqlens, balanced layout,
+    this rank's plans of the distinct masks, auto's choice per distinct mask."""
+    rank = seed % P
+    t0 = time.perf_counter()
+    meta = SequenceMeta.from_inputs(1, L, **packed_inputs(L, docs, seed, "cu_seqlens"))
+    t1 = time.perf_counter()
+    layers = MIXES[mix]
+    layout = balanced_layout_of(meta, P, masks=[dict(causal=m.causal, window=m.window, chunk_size=m.chunk_size)
+                                                for m in layers])
+    t2 = time.perf_counter()
+    distinct = list(dict.fromkeys(layers))
+    for spec in distinct:
+        build_plan(meta, spec, world_size=P, layout=layout, rank=rank, head_kv=SHAPE["kv_heads"],
+                   head_dim=SHAPE["head_dim"], itemsize=SHAPE["itemsize"], verify=False)
+    t3 = time.perf_counter()
+    for spec in distinct:
+        choose(meta, spec, layout, rank, P, CostModel(), **SHAPE)
+    t4 = time.perf_counter()
+    return dict(meta_ms=1e3 * (t1 - t0), layout_ms=1e3 * (t2 - t1), plan_ms=1e3 * (t3 - t2),
+                layout_plan_ms=1e3 * (t3 - t1), auto_ms_per_mask=1e3 * (t4 - t3) / len(distinct))
+
+
+def exponent(xs: list, ys: list) -> float | None:
+    """The least-squares slope of log y against log x (None with fewer than two points)."""
+    if len(xs) < 2:
+        return None
+    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
+
+
+def run_scale(args) -> int:
+    torch.set_num_threads(1)
+    records, slow = [], set()
+    print("| L | docs | mix | P | metadata ms | layout ms | plan ms | layout + plan ms | auto ms per mask |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for L in args.lengths:
+        for docs in args.docs_list:
+            for mix in MIXES:
+                for P in args.world_sizes:
+                    key = (L, docs, mix)
+                    if key in slow:
+                        records.append(dict(L=L, docs=docs, mix=mix, P=P, skipped=True))
+                        print(f"| {L} | {docs} | {mix} | {P} | skipped: the previous P took over {args.budget} s |")
+                        continue
+                    start = time.perf_counter()
+                    runs = [scale_once(L, P, docs, mix, seed) for seed in range(args.repeats)]
+                    row = dict(L=L, docs=docs, mix=mix, P=P, **{k: statistics.median(r[k] for r in runs) for k in runs[0]})
+                    records.append(row)
+                    print(f"| {L} | {docs} | {mix} | {P} | {row['meta_ms']:.1f} | {row['layout_ms']:.1f} | "
+                          f"{row['plan_ms']:.1f} | {row['layout_plan_ms']:.1f} | {row['auto_ms_per_mask']:.1f} |",
+                          flush=True)
+                    if (time.perf_counter() - start) / args.repeats > args.budget:
+                        slow.add(key)
+    done = [r for r in records if not r.get("skipped")]
+    growth = []
+    print("\nGrowth exponents (log-log slope; P log P from 64 to 1024 is 1.18):")
+    for L in args.lengths:
+        for docs in args.docs_list:
+            for mix in MIXES:
+                mine = sorted((r for r in done if (r["L"], r["docs"], r["mix"]) == (L, docs, mix) and r["P"] >= 64),
+                              key=lambda r: r["P"])
+                g = dict(L=L, docs=docs, mix=mix, P_from=64, P_to=mine[-1]["P"] if mine else None,
+                         layout_plan=exponent([r["P"] for r in mine], [r["layout_plan_ms"] for r in mine]),
+                         auto=exponent([r["P"] for r in mine], [r["auto_ms_per_mask"] for r in mine]))
+                growth.append(g)
+                fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+                print(f"  in P, L={L} docs={docs} {mix}: layout + plan {fmt(g['layout_plan'])}, auto {fmt(g['auto'])}")
+    for P in args.world_sizes:
+        for docs in args.docs_list:
+            for mix in MIXES:
+                mine = sorted((r for r in done if (r["P"], r["docs"], r["mix"]) == (P, docs, mix)), key=lambda r: r["L"])
+                e = exponent([r["L"] for r in mine], [r["layout_plan_ms"] for r in mine])
+                growth.append(dict(P=P, docs=docs, mix=mix, in_L=e))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "planning_scale.json"), "w") as f:
+            json.dump(dict(note="median ms per step, one thread, one rank's view, from cu_seqlens; layout + this "
+                                "rank's plans of the distinct masks; auto's choice per distinct mask",
+                           records=records, growth=growth), f, indent=1)
+        plot_scale(done, os.path.join(args.out, "planning_scale.png"))
+    return 0
+
+
+def plot_scale(records: list, path: str) -> None:
+    """Layout + plan and auto per mask against P, log-log, the worst over lengths and documents."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, key, title in ((axes[0], "layout_plan_ms", "balanced layout + one rank's plans"),
+                           (axes[1], "auto_ms_per_mask", "auto's choice, per mask")):
+        for mix in MIXES:
+            Ps = sorted({r["P"] for r in records if r["mix"] == mix})
+            worst = [max(r[key] for r in records if r["mix"] == mix and r["P"] == P) for P in Ps]
+            if Ps:
+                ax.loglog(Ps, worst, marker="o", label=mix)
+        ax.axhline(50, color="grey", ls=":", lw=1)
+        ax.axhline(500, color="grey", ls="--", lw=1)
+        ax.set_xlabel("ranks P")
+        ax.set_title(title)
+    axes[0].set_ylabel("ms (worst over L and documents)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[131072, 1048576], help="tokens per row")
@@ -97,8 +219,22 @@ def main(argv=None) -> int:
     parser.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES,
                         help="what the metadata is built from (default both)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, two repeats")
-    parser.add_argument("--out", default=None, help="directory for planning.json")
+    parser.add_argument("--out", default=None, help="directory for planning.json (planning_scale.json/.png)")
+    parser.add_argument("--scale", action="store_true", help="growth with the world size (see above)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024],
+                        help="--scale: world sizes")
+    parser.add_argument("--docs-list", type=int, nargs="+", default=[1000, 10000], help="--scale: documents per row")
+    parser.add_argument("--budget", type=float, default=30.0, help="--scale: seconds per configuration before "
+                        "larger world sizes of it are skipped")
     args = parser.parse_args(argv)
+    if args.scale:
+        if args.lengths == [131072, 1048576]:
+            args.lengths = [131072, 1048576, 4194304]
+        if args.smoke:
+            args.lengths, args.world_sizes, args.docs_list, args.repeats = [8192], [4, 16], [60], 1
+        elif args.repeats == 7:
+            args.repeats = 3
+        return run_scale(args)
     if args.smoke:
         args.lengths, args.docs, args.repeats = [4096, 16384], 50, 2
     torch.set_num_threads(1)

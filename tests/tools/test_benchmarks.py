@@ -424,6 +424,24 @@ def test_planning_benchmark_smoke(tmp_path):
     assert pos.shape == (1, 4096) and int((pos == 0).sum()) == 50  # 50 documents fill the row
 
 
+def test_planning_scale_smoke(tmp_path):
+    """``bench_planning.py --scale --smoke``: every mix at every world size, the parts timed, the
+    growth exponents fitted (a known power law gives its power), the JSON and the plot written."""
+    import json
+
+    bench_planning = importlib.import_module("bench_planning")
+    assert abs(bench_planning.exponent([64, 128, 256], [3.0, 12.0, 48.0]) - 2.0) < 1e-9
+    assert bench_planning.exponent([64], [1.0]) is None
+    assert bench_planning.main(["--scale", "--smoke", "--out", str(tmp_path)]) == 0
+    payload = json.load(open(tmp_path / "planning_scale.json"))
+    records = payload["records"]
+    assert {(r["mix"], r["P"]) for r in records} == {(m, P) for m in bench_planning.MIXES for P in (4, 16)}
+    for r in records:
+        assert r["layout_plan_ms"] >= r["plan_ms"] > 0 and r["layout_ms"] > 0 and r["auto_ms_per_mask"] > 0
+    assert {g["mix"] for g in payload["growth"]} == set(bench_planning.MIXES)
+    assert (tmp_path / "planning_scale.png").stat().st_size > 0
+
+
 # ----------------------------------------------------------------------------------------------
 # bench_strategies.py: ring, ulysses, usp and auto per layer
 
