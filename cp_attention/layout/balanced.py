@@ -84,6 +84,9 @@ ACCEPT = 0.01
 """A partition whose busiest rank is within this fraction of the target (and within the token cap) is kept."""
 LOOSE = 0.03
 """... or an earlier one within this fraction whose busiest rank receives less K/V."""
+NEAREST_UP_TO = 32
+"""Up to this many ranks both packings are tried for each piece cost (the nearest-density one is
+cheap there and sometimes cuts less); above it, the density-balance packing alone."""
 
 
 def _piece_cost(costs: Costs, docs: list[tuple[int, int]], P: int, cap: int) -> float:
@@ -172,16 +175,22 @@ def balanced_layout_of(meta: SequenceMeta, world_size: int, *, masks=None, token
                   Traffic(meta, layers))
     first = PIECE_COSTS.index(_piece_cost(costs, batch.docs, P, batch.cap))
     tried = []  # (miss of the tight goals, miss of the loose ones, busiest receive, partition)
+    methods = ("greedy", "nearest") if P <= NEAREST_UP_TO else ("greedy",)
     for f in PIECE_COSTS[first:first + 1 + RETRIES]:  # smaller pieces where a rank misses a goal
-        owned = batch.partition(f * batch.target)
-        load = max(sum(batch.cost_of(item) for item in items) for items in owned) / batch.target
-        tokens = max(sum(batch.size_of(item) for item in items) for items in owned) / batch.cap
-        recv = max(batch.traffic.recv([run for item in items for run in item])[0] for items in owned)
-        tried.append((max(load - 1 - ACCEPT, tokens - 1, 0.0), max(load - 1 - LOOSE, tokens - 1, 0.0), recv, owned))
-        if tried[-1][0] == 0:
-            break
-    # the first partition within ACCEPT of the target, unless an earlier one within LOOSE receives less
-    tight = next((t for t in tried if t[0] == 0), None)
+        options = []
+        for method in methods:  # the packings' better partition: the goals, then the busiest receive
+            owned = batch.partition(f * batch.target, method)
+            load = max(sum(batch.cost_of(item) for item in items) for items in owned) / batch.target
+            tokens = max(sum(batch.size_of(item) for item in items) for items in owned) / batch.cap
+            recv = max(batch.traffic.recv([run for item in items for run in item])[0] for items in owned)
+            options.append((max(load - 1 - ACCEPT, tokens - 1, 0.0), max(load - 1 - LOOSE, tokens - 1, 0.0), recv,
+                            owned))
+        tried.append(min(options, key=lambda t: t[:3]))
+        if tried[-1][0] == 0 and (P > NEAREST_UP_TO or sum(t[0] == 0 for t in tried) > 1):
+            break  # (up to NEAREST_UP_TO ranks, the next piece cost too: it may receive less)
+    # the first partition within ACCEPT of the target (of two: the one receiving less), unless an
+    # earlier one within LOOSE receives less
+    tight = min((t for t in tried if t[0] == 0), key=lambda t: t[2], default=None)
     loose = min((t for t in tried if t[1] == 0), key=lambda t: t[2], default=None)
     if tight is None or (loose is not None and loose[2] < tight[2]):
         tight = loose

@@ -15,6 +15,8 @@ import functools
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .split import LongDocument
 from .layouts import Layout, merge_ranges
 
@@ -37,7 +39,9 @@ HEAD_TOKENS = 0.75
 SEARCH = 16
 """Items tried per move when filling bins exactly."""
 BUNDLE_ABOVE = 8
-"""With more free items than this x P, tiny ones are packed in bundles (:func:`_bundle`)."""
+"""With more free documents than this x P, the tiny ones are packed in bundles (:func:`_bundles`)."""
+BIG_SHARE = 0.25
+"""Free items costing or holding more than this share of a rank's target are packed first, one by one."""
 BUNDLE_SHARE = 1 / 16
 """A bundle costs and holds at most this share of a rank's target cost and tokens."""
 
@@ -48,16 +52,25 @@ class _Bin:
     def __init__(self, cost: float, tokens: int, target_tokens: float, group=None, rank: int | None = None):
         self.cap_cost, self.cap_tokens, self.target_tokens = cost, tokens, target_tokens
         self.group, self.rank = group, rank
-        self.load, self.tokens, self.items = 0.0, 0, []
+        self.load, self.tokens, self._items = 0.0, 0, {}  # id -> item, in the order added
         self.recv = 0  # what the rank (for a group: its rank that receives least) receives, estimated
 
+    @property
+    def items(self) -> list:
+        return list(self._items.values())
+
+    @items.setter
+    def items(self, items: list) -> None:
+        self._items = {id(item): item for item in items}
+
     def add(self, item, cost: float, tokens: int) -> None:
-        self.items.append(item)
+        self._items[id(item)] = item
         self.load += cost
         self.tokens += tokens
 
     def remove(self, item, cost: float, tokens: int) -> None:
-        self.items.remove(item)
+        if self._items.pop(id(item), None) is None:  # an equal item, not this object
+            del self._items[next(k for k, x in self._items.items() if x == item)]
         self.load -= cost
         self.tokens -= tokens
 
@@ -107,28 +120,30 @@ class _DensityIndex:
         return bins[min(options)[1]] if options else None
 
 
-def _bundle(free: list[list], cost_of, size_of, target: float, tau: float) -> list[list]:
-    """The free items with the tiny ones (under :data:`BUNDLE_SHARE` of a rank's cost and tokens)
-    grouped, by density, into bundles of at most that share: a bundle is one item of several runs,
-    packed as one and split into its documents after packing (thousands of short documents over
-    hundreds of ranks)."""
-    c_max, n_max = BUNDLE_SHARE * target, BUNDLE_SHARE * tau
-    tiny, out = [], []
-    for item in free:
-        c, n = cost_of(item), size_of(item)
-        (tiny if c < c_max and n < n_max else out).append((c / n, c, n, item))
-    tiny.sort(key=lambda x: x[0])
-    bundle, bc, bn_ = [], 0.0, 0
-    for _, c, n, item in tiny:
-        if bundle and (bc + c > c_max or bn_ + n > n_max):
-            out.append((0, bc, bn_, bundle))
-            bundle, bc, bn_ = [], 0.0, 0
-        bundle.extend(item)
-        bc += c
-        bn_ += n
-    if bundle:
-        out.append((0, bc, bn_, bundle))
-    return [item for *_, item in out]
+class _Bundle(list):
+    """Whole documents (runs) that pack and move as one free item, with their cost and tokens."""
+
+    __slots__ = ("cost", "tokens")
+
+
+def _bundles(a_D, b_D, cost_D, target: float, tau: float) -> list[_Bundle]:
+    """Tiny documents ``[a_D, b_D)`` (int64 numpy, each under :data:`BUNDLE_SHARE` of a rank's
+    cost and tokens) grouped, in order of cost per token, into bundles of about that share
+    (thousands of short documents over hundreds of ranks: the packing then handles bundles)."""
+    order = np.argsort(cost_D / np.maximum(b_D - a_D, 1), kind="stable")
+    a_D, b_D, cost_D = a_D[order], b_D[order], cost_D[order]
+    group = np.maximum(np.floor(np.cumsum(cost_D) / (BUNDLE_SHARE * target)),
+                       np.floor(np.cumsum(b_D - a_D) / (BUNDLE_SHARE * tau)))
+    edges = np.concatenate(([0], np.flatnonzero(np.diff(group)) + 1, [len(group)])).tolist()
+    runs = list(zip(a_D.tolist(), b_D.tolist()))
+    costs = np.concatenate(([0.0], np.cumsum(cost_D)))
+    sizes = np.concatenate(([0], np.cumsum(b_D - a_D)))
+    out = []
+    for i, j in zip(edges[:-1], edges[1:]):
+        bundle = _Bundle(runs[i:j])
+        bundle.cost, bundle.tokens = float(costs[j] - costs[i]), int(sizes[j] - sizes[i])
+        out.append(bundle)
+    return out
 
 
 class Batch:
@@ -139,12 +154,17 @@ class Batch:
         self.L = csum.L
         self.target, self.tau = csum[self.L] / P, self.L / P
         self.starts = {a for a, _ in docs}
+        self.a_D = np.array([a for a, _ in docs], dtype=np.int64)  # the documents as arrays, their costs
+        self.b_D = np.array([b for _, b in docs], dtype=np.int64)
+        self.cost_D = csum.prefix(self.b_D) - csum.prefix(self.a_D)
 
     def cost_of(self, item) -> float:
         """The cost of an item's tokens."""
         cs = self.csum
         if len(item) == 1:
             return cs[item[0][1]] - cs[item[0][0]]
+        if type(item) is _Bundle:
+            return item.cost
         return sum([cs[q] - cs[p] for p, q in item])
 
     @staticmethod
@@ -152,9 +172,11 @@ class Batch:
         """The number of an item's tokens."""
         if len(item) == 1:
             return item[0][1] - item[0][0]
+        if type(item) is _Bundle:
+            return item.tokens
         return sum([q - p for p, q in item])
 
-    def partition(self, x: float) -> list[list]:
+    def partition(self, x: float, method: str = "greedy") -> list[list]:
         """Every rank's items for pieces of cost ``x`` (steps 1-4 of :mod:`cp_attention.layout.balanced`)."""
         most = math.floor(self.tau)  # tokens a piece may hold: room for free items on its rank
         free, docs_long = self.cut(x, most)
@@ -162,9 +184,10 @@ class Batch:
         for d in docs_long:
             if d.lo > d.a:
                 free.append([(d.a, d.lo)])
-        bins = self.pack(free, groups, next_rank, recv)
+        bins = (self.pack if method == "greedy" else self.pack_nearest)(free, groups, next_rank, recv)
         _fill(bins, self.csum, self.starts, self.target, self.cost_of, self.size_of,
-              lambda bn, rank: self.grow(bn, rank, most), lambda run: self.traffic.recv([run])[0])
+              lambda bn, rank: self.grow(bn, rank, most), lambda run: self.traffic.recv([run])[0],
+              several=method == "greedy")
 
         # 4. ranks: a remaining rank holds its bin; a group spreads its free items, then splits its documents
         owned: list[list] = [[] for _ in range(self.P)]
@@ -179,12 +202,16 @@ class Batch:
         """Step 1: the free items (whole documents) and the long documents, each laid out over its
         pieces of cost ``x`` (of at most ``most`` tokens where possible) as receives least."""
         csum, P, cap, target, tau = self.csum, self.P, self.cap, self.target, self.tau
-        free, longs = [], []
-        for a, b in self.docs:
-            if csum[b] - csum[a] > x or b - a > TOKEN_SLACK * cap:
-                longs.append((a, b))
-            else:
-                free.append([(a, b)])
+        n_D = self.b_D - self.a_D
+        long_D = (self.cost_D > x) | (n_D > TOKEN_SLACK * cap)
+        longs = list(zip(self.a_D[long_D].tolist(), self.b_D[long_D].tolist()))
+        tiny_D = ~long_D & (self.cost_D < BUNDLE_SHARE * target) & (n_D < BUNDLE_SHARE * tau)
+        if (~long_D).sum() <= BUNDLE_ABOVE * P:  # few free items: each whole document alone
+            tiny_D[:] = False
+        rest = ~long_D & ~tiny_D
+        free = [[run] for run in zip(self.a_D[rest].tolist(), self.b_D[rest].tolist())]
+        if tiny_D.any():
+            free += _bundles(self.a_D[tiny_D], self.b_D[tiny_D], self.cost_D[tiny_D], target, tau)
         longs.sort(key=lambda d: csum[d[0]] - csum[d[1]])
         spare = P - sum(max(1, int((csum[b] - csum[a]) // x)) for a, b in longs)
         docs_long: list[LongDocument] = []
@@ -260,13 +287,10 @@ class Batch:
                 outer[r] = max(outer[r], 1 - j / d.m)
         return groups, next_rank, recv
 
-    def pack(self, free: list[list], groups: list[dict], next_rank: int, recv: list[int]) -> list[_Bin]:
-        """Step 3: the free items into bins, one per group and one per remaining rank, largest first,
-        each to the bin whose remaining cost per remaining target token is nearest the item's among
-        those with room for its cost and tokens (:class:`_DensityIndex`, O(log bins) per item);
-        many tiny items are packed as bundles of similar density (:func:`_bundle`)."""
+    def bins(self, groups: list[dict], next_rank: int, recv: list[int]) -> list[_Bin]:
+        """Step 3's bins: one per group (its ranks' cost less its pieces', their tokens less its
+        pieces') and one per remaining rank."""
         P, cap, target, tau = self.P, self.cap, self.target, self.tau
-        cost_of, size_of = self.cost_of, self.size_of
         bins = []
         for g in groups:
             k = len(g["ranks"])
@@ -275,29 +299,108 @@ class Batch:
             bins.append(_Bin(k * target - region_cost, k * cap - region_tokens,
                              max(k * tau - region_tokens, 0.05 * tau), group=g))
             bins[-1].recv = min(recv[r] for r in g["ranks"])
-        bins += [_Bin(target, cap, tau, rank=r) for r in range(next_rank, P)]
-        bundles = _bundle(free, cost_of, size_of, target, tau) if len(free) > BUNDLE_ABOVE * P else free
-        bundles.sort(key=lambda item: -max(cost_of(item) / target, size_of(item) / tau))
+        return bins + [_Bin(target, cap, tau, rank=r) for r in range(next_rank, P)]
+
+    def pack_nearest(self, free: list[list], groups: list[dict], next_rank: int, recv: list[int]) -> list[_Bin]:
+        """Step 3 by nearest density: the free items, largest first, each to the bin whose remaining
+        cost per remaining target token is nearest the item's among those with room for its cost
+        and tokens (:class:`_DensityIndex`, O(log bins) per item), else to the bin with most token
+        room. Exact fills follow from small items placed last; at hundreds of bins the large items
+        leave the ranks short of cost at their token cap and the fill slow (:meth:`pack`)."""
+        cost_of, size_of, target, tau = self.cost_of, self.size_of, self.target, self.tau
+        bins = self.bins(groups, next_rank, recv)
         index = _DensityIndex(bins)
-        for item in bundles:
+        for item in sorted(free, key=lambda item: -max(cost_of(item) / target, size_of(item) / tau)):
+            self.place(bins, index, item, cost_of(item), size_of(item))
+        return bins
+
+    def pack(self, free: list[list], groups: list[dict], next_rank: int, recv: list[int]) -> list[_Bin]:
+        """Step 3 by density balance: the items costing or holding more than :data:`BIG_SHARE` of
+        a rank first, by nearest density (:meth:`place`); then each bin, those wanting a density
+        furthest from the rest's first, takes the free items from the dense or the sparse end of
+        the rest (sorted by cost per token) as its remaining cost per remaining token asks, while
+        they fit (looking up to :data:`SEARCH` items in from that end, else from the other); what
+        no bin took goes where it fits best, else to the bin emptiest in cost. Both the bins' costs
+        and tokens come out near their targets, so the fill has little to do. Thousands of tiny
+        documents arrive as bundles (:func:`_bundles`), which stay whole. O(items + bins log bins)."""
+        target, tau = self.target, self.tau
+        cost_of, size_of = self.cost_of, self.size_of
+        bins = self.bins(groups, next_rank, recv)
+        big, pool = [], []
+        for item in free:  # items costing or holding a good share of a rank first, the rest by density
             c, n = cost_of(item), size_of(item)
-            density = math.log(max(c, 1e-300) / n)
-            best = index.nearest(density, c, n)
-            if best is None:  # no bin with room for its cost and tokens: the key over every bin
-                best_key = None
-                for bn in bins:  # else the bin with most token room (its cost is settled later)
-                    room = bn.cap_cost - bn.load
-                    key = (bn.tokens + n > bn.cap_tokens, 1, bn.tokens - bn.cap_tokens) if room < c else (
-                        bn.tokens + n > bn.cap_tokens, 0, abs(density - _bin_density(bn)))
-                    if best_key is None or key < best_key:
-                        best, best_key = bn, key
+            (big if c > BIG_SHARE * target or n > BIG_SHARE * tau else pool).append((c, n, item))
+        big.sort(key=lambda g: -max(g[0] / target, g[1] / tau))
+        index = _DensityIndex(bins)
+        for c, n, item in big:
+            self.place(bins, index, item, c, n)
+        pool.sort(key=lambda g: g[0] / g[1])  # sparsest first
+        taken = [False] * len(pool)
+        ends = [0, len(pool) - 1]  # the sparsest and the densest item not taken
+        pool_cost, pool_tokens = sum(g[0] for g in pool), sum(g[1] for g in pool)
+        tol = FILL_TOLERANCE * target
+
+        def want(bn: _Bin) -> float:  # the bin's remaining cost per remaining target token
+            return (bn.cap_cost - bn.load) / max(bn.target_tokens - bn.tokens, 1.0)
+
+        def fitting(bn: _Bin, dense: bool) -> int | None:  # of the SEARCH items nearest that end
+            step, i, seen = (-1, ends[1], 0) if dense else (1, ends[0], 0)
+            while 0 <= i < len(pool) and seen < SEARCH and ends[0] <= i <= ends[1]:
+                if not taken[i]:
+                    c, n, _ = pool[i]
+                    if c <= bn.cap_cost - bn.load + tol and bn.tokens + n <= bn.cap_tokens:
+                        return i
+                    seen += 1
+                i += step
+            return None
+
+        average = pool_cost / max(pool_tokens, 1)
+        for bn in sorted(bins, key=lambda bn: -abs(math.log(max(want(bn), 1e-300) / max(average, 1e-300)))):
+            index.remove(bn)
+            while ends[0] <= ends[1] and bn.cap_cost - bn.load > tol:  # dense while it needs density
+                dense = want(bn) >= pool_cost / max(pool_tokens, 1)
+                i = fitting(bn, dense)
+                if i is None and not (dense and bn.tokens >= bn.target_tokens):  # (sparse ones would
+                    i = fitting(bn, not dense)  # fill its token room and leave its cost short)
+                if i is None:
+                    break
+                c, n, item = pool[i]
+                taken[i] = True
+                while ends[0] <= ends[1] and taken[ends[0]]:
+                    ends[0] += 1
+                while ends[0] <= ends[1] and taken[ends[1]]:
+                    ends[1] -= 1
+                pool_cost -= c
+                pool_tokens -= n
+                bn.add(item, c, n)
+            index.insert(bn)
+        pool = [g for g, gone in zip(pool, taken) if not gone]
+        for c, n, item in sorted(pool, key=lambda g: -g[0]):  # what no bin took: where it fits best, else
+            best = index.nearest(math.log(max(c, 1e-300) / n), c, n)  # to the emptiest bin with token room
+            if best is None:
+                best = max(bins, key=lambda bn: (bn.tokens + n <= bn.cap_tokens, bn.cap_cost - bn.load))
             index.remove(best)
             best.add(item, c, n)
             index.insert(best)
-        if bundles is not free:  # the bundles' documents become free items again, each whole
-            for bn in bins:
-                bn.items = [[run] for item in bn.items for run in item]
         return bins
+
+    @staticmethod
+    def place(bins: list[_Bin], index: _DensityIndex, item, c: float, n: int) -> None:
+        """Put one item in the bin whose remaining density is nearest its own among those with room
+        for its cost and tokens; else (none has) the bin with most token room."""
+        density = math.log(max(c, 1e-300) / n)
+        best = index.nearest(density, c, n)
+        if best is None:
+            best_key = None
+            for bn in bins:
+                room = bn.cap_cost - bn.load
+                key = (bn.tokens + n > bn.cap_tokens, 1, bn.tokens - bn.cap_tokens) if room < c else (
+                    bn.tokens + n > bn.cap_tokens, 0, abs(density - _bin_density(bn)))
+                if best_key is None or key < best_key:
+                    best, best_key = bn, key
+        index.remove(best)
+        best.add(item, c, n)
+        index.insert(best)
 
     def grow(self, bn: _Bin, rank: _Bin, most: int) -> bool:
         """The group of ``bn`` takes in the under-full ``rank``: its largest document takes one more
@@ -508,7 +611,7 @@ def _budgets(group: dict, gap: dict[int, float], rounds: int = 60) -> list[list[
 
 
 def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_of, size_of, grow,
-          halo) -> None:
+          halo, several: bool = False) -> None:
     """Make every bin's cost its capacity: an over-full bin passes cost to an under-full one by the
     first of: a whole item that fits; the head of one of its items cut at the exact cost (the
     shortest head: the rest of that item, which stays, receives it); where the under-full bin has no
@@ -518,8 +621,8 @@ def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_o
     own (``grow(group, rank)``: one more piece of a long document, on that rank)."""
     tol = FILL_TOLERANCE * target
 
-    def movable(bn: _Bin) -> list:
-        return [item for item in bn.items if len(item) == 1 and item[0][0] in starts]
+    def movable(bn: _Bin) -> list:  # whole documents (or bundles of them): they receive nothing anywhere
+        return [item for item in bn.items if all(run[0] in starts for run in item)]
 
     @functools.lru_cache(maxsize=None)
     def _head(p: int, q: int, cost: float) -> int:
@@ -582,32 +685,42 @@ def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_o
             room, room_over = under.cap_tokens - under.tokens, over.cap_tokens - over.tokens
             best = None  # (cut tokens, -net cost, item, its head end or None, items taken back)
             whole = [g for g in give if g[0] <= excess + 0.1 * tol and g[1] <= room]
-            if whole:  # a whole item
+            if whole and several:  # whole items, largest first, as many as fit
+                whole.sort(key=lambda g: -g[0])
+                c_sum, n_sum, chosen = 0.0, 0, []
+                for c, n, item in whole:
+                    if c_sum + c <= excess + 0.1 * tol and n_sum + n <= room:
+                        chosen.append(item)
+                        c_sum += c
+                        n_sum += n
+                best = ((0, -c_sum), chosen[0], None, [], chosen[1:])
+            elif whole:  # a whole item
                 c, n, item = max(whole, key=lambda g: g[0])
-                best = ((0, -c), item, None, [])
+                best = ((0, -c), item, None, [], [])
             else:  # an item cut at the exact cost: its head moves (the rest, staying, receives the head)
                 # or its tail moves (and receives the rest): where the receiving rank then receives less
-                for c, n, item in sorted((g for g in give if g[0] > excess and g[1] > 1), key=lambda g: g[0])[:SEARCH]:
+                for c, n, item in sorted((g for g in give if g[0] > excess and g[1] > 1 and len(g[2]) == 1),
+                                          key=lambda g: g[0])[:SEARCH]:
                     (p, q), = item
                     t = head(item, excess)
                     if t - p <= room:
                         key = (over.recv + halo((t, q)), t - p)
                         if best is None or key < best[0]:
-                            best = (key, item, t, [])
+                            best = (key, item, t, [], [])
                     t = tail(item, excess)
                     if q - t <= room:
                         key = (under.recv + halo((t, q)), q - t)
                         if best is None or key < best[0]:
-                            best = (key, item, -t, [])
+                            best = (key, item, -t, [], [])
             if best is None and give:  # a dense item for the under-full bin's sparsest ones
                 c_back = n_back = 0
                 for i in range(len(sparse)):
                     c_back += cost_of(sparse[i])
                     n_back += size_of(sparse[i])
                     for c_all, n_all, item in dense:
-                        (p, q), = item
                         options = [(c_all, n_all, None, max(over.recv, under.recv))]
-                        if c_all > excess + c_back and n_all > 1:  # cut: its head or its tail moves
+                        if c_all > excess + c_back and n_all > 1 and len(item) == 1:  # cut: its head or tail moves
+                            (p, q), = item
                             t = head(item, excess + c_back)
                             options.append((csum[t] - csum[p], t - p, t, over.recv + halo((t, q))))
                             t = tail(item, excess + c_back)
@@ -619,7 +732,7 @@ def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_o
                                 continue
                             key = (recv, t is not None, -net)
                             if best is None or key < best[0]:
-                                best = (key, item, t, sparse[:i + 1])
+                                best = (key, item, t, sparse[:i + 1], [])
             if best is not None:
                 move = (over, under, *best[1:])
                 break
@@ -633,7 +746,10 @@ def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_o
             del order[bisect.bisect_left(order, at[id(pair[1])])]
             moved(pair[0])
             continue
-        over, under, item, t, back = move
+        over, under, item, t, back, more = move
+        for extra in more:  # several whole items: the others go too
+            over.remove(extra, cost_of(extra), size_of(extra))
+            under.add(extra, cost_of(extra), size_of(extra))
         over.remove(item, cost_of(item), size_of(item))
         if t is not None and t > 0:  # the head moves, the rest stays and receives it
             (p, q), = item

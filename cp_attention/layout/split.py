@@ -17,8 +17,12 @@ if TYPE_CHECKING:
 
 __all__ = ["LongDocument"]
 
+BUDGET_MISS = 0.002
+"""A split whose pieces miss their budgets by more than this share of the mean budget is used only
+where none misses less."""
 
-def _nest(cs: CostWindow, lo: int, budgets: list[float], limit: int, most: list[int]):
+
+def _nest(cs: CostWindow, lo: int, budgets: list[float], limit: int, most: list[int], carry: bool = True):
     """Region ``[lo, n)`` into ``len(budgets)`` nested pieces, outermost first (the last: whatever
     is left, contiguous), each receiving at most ``limit`` keys under a full causal mask and piece
     ``j`` holding at most ``most[j]`` tokens; None if that is impossible.
@@ -33,10 +37,12 @@ def _nest(cs: CostWindow, lo: int, budgets: list[float], limit: int, most: list[
     for j in range(len(most) - 1, -1, -1):
         inner[j] = inner[j + 1] + most[j]
     pieces = []
+    short = 0.0  # with carry: what the pieces so far fell short of their budgets (a token's cost each)
     for j, x in enumerate(budgets[:-1]):
         if x <= 0:
             pieces.append([])
             continue
+        x += short
         base = cs[lo]
 
         def tail(u: int) -> int:  # tokens of the tail chunk the rest of the budget buys
@@ -57,6 +63,7 @@ def _nest(cs: CostWindow, lo: int, budgets: list[float], limit: int, most: list[
         if u + v >= hi - lo or u + v > most[j]:
             return None
         pieces.append(([(lo, lo + u)] if u else []) + ([(hi - v, hi)] if v else []))
+        short = x - (cs[lo + u] - cs[lo] + cs[hi] - cs[hi - v]) if carry else 0.0
         lo, hi = lo + u, hi - v
     if lo > limit or hi - lo > most[-1]:
         return None
@@ -64,18 +71,21 @@ def _nest(cs: CostWindow, lo: int, budgets: list[float], limit: int, most: list[
     return pieces
 
 
-def _split_nested(cs: CostWindow, lo: int, budgets: list[float], most: list[int]) -> list[list[tuple[int, int]]]:
+def _split_nested(cs: CostWindow, lo: int, budgets: list[float], most: list[int],
+                  carry: bool = True) -> list[list[tuple[int, int]]]:
     """The nested split of region ``[lo, n)`` whose largest receive is least (bisection, to within
     n / 256 keys) with at most ``most[j]`` tokens in piece ``j`` where possible; else equal-token
-    pairs (zigzag within the region)."""
+    pairs (zigzag within the region). ``carry``: each piece makes up what the pieces before it fell
+    short of their budgets (a piece ends on a token, so it misses its budget by up to a token's
+    cost; over many pieces the innermost, which takes the rest, would collect every miss)."""
     n = len(cs) - 1
-    best = _nest(cs, lo, budgets, n, most)
+    best = _nest(cs, lo, budgets, n, most, carry)
     if best is None:
         return _split_pairs(cs, lo, budgets)
     a, b = 0, n
     while b - a > max(1, n >> 8):
         mid = (a + b) // 2
-        pieces = _nest(cs, lo, budgets, mid, most)
+        pieces = _nest(cs, lo, budgets, mid, most, carry)
         if pieces is None:
             a = mid + 1
         else:
@@ -88,7 +98,9 @@ def _split_pairs(cs: CostWindow, lo: int, budgets: list[float]) -> list[list[tup
     region), each chunk pair as long as its budget allows."""
     hi = len(cs) - 1
     pieces = []
+    carry = 0.0  # what the pieces so far fell short of their budgets
     for x in budgets[:-1]:
+        x += carry
         a, b = 0, max(0, (hi - lo) // 2 - 1)
         while a < b:  # the longest chunks within the budget
             mid = (a + b + 1) // 2
@@ -97,6 +109,7 @@ def _split_pairs(cs: CostWindow, lo: int, budgets: list[float]) -> list[list[tup
             else:
                 b = mid - 1
         pieces.append([(lo, lo + a), (hi - a, hi)] if a else [])
+        carry = x - (cs[lo + a] - cs[lo] + cs[hi] - cs[hi - a])
         lo, hi = lo + a, hi - a
     pieces.append([(lo, hi)])
     return pieces
@@ -132,14 +145,17 @@ class LongDocument:
         the token limits (else the one over them least); and each piece's receive."""
         lo = self.lo - self.a
         splits = [_split_nested(self.cs, lo, budgets, most),
+                  _split_nested(self.cs, lo, budgets, most, carry=False),
                   _split_nested(self.cs, lo, budgets, [m + m // 4 for m in most]),
                   _split_contiguous(self.cs, lo, budgets, most)]
+        scale = max(sum(budgets) / len(budgets), 1e-300)
         best = None
         for local in splits:
             pieces = [[(self.a + p, self.a + q) for p, q in runs] for runs in local]
             recv = [self.traffic.recv(runs) for runs in pieces]
             over = max(sum(q - p for p, q in runs) - cap for runs, cap in zip(pieces, most))
-            key = (max(over, 0), max(recv))
+            miss = max(abs(sum(self.cs[q] - self.cs[p] for p, q in runs) - x) for runs, x in zip(local, budgets))
+            key = (max(over, 0), max(miss / scale - BUDGET_MISS, 0.0), max(recv))
             if best is None or key < best[0]:
                 best = (key, pieces, recv)
         return best[1], best[2]
