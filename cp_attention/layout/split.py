@@ -22,7 +22,7 @@ BUDGET_MISS = 0.002
 where none misses less."""
 
 
-def _nest(cs: CostWindow, lo: int, budgets: list[float], limit: int, most: list[int], carry: bool = True):
+def _nest(cs: CostWindow, lo: int, budgets: list[float], limit: int, most: list[int]):
     """Region ``[lo, n)`` into ``len(budgets)`` nested pieces, outermost first (the last: whatever
     is left, contiguous), each receiving at most ``limit`` keys under a full causal mask and piece
     ``j`` holding at most ``most[j]`` tokens; None if that is impossible.
@@ -37,7 +37,7 @@ def _nest(cs: CostWindow, lo: int, budgets: list[float], limit: int, most: list[
     for j in range(len(most) - 1, -1, -1):
         inner[j] = inner[j + 1] + most[j]
     pieces = []
-    short = 0.0  # with carry: what the pieces so far fell short of their budgets (a token's cost each)
+    short = 0.0  # what the pieces so far fell short of their budgets (up to a token's cost each)
     for j, x in enumerate(budgets[:-1]):
         if x <= 0:
             pieces.append([])
@@ -63,7 +63,7 @@ def _nest(cs: CostWindow, lo: int, budgets: list[float], limit: int, most: list[
         if u + v >= hi - lo or u + v > most[j]:
             return None
         pieces.append(([(lo, lo + u)] if u else []) + ([(hi - v, hi)] if v else []))
-        short = x - (cs[lo + u] - cs[lo] + cs[hi] - cs[hi - v]) if carry else 0.0
+        short = x - (cs[lo + u] - cs[lo] + cs[hi] - cs[hi - v])
         lo, hi = lo + u, hi - v
     if lo > limit or hi - lo > most[-1]:
         return None
@@ -71,21 +71,20 @@ def _nest(cs: CostWindow, lo: int, budgets: list[float], limit: int, most: list[
     return pieces
 
 
-def _split_nested(cs: CostWindow, lo: int, budgets: list[float], most: list[int],
-                  carry: bool = True) -> list[list[tuple[int, int]]]:
+def _split_nested(cs: CostWindow, lo: int, budgets: list[float], most: list[int]) -> list[list[tuple[int, int]]]:
     """The nested split of region ``[lo, n)`` whose largest receive is least (bisection, to within
     n / 256 keys) with at most ``most[j]`` tokens in piece ``j`` where possible; else equal-token
-    pairs (zigzag within the region). ``carry``: each piece makes up what the pieces before it fell
-    short of their budgets (a piece ends on a token, so it misses its budget by up to a token's
-    cost; over many pieces the innermost, which takes the rest, would collect every miss)."""
+    pairs (zigzag within the region). Each piece makes up what the pieces before it fell short of
+    their budgets (a piece ends on a token, so it misses its budget by up to a token's cost; over
+    many pieces the innermost, which takes the rest, would collect every miss)."""
     n = len(cs) - 1
-    best = _nest(cs, lo, budgets, n, most, carry)
+    best = _nest(cs, lo, budgets, n, most)
     if best is None:
         return _split_pairs(cs, lo, budgets)
     a, b = 0, n
     while b - a > max(1, n >> 8):
         mid = (a + b) // 2
-        pieces = _nest(cs, lo, budgets, mid, most, carry)
+        pieces = _nest(cs, lo, budgets, mid, most)
         if pieces is None:
             a = mid + 1
         else:
@@ -143,9 +142,10 @@ class LongDocument:
         """Pieces (global runs) for these budgets: nested (``most[j]`` tokens in piece ``j`` where
         possible, else a quarter more) or contiguous, whichever receives least among those within
         the token limits (else the one over them least); and each piece's receive."""
+        if len(budgets) == 1:  # one piece: the whole region
+            return [[(self.lo, self.b)]], [self.traffic.recv([(self.lo, self.b)])]
         lo = self.lo - self.a
         splits = [_split_nested(self.cs, lo, budgets, most),
-                  _split_nested(self.cs, lo, budgets, most, carry=False),
                   _split_nested(self.cs, lo, budgets, [m + m // 4 for m in most]),
                   _split_contiguous(self.cs, lo, budgets, most)]
         scale = max(sum(budgets) / len(budgets), 1e-300)
