@@ -172,12 +172,15 @@ class CostWindow(dict):
         return self.size
 
     def left(self, v: float, lo: int = 0, hi: int | None = None) -> int:
-        """``bisect.bisect_left(cs, v, lo, hi)``."""
-        return bisect.bisect_left(self, v, lo, self.size if hi is None else hi)
+        """``bisect.bisect_left(cs, v, lo, hi)``: searched outwards from the row's closed-form root
+        (:meth:`Costs._guess`), settled by exact comparisons of these prefixes."""
+        return _settle(lambda i: self[i] >= v, self.costs._guess(v + self.base) - self.a, lo,
+                       self.size if hi is None else hi)
 
     def right(self, v: float, lo: int = 0, hi: int | None = None) -> int:
-        """``bisect.bisect_right(cs, v, lo, hi)``."""
-        return bisect.bisect_right(self, v, lo, self.size if hi is None else hi)
+        """``bisect.bisect_right(cs, v, lo, hi)`` (as :meth:`left`)."""
+        return _settle(lambda i: self[i] > v, self.costs._guess(v + self.base) - self.a, lo,
+                       self.size if hi is None else hi)
 
 
 def _settle(pred, guess: int, lo: int, hi: int) -> int:

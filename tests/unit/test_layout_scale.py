@@ -105,3 +105,27 @@ def test_density_index_finds_what_a_scan_finds():
         fitting = [bn for bn in bins if bn.cap_cost - bn.load >= c and bn.tokens + n <= bn.cap_tokens]
         want = min(fitting, key=lambda bn: abs(density - _bin_density(bn)), default=None)  # first of the nearest
         assert index.nearest(density, c, n) is want
+
+
+def test_cost_window_bisections_equal_bisect():
+    """:meth:`CostWindow.left` / ``right`` (searched from the closed-form root) answer what
+    ``bisect`` answers over the window's prefix costs listed one by one, for causal, windowed,
+    chunked and mixed layers, with and without a token weight, at values on and between prefixes."""
+    import bisect
+
+    rng = random.Random(0)
+    L = 60000
+    pos = _positions(_lengths(L, random.Random(1), median=300.0))
+    meta = SequenceMeta.from_inputs(1, L, position_ids=pos)
+    for masks in ([{}], [{"window": 300}], [{"chunk_size": 1000}], [{"window": 64}] * 3 + [{}]):
+        costs = Costs(meta, layer_specs(masks), rng.choice([0.0, 7.5]))
+        for _ in range(300):
+            a = rng.randrange(0, L - 10)
+            b = rng.randrange(a + 1, min(L, a + 2500) + 1)
+            window = costs.window(a, b)
+            prefixes = [costs[a + i] - costs[a] for i in range(b - a + 1)]
+            lo = rng.randrange(0, b - a + 1)
+            hi = rng.randrange(lo, b - a + 2)
+            v = rng.choice(prefixes) if rng.random() < 0.3 else rng.uniform(-10, prefixes[-1] * 1.1)
+            assert window.left(v, lo, hi) == bisect.bisect_left(prefixes, v, lo, hi)
+            assert window.right(v, lo, hi) == bisect.bisect_right(prefixes, v, lo, hi)
