@@ -239,6 +239,7 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
                    and h.cached_meta_crc == headers[0].cached_meta_crc for h in headers)
 
     if usable("plan_cached"):
+        cp.planning.add(plans_reused=1)
         return _remember(batch, header, _reused(plan_entry[0]))
     if usable("meta_cached"):
         meta, crc = meta_entry[0], meta_entry[1]
@@ -251,7 +252,20 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
         if batch is None:
             cp.plans.put(meta_key, (meta, crc, seq_len))
     plan = cp.plans.put(plan_key, (_build(comm, layout, meta, spec, q, k, v, how), crc, seq_len))[0]
+    _note_built(cp, batch, spec, q, k, v, how)
     return _remember(batch, header, plan)
+
+
+def _note_built(cp, batch: BatchRecord | None, spec: MaskSpec, q, k, v, how) -> None:
+    """Count a plan built on the step (:meth:`~cp_attention.ContextParallel.planning_stats`); for a batch
+    prepared ahead, also say at INFO which call was not prepared."""
+    missed = batch is not None and batch.prepared
+    cp.planning.add(plans_built=1, prepared_misses=int(missed))
+    if missed:
+        log.info("a prepared batch planned on its step (rank %d of %d): cp.prepare planned no %s call with shapes "
+                 "(heads, kv_heads, head_dim, head_dim_v, itemsize) = %s, strategy %s, or a rank had not finished "
+                 "preparing; pass the masks and shapes the step uses (model=, or masks= and dtype=)", cp.rank,
+                 cp.world_size, spec.for_planning(), planning.dims_of(q, k, v), how[0])
 
 
 def _remember(batch: BatchRecord | None, header, plan: RankPlan) -> RankPlan:
