@@ -52,9 +52,9 @@ _REGISTRY_LOCK = threading.Lock()
 
 def register_batch_convention(name: str, shard_batch: Callable) -> None:
     """Make ``shard_batch(cp, **inputs)`` the way ``cp.shard_batch`` reads batches of ``name`` (the first
-    registration of a name wins); ``cp.prepare`` calls it with ``prepare={"masks": ..., "shapes": {...}}``
-    too, and it then hands the same documents to :meth:`ContextParallel.prepare_documents` instead of
-    :meth:`ContextParallel.shard_documents`."""
+    registration of a name wins); ``cp.prepare`` calls it with ``prepare={"masks": ..., "shapes": {...},
+    "executor": ...}`` too, and it then hands the same documents to
+    :meth:`ContextParallel.prepare_documents` instead of :meth:`ContextParallel.shard_documents`."""
     with _REGISTRY_LOCK:
         BATCH_CONVENTIONS.setdefault(name, shard_batch)
 
@@ -229,7 +229,7 @@ class ContextParallel:
 
     def prepare(self, *, document_starts: torch.Tensor | None = None, model=None, masks=None, heads: int | None = None,
                 kv_heads: int | None = None, head_dim: int | None = None, head_dim_v: int | None = None,
-                dtype: torch.dtype | None = None, **inputs) -> PreparedBatch:
+                dtype: torch.dtype | None = None, executor=None, **inputs) -> PreparedBatch:
         """Plan a batch before its step: what ``cp.shard_batch(**inputs)`` and the step's attention calls
         would compute on the host, computed now and kept in this context by content, so that the step
         finds it and plans nothing on its critical path.
@@ -246,6 +246,10 @@ class ContextParallel:
         ``dtype`` (``kv_heads`` and ``head_dim_v`` default to ``heads`` and ``head_dim``): the bare
         :func:`~cp_attention.attention` calls of the step on the batch's tensors. Given with ``model``,
         they replace what it says (``dtype=torch.bfloat16`` for a float32 model under bf16 autocast).
+
+        ``executor``: a :mod:`concurrent.futures` executor that computes the balanced layout and the
+        plans (the plans concurrently): a ``ProcessPoolExecutor`` keeps them off this process's
+        interpreter lock, which the step's own Python needs; None: computed in the calling thread.
 
         Thread-safe and runs no collective: call it in a collate function, a background thread or
         through :meth:`prefetch` while the current step runs. The step still agrees (one small
@@ -265,20 +269,20 @@ class ContextParallel:
                                "transformers' conventions)")
         shapes = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype)
         return convention(self, document_starts=document_starts, model=model,
-                          prepare=dict(masks=masks, shapes={k: v for k, v in shapes.items() if v is not None}),
-                          **inputs)
+                          prepare=dict(masks=masks, shapes={k: v for k, v in shapes.items() if v is not None},
+                                       executor=executor), **inputs)
 
     def prepare_documents(self, rows: int, seq_len: int, *, position_ids: torch.Tensor,
                           opens: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                           model_masks: Callable[[], tuple[list | None, float]] | None = None,
                           span_next: torch.Tensor | None = None, masks=None, shapes: dict,
-                          documents_path: bool = True) -> PreparedBatch:
+                          documents_path: bool = True, executor=None) -> PreparedBatch:
         """The engine's half of :meth:`prepare`, what a batch convention calls instead of
         :meth:`shard_documents` with the same tensors (for a batch of ``rows`` x ``seq_len`` tokens).
         ``masks``: the calls' masks; ``shapes``: the keywords ``heads``, ``kv_heads``, ``head_dim``,
         ``head_dim_v``, ``dtype`` of :meth:`prepare` (the first two and the last required).
-        ``documents_path``: also plan for bare calls handed the batch's ``position_ids``
-        (:func:`cp_attention.engine.prepare.prepare_documents`)."""
+        ``documents_path``: also plan for bare calls handed the batch's ``position_ids``;
+        ``executor``: :meth:`prepare`'s (:func:`cp_attention.engine.prepare.prepare_documents`)."""
         missing = [name for name in ("heads", "head_dim", "dtype") if shapes.get(name) is None]
         if masks is None or missing:
             raise ValueError(
@@ -287,13 +291,13 @@ class ContextParallel:
                 f"head_dim_v= where they differ); missing: {', '.join((['masks'] if masks is None else []) + missing)}")
         return prepare_documents(self, rows, seq_len, position_ids=position_ids, opens=opens, valid=valid,
                                  model_masks=model_masks, span_next=span_next, masks=masks,
-                                 dims=dims_for(**shapes), documents_path=documents_path)
+                                 dims=dims_for(**shapes), documents_path=documents_path, executor=executor)
 
     def prefetch(self, batches, *, depth: int = 1, **prepare_kwargs):
         """Iterate ``batches`` (a data loader: any iterable of dicts of :meth:`shard_batch`'s keyword
         arguments) while one background thread reads the next ones and prepares them
-        (:meth:`prepare` with ``prepare_kwargs``: ``model=``, or ``masks=`` and the shapes), at most
-        ``depth`` batches ahead of the one the loop holds::
+        (:meth:`prepare` with ``prepare_kwargs``: ``model=``, or ``masks=`` and the shapes, and an
+        ``executor``), at most ``depth`` batches ahead of the one the loop holds::
 
             for batch in cp.prefetch(loader, model=model):
                 out = model(**cp.shard_batch(**batch, model=model), use_cache=False)

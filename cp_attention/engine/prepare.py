@@ -109,14 +109,16 @@ def plan_specs(masks, has_spans: bool) -> tuple[MaskSpec, ...]:
 
 def prepare_documents(cp, B: int, L: int, *, position_ids: torch.Tensor, opens=None, valid=None,
                       model_masks: Callable[[], tuple[list | None, float]] | None = None,
-                      span_next=None, masks, dims: tuple, documents_path: bool) -> PreparedBatch:
+                      span_next=None, masks, dims: tuple, documents_path: bool, executor=None) -> PreparedBatch:
     """The engine's half of ``cp.prepare`` for the context ``cp`` (the arguments of
     :meth:`~cp_attention.ContextParallel.shard_documents` for a batch of ``B`` rows of ``L`` tokens, the
-    same tensors): the batch's metadata and
-    layout, put in ``cp.plans`` under :func:`documents_key`, then this rank's plan for each of
-    :func:`plan_specs` under the key a call bound to the batch computes and, with ``documents_path``,
-    also under the key of a bare call handed the batch's local ``position_ids`` (when they alone
-    describe the documents). ``dims``: :data:`~cp_attention.engine.planning.Dims`. Pure: no collective."""
+    same tensors): the batch's metadata and layout, put in ``cp.plans`` under :func:`documents_key`,
+    then this rank's plan for each of :func:`plan_specs` under the key a call bound to the batch
+    computes and, with ``documents_path``, also under the key of a bare call handed the batch's local
+    ``position_ids`` (when they alone describe the documents). ``dims``:
+    :data:`~cp_attention.engine.planning.Dims`. ``executor``: a :mod:`concurrent.futures` executor that
+    computes the balanced layout and the plans (pure functions of picklable arguments; the plans
+    concurrently); None: here. Runs no collective."""
     start = time.perf_counter()
     policy = cp.layout
     layer_masks, token_weight = (model_masks() if model_masks is not None else (None, 0.0)) if policy.per_batch \
@@ -126,12 +128,13 @@ def prepare_documents(cp, B: int, L: int, *, position_ids: torch.Tensor, opens=N
     meta = SequenceMeta.from_inputs(B, L, position_ids=expanded, valid=valid, opens=opens, span_next=span_next)
     layout = policy
     if policy.per_batch:
-        layout = policy.for_batch(meta, cp.world_size, masks=[dict(m) for m in layer_masks] if layer_masks else None,
-                                  token_weight=token_weight)
+        layout = _run(executor, [(policy.for_batch, (meta, cp.world_size),
+                                  dict(masks=[dict(m) for m in layer_masks] if layer_masks else None,
+                                       token_weight=token_weight))])[0]
     crc, digest = meta_crc(meta), meta.digest()
     specs = plan_specs(masks, meta.spans is not None)
     how = planning.how_of(cp.strategy, cp.ulysses_size if cp.strategy == "usp" else None, cp.cost_model)
-    built = 0
+    plans = []
     if cp.world_size > 1:
         L_local = layout_mod.local_lengths(L, cp.world_size, layout)[cp.rank]
         meta_keys = [planning.batch_meta_key(digest, layout, B, L_local)]
@@ -139,19 +142,28 @@ def prepare_documents(cp, B: int, L: int, *, position_ids: torch.Tensor, opens=N
             local = layout_mod.shard(expanded, 1, cp.world_size, layout, cp.rank).contiguous()
             meta_keys.append(planning.documents_meta_key(layout, B, L_local, cp.plans.digest(local), None))
             cp.plans.put(meta_keys[-1], (meta, crc, L))
-        for spec in specs:
-            plan = planning.build_rank_plan(cp.rank, cp.world_size, layout, meta, spec, dims, how)
-            built += 1
+        plans = _run(executor, [(planning.build_rank_plan, (cp.rank, cp.world_size, layout, meta, spec, dims, how), {})
+                                for spec in specs])
+        for spec, plan in zip(specs, plans):
             for meta_key in meta_keys:
                 cp.plans.put(planning.plan_key(meta_key, spec, how, dims), (plan, crc, L))
     # last: a step that finds the documents finds the plans too (unless the cache evicted them)
     cp.plans.put(key, PreparedDocuments(meta=meta, layout=layout, crc=crc, digest=digest))
     seconds = time.perf_counter() - start
-    cp.planning.add(batches_prepared=1, plans_prepared=built, prepare_seconds=seconds)
+    cp.planning.add(batches_prepared=1, plans_prepared=len(plans), prepare_seconds=seconds)
     log.debug("batch prepared in %.1f ms: %d x %d tokens, %s layout, %d plan(s) (rank %d of %d)", 1e3 * seconds,
-              B, L, layout, built, cp.rank, cp.world_size)
+              B, L, layout, len(plans), cp.rank, cp.world_size)
     return PreparedBatch(rows=B, seq_len=L, layout=layout, masks=specs, dims=tuple(dims), strategy=cp.strategy,
-                         plans=built, seconds=seconds)
+                         plans=len(plans), seconds=seconds)
+
+
+def _run(executor, jobs: list) -> list:
+    """``fn(*args, **kwargs)`` of each job ``(fn, args, kwargs)``, here in order, or all submitted to
+    ``executor`` at once and collected in order."""
+    if executor is None:
+        return [fn(*args, **kwargs) for fn, args, kwargs in jobs]
+    futures = [executor.submit(fn, *args, **kwargs) for fn, args, kwargs in jobs]
+    return [f.result() for f in futures]
 
 
 _DONE = object()

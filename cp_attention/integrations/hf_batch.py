@@ -77,7 +77,7 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
     are sharded (:mod:`.multimodal`); the returned batch then holds ``inputs_embeds`` instead of
     ``input_ids``.
 
-    ``prepare`` (``{"masks": ..., "shapes": {...}}``, from :meth:`ContextParallel.prepare
+    ``prepare`` (``{"masks": ..., "shapes": {...}, "executor": ...}``, from :meth:`ContextParallel.prepare
     <cp_attention.ContextParallel.prepare>`): read the batch the same way, then, instead of sharding
     it, the engine's :meth:`~cp_attention.ContextParallel.prepare_documents` on the same tensors, with the
     masks and shapes of ``model``'s attention layers where the request names none (no front-end runs);
@@ -152,7 +152,8 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
         return cp.prepare_documents(B, L, position_ids=position_ids, opens=opens,
                                     valid=None if valid is None else valid.bool(),
                                     model_masks=None if model is None else (lambda: model_masks(model)),
-                                    span_next=span_next, masks=masks, shapes=shapes, documents_path=model is None)
+                                    span_next=span_next, masks=masks, shapes=shapes, documents_path=model is None,
+                                    executor=prepare.get("executor"))
     derived, largest = None, position_ids
     if media:
         derived, decoder_positions = _front_end(model, tensors, media, given_positions, B, L)

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -229,7 +230,8 @@ def bare_steps(rank: int, world_size: int, layouts, strategies) -> list[dict]:
 
 def threaded_steps(rank: int, world_size: int, layout: str, strategy: str) -> dict:
     """Steps over three batches whose next batch is prepared in a background thread while the current
-    step runs: through ``cp.prefetch`` (a list standing for the data loader), and by a plain
+    step runs: through ``cp.prefetch`` (a generator standing for the data loader; the layout and plans
+    computed by an executor), and by a plain
     ``threading.Thread`` started from inside the step's forward. Each step's planning calls, whether
     its results equal the unprepared step's, the planning statistics, and when the thread prepared."""
     net = model()
@@ -237,9 +239,9 @@ def threaded_steps(rank: int, world_size: int, layout: str, strategy: str) -> di
     plain = [_unprepared(net, b, R, layout, strategy)[:2] for b, R in batches]
     found: dict = dict(prefetch=[], thread=[])
     options = dict(layout=layout, timeout=120, **strategy_options(strategy))
-    with cp_attention.context_parallel(**options) as cp:
+    with cp_attention.context_parallel(**options) as cp, ThreadPoolExecutor(2) as pool:
         weights = {id(b): R for b, R in batches}
-        for i, batch in enumerate(cp.prefetch((b for b, _ in batches), model=net)):
+        for i, batch in enumerate(cp.prefetch((b for b, _ in batches), model=net, executor=pool)):
             with counting() as counts:
                 logits, grads = model_step(cp, net, batch, weights[id(batch)])
             found["prefetch"].append(dict(counts=dict(counts), equal=torch.equal(logits, plain[i][0])

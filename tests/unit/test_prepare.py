@@ -1,12 +1,16 @@
 """Planning ahead, in one process (the multi-rank steps: tests/multirank/test_prepare.py): ``cp.prefetch``'s
 thread (order, each batch prepared before the loop gets it, at most ``depth`` ahead, errors at their
 batch, stopping), the masks and shapes planned (what a cp_flash model's layers really receive), the
-argument errors, and a one-rank context's ``shard_batch`` reusing a prepared batch."""
+argument errors, a one-rank context's ``shard_batch`` reusing a prepared batch, and an executor (threads,
+processes) computing the layout and plans at a simulated world size."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
+import types
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -161,3 +165,44 @@ def test_model_masks_and_shapes_are_what_its_layers_receive(family, monkeypatch)
         model(input_ids=ids, position_ids=torch.arange(12)[None])
     planned = {(spec, planning.dims_for(**attention_shapes(model))) for spec in plan_specs(model_masks(model)[0], False)}
     assert seen == planned
+
+
+def _simulated(world_size: int, rank: int, **options):
+    """A context that plans as ``rank`` of ``world_size`` without a process group: prepare and
+    shard_batch run no collective, so a stand-in comm with the rank and world size is all they read."""
+    cp = cp_attention.ContextParallel(None, **options)
+    cp.comm = types.SimpleNamespace(rank=rank, world_size=world_size, device=torch.device("cpu"))
+    return cp
+
+
+def _plan_summary(plan):
+    return plan.stats, repr(getattr(plan, "rounds", None))
+
+
+@pytest.mark.parametrize("pool", [None, "threads", pytest.param("processes", marks=pytest.mark.multirank)])
+def test_an_executor_plans_what_the_calling_thread_plans(pool):
+    """At a simulated P = 8 (rank 3), balanced and auto: the layout and plans an executor computes (in
+    threads, or in spawned processes: pickled both ways) are the ones built here, and ``shard_batch``
+    then finds the documents and every call's plan under the keys the call computes."""
+    pos = torch.cat([torch.arange(n) for n in (70, 9, 120, 41)])[None]
+    batch = dict(input_ids=torch.arange(240)[None] % 50, position_ids=pos)
+    masks = [dict(window=16), dict(), dict(chunk_size=32)]
+    shapes = dict(heads=8, kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    executor = None if pool is None else (ThreadPoolExecutor(2) if pool == "threads" else
+                                          ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")))
+    try:
+        cp = _simulated(8, 3, layout="balanced", strategy="auto")
+        prepared = cp.prepare(**batch, masks=masks, **shapes, executor=executor)
+    finally:
+        if executor is not None:
+            executor.shutdown()
+    local = cp.shard_batch(**batch)
+    record = cp._batch
+    assert record.prepared and record.layout is prepared.layout and cp.planning_stats().batches_prepared_found == 1
+    how = planning.how_of("auto", None, cp.cost_model)
+    dims = planning.dims_for(**shapes)
+    meta_key = planning.batch_meta_key(record.digest, record.layout, 1, local["input_ids"].shape[1])
+    for spec in prepared.masks:
+        plan, crc, seq_len = cp.plans.get(planning.plan_key(meta_key, spec, how, dims))
+        expected = planning.build_rank_plan(3, 8, record.layout, record.meta, spec, dims, how)
+        assert (crc, seq_len) == (record.crc, 240) and _plan_summary(plan) == _plan_summary(expected)
