@@ -280,7 +280,7 @@ class ContextParallel:
         """The engine's half of :meth:`prepare`, what a batch convention calls instead of
         :meth:`shard_documents` with the same tensors (for a batch of ``rows`` x ``seq_len`` tokens).
         ``masks``: the calls' masks; ``shapes``: the keywords ``heads``, ``kv_heads``, ``head_dim``,
-        ``head_dim_v``, ``dtype`` of :meth:`prepare` (the first two and the last required).
+        ``head_dim_v``, ``dtype`` of :meth:`prepare` (``heads``, ``head_dim`` and ``dtype`` required).
         ``documents_path``: also plan for bare calls handed the batch's ``position_ids``;
         ``executor``: :meth:`prepare`'s (:func:`cp_attention.engine.prepare.prepare_documents`)."""
         missing = [name for name in ("heads", "head_dim", "dtype") if shapes.get(name) is None]
