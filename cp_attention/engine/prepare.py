@@ -1,10 +1,11 @@
 """Planning a batch before its step (:meth:`ContextParallel.prepare <cp_attention.ContextParallel.prepare>`):
 the batch's documents, its layout and this rank's plan for every attention mask its step will use,
-computed ahead (in a data loader's collate function, a background thread, :meth:`prefetch`) and put in
-the context's plan cache under the keys the step computes from the content of what it is handed.
+computed ahead (in a background thread of the process that steps: :func:`prefetch`) and put in the
+context's plan cache under the keys the step computes from the content of what it is handed.
 
 What runs ahead is local and pure: metadata, the (balanced) layout, this rank's plans
-(:mod:`cp_attention.engine.planning`). Nothing here runs a collective, so it may run in any thread
+(:mod:`cp_attention.engine.planning`; the last two optionally in an executor's worker processes, out
+of this process's interpreter lock). Nothing here runs a collective, so it may run in any thread
 while the step's collectives run in the main one. The step still runs its agreement (one header
 all-gather per batch and call signature): a plan is used only when every rank holds it cached for the
 same documents, so a rank that prepared something else, or has not finished, makes every rank plan

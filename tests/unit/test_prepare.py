@@ -118,11 +118,24 @@ def test_prepare_without_masks_or_model_names_what_is_missing():
             cp.prefetch([dict(input_ids=ids)])
 
 
-def test_one_rank_shard_batch_reuses_the_prepared_documents(monkeypatch):
-    pos = torch.cat([torch.arange(5), torch.arange(7)])[None]
-    batch = dict(input_ids=torch.arange(12)[None], position_ids=pos, labels=torch.arange(12)[None])
+def _one_rank_batches() -> dict:
+    """Batches in each of shard_batch's conventions: position restarts, a packing collator's keys, a
+    padding mask with document starts."""
+    ids = torch.arange(12)[None] + 3
+    restarts = dict(input_ids=ids, position_ids=torch.cat([torch.arange(5), torch.arange(7)])[None], labels=ids)
+    collator = dict(input_ids=ids, labels=ids, cu_seq_lens_q=torch.tensor([0, 4, 12], dtype=torch.int32),
+                    cu_seq_lens_k=torch.tensor([0, 4, 12], dtype=torch.int32), max_length_q=8, max_length_k=8)
+    padded = dict(input_ids=torch.cat([ids, ids]), attention_mask=torch.tensor([[1] * 12, [1] * 9 + [0] * 3]),
+                  document_starts=torch.zeros(2, 12, dtype=torch.bool).index_fill_(1, torch.tensor([6]), True))
+    return dict(restarts=restarts, collator=collator, padded=padded)
+
+
+@pytest.mark.parametrize("kind", ["restarts", "collator", "padded"])
+def test_one_rank_shard_batch_reuses_the_prepared_documents(kind, monkeypatch):
+    batch = _one_rank_batches()[kind]
     with cp_attention.context_parallel() as cp:
         plain = cp.shard_batch(**batch)
+        plain_meta = cp._batch.meta
     built = []
     real = SequenceMeta.__init__
 
@@ -135,8 +148,9 @@ def test_one_rank_shard_batch_reuses_the_prepared_documents(monkeypatch):
         prepared = cp.prepare(**batch, masks=[dict(window=3)], heads=2, head_dim=4, dtype=torch.float32)
         assert built and prepared.plans == 0  # one rank: the metadata only (its calls plan on one device)
         built.clear()
-        local = cp.shard_batch(input_ids=batch["input_ids"].clone(), position_ids=pos.clone(), labels=batch["labels"])
-        assert not built
+        local = cp.shard_batch(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+        assert not built and cp._batch.prepared
+        assert cp._batch.meta.digest() == plain_meta.digest()
         stats = cp.planning_stats()
     assert (stats.batches_prepared, stats.batches_prepared_found, stats.batches_computed) == (1, 1, 0)
     assert local.keys() == plain.keys() and all(torch.equal(local[n], plain[n]) for n in plain)
