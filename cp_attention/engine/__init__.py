@@ -5,6 +5,8 @@
 * :mod:`.batch`: the record of a ``cp.shard_batch`` call, bound to the tensors it returned;
 * :mod:`.agreement`: the header every rank exchanges before any K/V moves;
 * :mod:`.checks`: the one input check;
+* :mod:`.planning`: one rank's plan and its keys in the context's cache (shared by a call and by
+  preparing a batch ahead); :mod:`.prepare`: planning a batch before its step (``cp.prepare``);
 * :mod:`.attend`: one call (:func:`attend`); :mod:`.layer`: the layer entry of integrations
   (:func:`attend_layer`) and the compiled multi-rank op; :mod:`.local`: the single-device op;
 * :mod:`.stats`: what the most recent calls did.

@@ -17,7 +17,6 @@ attention), ``N`` documents.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +26,8 @@ from ..backends import select_backend
 from ..comm import Comm
 from ..masks import MaskSpec, SequenceMeta
 from ..plan import RankPlan
-from ..strategies import CostModel, choose, executor_of, fixed_candidate, rank_plans
-from . import context, stats
+from ..strategies import CostModel, executor_of, fixed_candidate
+from . import context, planning, stats
 from .agreement import check_strategy, collective_error, exchange_headers, make_header, meta_crc, signature
 from .batch import BatchRecord
 from .checks import check_inputs
@@ -129,7 +128,7 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
                                    position_ids=position_ids, cu_seqlens=cu_seqlens,
                                    label=f"{res.layout} layout")
     else:
-        how = (strategy, ulysses_size, cost_model if strategy == "auto" else None) if error is None else \
+        how = planning.how_of(strategy, ulysses_size, cost_model) if error is None else \
             ("ring", None, None)
         plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc, how)
     stats.note_stats(plan.stats, layer, in_model=layer is not None or batch is not None)
@@ -171,36 +170,22 @@ def _global_meta(comm: Comm, layout, seq_len: int, B: int, position_ids, cu_seql
 
 
 def _cache_keys(cp, layout, q, k, v, spec: MaskSpec, position_ids, cu_seqlens, batch, how):
-    """(metadata key, plan key) in the context's cache. Keys hold this rank's view only (local length,
-    the documents' content); the global length is checked against the entry."""
+    """(metadata key, plan key) in the context's cache (:mod:`cp_attention.engine.planning`). Keys hold
+    this rank's view only (local length, the documents' content); the global length is checked
+    against the entry."""
     B, L_local = q.shape[:2]
     if batch is not None:
-        meta_key = ("batch", batch.digest, layout, B, L_local)
+        meta_key = planning.batch_meta_key(batch.digest, layout, B, L_local)
     else:
-        meta_key = ("documents", layout, B, L_local, cp.plans.digest(position_ids), cp.plans.digest(cu_seqlens))
-    heads = (q.shape[2], k.shape[2], k.shape[3], v.shape[3], k.element_size())
-    return meta_key, ("plan", meta_key, spec.for_planning(), how, heads)
+        meta_key = planning.documents_meta_key(layout, B, L_local, cp.plans.digest(position_ids),
+                                               cp.plans.digest(cu_seqlens))
+    return meta_key, planning.plan_key(meta_key, spec, how, planning.dims_of(q, k, v))
 
 
 def _build(comm: Comm, layout, meta: SequenceMeta, spec: MaskSpec, q, k, v, how=("ring", None, None)):
-    """This rank's plan under ``how`` = (strategy, ulysses_size, cost model): a :class:`RankPlan`
-    (the ring) or a :class:`UlyssesPlan` (head parallelism, with or without a ring across head
-    groups); "auto" chooses by the cost model (:func:`cp_attention.strategies.choice.choose`)."""
-    start = time.perf_counter()
-    strategy, ulysses_size, cost_model = how
-    dims = dict(heads=q.shape[2], kv_heads=k.shape[2], head_dim=k.shape[3], head_dim_v=v.shape[3],
-                itemsize=k.element_size())
-    P = comm.world_size
-    cand = fixed_candidate(strategy, ulysses_size, P, q.shape[2])
-    if cand is None:
-        plan = choose(meta, spec, layout, comm.rank, P, cost_model, **dims)
-    else:
-        plan = rank_plans(meta, spec, cand, layout, ranks=[comm.rank], **dims)[comm.rank]
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("plan built in %.1f ms: rank %d of %d, %s layout, %d x %d tokens, %s, strategy %s%s",
-                  1e3 * (time.perf_counter() - start), comm.rank, P, layout, meta.batch, meta.seq_len,
-                  spec.for_planning(), stats.strategy_label(plan.stats), stats.predicted_label(plan.stats))
-    return plan
+    """This rank's plan under ``how`` = (strategy, ulysses_size, cost model)
+    (:func:`cp_attention.engine.planning.build_rank_plan`)."""
+    return planning.build_rank_plan(comm.rank, comm.world_size, layout, meta, spec, planning.dims_of(q, k, v), how)
 
 
 def _reused(plan):
@@ -254,6 +239,7 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
                    and h.cached_meta_crc == headers[0].cached_meta_crc for h in headers)
 
     if usable("plan_cached"):
+        cp.planning.add(plans_reused=1)
         return _remember(batch, header, _reused(plan_entry[0]))
     if usable("meta_cached"):
         meta, crc = meta_entry[0], meta_entry[1]
@@ -266,7 +252,20 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
         if batch is None:
             cp.plans.put(meta_key, (meta, crc, seq_len))
     plan = cp.plans.put(plan_key, (_build(comm, layout, meta, spec, q, k, v, how), crc, seq_len))[0]
+    _note_built(cp, batch, spec, q, k, v, how)
     return _remember(batch, header, plan)
+
+
+def _note_built(cp, batch: BatchRecord | None, spec: MaskSpec, q, k, v, how) -> None:
+    """Count a plan built on the step (:meth:`~cp_attention.ContextParallel.planning_stats`); for a batch
+    prepared ahead, also say at INFO which call was not prepared."""
+    missed = batch is not None and batch.prepared
+    cp.planning.add(plans_built=1, prepared_misses=int(missed))
+    if missed:
+        log.info("a prepared batch planned on its step (rank %d of %d): cp.prepare planned no %s call with shapes "
+                 "(heads, kv_heads, head_dim, head_dim_v, itemsize) = %s, strategy %s, or a rank had not finished "
+                 "preparing; pass the masks and shapes the step uses (model=, or masks= and dtype=)", cp.rank,
+                 cp.world_size, spec.for_planning(), planning.dims_of(q, k, v), how[0])
 
 
 def _remember(batch: BatchRecord | None, header, plan: RankPlan) -> RankPlan:

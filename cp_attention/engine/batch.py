@@ -88,6 +88,9 @@ class BatchRecord:
     must agree): a later call with an agreed signature exchanges nothing."""
     facts: dict = field(default_factory=dict, repr=False, compare=False)
     """Checks of tensors the batch's layers get that sync with the device (see :func:`tensor_fact`)."""
+    prepared: bool = False
+    """The batch's documents and layout were computed ahead by ``cp.prepare`` (its plans too, unless
+    the masks or shapes prepared were not its calls')."""
 
 
 def tensor_fact(record: BatchRecord, tensor: torch.Tensor, name: str, compute) -> bool:
@@ -159,15 +162,18 @@ def tokens_checksum(tensors: dict[str, torch.Tensor]) -> int:
 
 def bind(cp, local: dict[str, torch.Tensor], *, meta: SequenceMeta, layout, num_items: torch.Tensor | None = None,
          padded: bool = False, tokens_crc: int = -1, positions_given: bool = True,
-         spans_read: bool = False) -> BatchRecord:
+         spans_read: bool = False, crc: int | None = None, digest: bytes | None = None) -> BatchRecord:
     """Record a sharded batch of the context ``cp``: ``local`` (this rank's tensors, ``position_ids``
     among them) and the global ``meta`` of its documents. The record is bound to every tensor of
-    ``local`` (see :func:`batch_of`) and is live while any of them is."""
+    ``local`` (see :func:`batch_of`) and is live while any of them is. ``crc`` / ``digest``: ``meta``'s
+    checksum and digest when they were computed ahead (``cp.prepare``; the record is then marked
+    ``prepared``), else computed here."""
     # the record keeps its own copy of the position ids: it must not keep the returned tensors
     # alive, whose lifetime tells whether the batch is still in use
     record = BatchRecord(cp=cp, seq_len=meta.seq_len, meta=meta, num_items=num_items,
-                         local_position_ids=local["position_ids"].clone(), padded=padded, crc=meta_crc(meta),
-                         digest=meta.digest(), tokens_crc=tokens_crc, layout=layout, positions_given=positions_given,
+                         local_position_ids=local["position_ids"].clone(), padded=padded,
+                         crc=meta_crc(meta) if crc is None else crc, digest=meta.digest() if digest is None else digest,
+                         prepared=digest is not None, tokens_crc=tokens_crc, layout=layout, positions_given=positions_given,
                          doc_opens=None if cp.world_size > 1 or meta.doc_start is None
                          else meta.doc_start == torch.arange(meta.seq_len),
                          span_next=None if cp.world_size > 1 else _span_next(meta), spans_read=spans_read)

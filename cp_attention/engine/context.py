@@ -22,6 +22,9 @@ from ..comm import Comm
 from ..masks import SequenceMeta
 from ..plan.cache import PlanCache
 from ..strategies.choice import CostModel
+from .planning import dims_for
+from .prepare import PreparedBatch, PreparedDocuments, documents_key, prefetch, prepare_documents
+from .stats import PlanningCounter, PlanningStats
 
 __all__ = ["ContextParallel", "context_parallel", "active_context", "outside_context", "full_batch_active", "as_group",
            "PLAN_CACHE_SIZE", "register_batch_convention", "register_context_guard"]
@@ -49,7 +52,9 @@ _REGISTRY_LOCK = threading.Lock()
 
 def register_batch_convention(name: str, shard_batch: Callable) -> None:
     """Make ``shard_batch(cp, **inputs)`` the way ``cp.shard_batch`` reads batches of ``name`` (the first
-    registration of a name wins)."""
+    registration of a name wins); ``cp.prepare`` calls it with ``prepare={"masks": ..., "shapes": {...},
+    "executor": ...}`` too, and it then hands the same documents to
+    :meth:`ContextParallel.prepare_documents` instead of :meth:`ContextParallel.shard_documents`."""
     with _REGISTRY_LOCK:
         BATCH_CONVENTIONS.setdefault(name, shard_batch)
 
@@ -142,6 +147,7 @@ class ContextParallel:
             log.info("context parallelism over %d rank(s), %s layout, backend %r (rank %d)",
                      self.comm.world_size, self.layout, backend, self.comm.rank)
         self.plans = PlanCache(PLAN_CACHE_SIZE)
+        self.planning = PlanningCounter()  # where plans came from (planning_stats); prepare may run in a thread
         self.records = LiveRecords()
         self._batch: BatchRecord | None = None  # the most recent shard_batch record
 
@@ -221,6 +227,94 @@ class ContextParallel:
                                "registers transformers' conventions); shard tensors with cp.shard_documents")
         return convention(self, shift_labels=shift_labels, document_starts=document_starts, model=model, **inputs)
 
+    def prepare(self, *, document_starts: torch.Tensor | None = None, model=None, masks=None, heads: int | None = None,
+                kv_heads: int | None = None, head_dim: int | None = None, head_dim_v: int | None = None,
+                dtype: torch.dtype | None = None, executor=None, **inputs) -> PreparedBatch:
+        """Plan a batch before its step: what ``cp.shard_batch(**inputs)`` and the step's attention calls
+        would compute on the host, computed now and kept in this context by content, so that the step
+        finds it and plans nothing on its critical path.
+
+        ``inputs``, ``document_starts`` and ``model``: what the step will pass to :meth:`shard_batch`
+        (the same full batch; the tensors need not be the same objects). Computed: the batch's document
+        metadata and checksums; its layout (under ``layout="balanced"`` the batch's own, which
+        ``shard_batch`` then uses as it is); this rank's plan of every distinct attention mask, for the
+        context's strategy. The masks and shapes: those of ``model`` (a ``cp_flash`` model: its
+        config's attention layer masks, query and K/V heads and head dims, its parameters' dtype), or
+        ``masks`` (a list of :class:`~cp_attention.MaskSpec` or of dicts of its keywords ``causal``,
+        ``window``, ``chunk_size``) for calls whose q is (B, L_local, ``heads``, ``head_dim``), k
+        (B, L_local, ``kv_heads``, ``head_dim``) and v (B, L_local, ``kv_heads``, ``head_dim_v``) in
+        ``dtype`` (``kv_heads`` and ``head_dim_v`` default to ``heads`` and ``head_dim``): the bare
+        :func:`~cp_attention.attention` calls of the step on the batch's tensors. Given with ``model``,
+        they replace what it says (``dtype=torch.bfloat16`` for a float32 model under bf16 autocast).
+
+        ``executor``: a :mod:`concurrent.futures` executor that computes the balanced layout and the
+        plans (the plans concurrently): a ``ProcessPoolExecutor`` keeps them off this process's
+        interpreter lock, which the step's own Python needs; None: computed in the calling thread.
+
+        Thread-safe and runs no collective: call it in a collate function, a background thread or
+        through :meth:`prefetch` while the current step runs. The step still agrees (one small
+        all-gather per batch and mask) and uses a prepared plan only when every rank holds it;
+        otherwise every rank plans as without preparing. Preparing other masks, shapes or a dtype
+        than the step's is never wrong, only not faster: :meth:`planning_stats` counts it
+        (``prepared_misses``) and the ``cp_attention.api`` logger says which call planned at INFO.
+
+        Kept in the context's plan cache (:data:`PLAN_CACHE_SIZE` entries, least recently used out; a
+        batch takes one entry plus one per mask, twice that without ``model``): prepare a few batches
+        ahead, not an epoch. A one-rank context prepares the metadata and layout only (its calls plan
+        on one device). Returns a :class:`~cp_attention.engine.prepare.PreparedBatch` (what was
+        computed, in how long)."""
+        convention = BATCH_CONVENTIONS.get("transformers")
+        if convention is None:
+            raise RuntimeError("cp.prepare: no batch convention is registered (import cp_attention, which registers "
+                               "transformers' conventions)")
+        shapes = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype)
+        return convention(self, document_starts=document_starts, model=model,
+                          prepare=dict(masks=masks, shapes={k: v for k, v in shapes.items() if v is not None},
+                                       executor=executor), **inputs)
+
+    def prepare_documents(self, rows: int, seq_len: int, *, position_ids: torch.Tensor,
+                          opens: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                          model_masks: Callable[[], tuple[list | None, float]] | None = None,
+                          span_next: torch.Tensor | None = None, masks=None, shapes: dict,
+                          documents_path: bool = True, executor=None) -> PreparedBatch:
+        """The engine's half of :meth:`prepare`, what a batch convention calls instead of
+        :meth:`shard_documents` with the same tensors (for a batch of ``rows`` x ``seq_len`` tokens).
+        ``masks``: the calls' masks; ``shapes``: the keywords ``heads``, ``kv_heads``, ``head_dim``,
+        ``head_dim_v``, ``dtype`` of :meth:`prepare` (``heads``, ``head_dim`` and ``dtype`` required).
+        ``documents_path``: also plan for bare calls handed the batch's ``position_ids``;
+        ``executor``: :meth:`prepare`'s (:func:`cp_attention.engine.prepare.prepare_documents`)."""
+        missing = [name for name in ("heads", "head_dim", "dtype") if shapes.get(name) is None]
+        if masks is None or missing:
+            raise ValueError(
+                "cp.prepare needs the attention calls' masks and shapes: model= (a cp_flash model, which says "
+                "both), or masks=[MaskSpec(...), ...] with heads=, head_dim= and dtype= (and kv_heads=, "
+                f"head_dim_v= where they differ); missing: {', '.join((['masks'] if masks is None else []) + missing)}")
+        return prepare_documents(self, rows, seq_len, position_ids=position_ids, opens=opens, valid=valid,
+                                 model_masks=model_masks, span_next=span_next, masks=masks,
+                                 dims=dims_for(**shapes), documents_path=documents_path, executor=executor)
+
+    def prefetch(self, batches, *, depth: int = 1, **prepare_kwargs):
+        """Iterate ``batches`` (a data loader: any iterable of dicts of :meth:`shard_batch`'s keyword
+        arguments) while one background thread reads the next ones and prepares them
+        (:meth:`prepare` with ``prepare_kwargs``: ``model=``, or ``masks=`` and the shapes, and an
+        ``executor``), at most ``depth`` batches ahead of the one the loop holds::
+
+            for batch in cp.prefetch(loader, model=model):
+                out = model(**cp.shard_batch(**batch, model=model), use_cache=False)
+
+        The batches come out unchanged and in order, each once it is prepared. ``batches`` is iterated
+        in that thread only. An exception raised reading or preparing a batch is raised when the loop
+        reaches it; leaving the loop stops the thread after the batch it is working on."""
+        if prepare_kwargs.get("model") is None and prepare_kwargs.get("masks") is None:
+            raise ValueError("cp.prefetch needs model= (a cp_flash model) or masks= with the calls' shapes "
+                             "(heads=, head_dim=, dtype=): the keywords of cp.prepare")
+        return prefetch(lambda batch: self.prepare(**batch, **prepare_kwargs), batches, depth)
+
+    def planning_stats(self) -> PlanningStats:
+        """Where this context's plans and batch layouts came from: prepared ahead, reused from the cache
+        or built on the step (:class:`~cp_attention.engine.stats.PlanningStats`)."""
+        return self.planning.snapshot()
+
     def shard_documents(self, tensors: dict[str, torch.Tensor], *, position_ids: torch.Tensor,
                         opens: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                         model_masks: Callable[[], tuple[list | None, float]] | None = None,
@@ -249,14 +343,8 @@ class ContextParallel:
         it across the group (in the agreement it runs anyway), so ranks handed different batches of
         the same length (a per-rank sampler) raise together instead of training on a splice."""
         B, L = next(iter(tensors.values())).shape[:2] if tensors else position_ids.shape
+        meta, layout, prepared = self._documents(B, L, position_ids, valid, opens, span_next, model_masks)
         position_ids = position_ids.expand(B, L)
-        meta = SequenceMeta.from_inputs(B, L, position_ids=position_ids, valid=valid, opens=opens,
-                                        span_next=span_next)
-        layout = self.layout
-        if layout.per_batch:  # this batch's own layout, from every document it records
-            masks, token_weight = model_masks() if model_masks is not None else (None, 0.0)
-            layout = layout.for_batch(meta, self.world_size, masks=[dict(m) for m in masks] if masks else None,
-                                      token_weight=token_weight)
         out = {name: self.shard(t, layout=layout).contiguous() for name, t in tensors.items()}
         out.update(bind_also or {})
         out["position_ids"] = self.shard(position_ids, layout=layout).contiguous()
@@ -266,9 +354,33 @@ class ContextParallel:
                 (out if isinstance(value, torch.Tensor) else extras)[name] = value
         self._batch = bind(self, out, meta=meta, layout=layout, num_items=num_items, padded=valid is not None,
                            tokens_crc=tokens_checksum(tensors) if self.world_size > 1 else -1,
-                           positions_given=positions_given, spans_read=spans_read)
+                           positions_given=positions_given, spans_read=spans_read,
+                           crc=None if prepared is None else prepared.crc,
+                           digest=None if prepared is None else prepared.digest)
         self._batch.extras.update(extras)
         return out
+
+    def _documents(self, B: int, L: int, position_ids, valid, opens, span_next, model_masks):
+        """A batch's ``(metadata, layout, PreparedDocuments or None)``: what :meth:`prepare` computed for
+        the same documents (found by content), else computed now."""
+        masks, token_weight = None, 0.0
+        if self.layout.per_batch and model_masks is not None:
+            masks, token_weight = model_masks()
+        if self.planning.snapshot().batches_prepared:  # nothing to look for (nor digest) until prepare ran
+            key = documents_key(self.plans, self.layout, B, L, position_ids, valid, opens, span_next, masks,
+                                token_weight)
+            found = self.plans.get(key)
+            if isinstance(found, PreparedDocuments):
+                self.planning.add(batches_prepared_found=1)
+                return found.meta, found.layout, found
+        meta = SequenceMeta.from_inputs(B, L, position_ids=position_ids.expand(B, L), valid=valid, opens=opens,
+                                        span_next=span_next)
+        layout = self.layout
+        if layout.per_batch:  # this batch's own layout, from every document it records
+            layout = layout.for_batch(meta, self.world_size, masks=[dict(m) for m in masks] if masks else None,
+                                      token_weight=token_weight)
+        self.planning.add(batches_computed=1)
+        return meta, layout, None
 
     def bind_batch(self, local: dict[str, torch.Tensor], *, meta: SequenceMeta,
                    num_items: torch.Tensor | None = None, padded: bool = False, layout=None) -> BatchRecord:

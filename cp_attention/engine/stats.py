@@ -3,8 +3,10 @@ statistics of a layout without a process group (:func:`plan_stats`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -13,8 +15,7 @@ from ..plan import PlanStats, build_plan
 from ..torch_compat import in_backward
 
 __all__ = ["last_plan_stats", "forward_plan_stats", "begin_forward", "note_stats", "plan_stats", "strategy_label",
-           "predicted_label",
-           "forward_mixer_stats", "note_mixer", "begin_mixers"]
+           "predicted_label", "forward_mixer_stats", "note_mixer", "begin_mixers", "PlanningStats", "PlanningCounter"]
 
 log = logging.getLogger("cp_attention.api")
 
@@ -123,3 +124,50 @@ def plan_stats(layout, rank: int, *, world_size: int | None = None, position_ids
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return build_plan(meta, spec, world_size=world_size, layout=layout, rank=rank, head_kv=head_kv,
                       head_dim=head_dim, itemsize=itemsize).stats
+
+
+@dataclass(frozen=True)
+class PlanningStats:
+    """Where one context's plans and batch layouts came from (:meth:`ContextParallel.planning_stats
+    <cp_attention.ContextParallel.planning_stats>`): counts since the context was made. A step whose
+    batch was prepared ahead (:meth:`~cp_attention.ContextParallel.prepare`) and that planned nothing
+    itself adds to ``batches_prepared_found`` and ``plans_reused`` only."""
+
+    batches_prepared: int = 0
+    """``cp.prepare`` calls that finished (in any thread)."""
+    plans_prepared: int = 0
+    """Plans those calls built: one per distinct layer mask (and per key the calls will use)."""
+    prepare_seconds: float = 0.0
+    """Time those calls took, in total (off the step's critical path when run ahead)."""
+    batches_prepared_found: int = 0
+    """``cp.shard_batch`` calls that found their batch's documents and layout prepared (computed nothing)."""
+    batches_computed: int = 0
+    """``cp.shard_batch`` calls that computed the documents (and a balanced layout) on the step."""
+    plans_reused: int = 0
+    """Multi-rank calls whose agreement found this rank's plan cached on every rank (prepared, or built
+    by an earlier call on the same documents): no planning on the step."""
+    plans_built: int = 0
+    """Multi-rank calls that built their plan on the step (on its critical path)."""
+    prepared_misses: int = 0
+    """Of ``plans_built``, those of a batch that was prepared: the masks, shapes, strategy or dtype
+    prepared were not the call's (or a rank had not finished preparing). Each is also logged at INFO
+    on the ``cp_attention.api`` logger, naming the call's mask and shapes."""
+
+
+class PlanningCounter:
+    """The thread-safe counts behind :class:`PlanningStats`, one per context (``cp.prepare`` may run in
+    another thread than the step)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = PlanningStats()
+
+    def add(self, **deltas) -> None:
+        """Add ``deltas`` (field name -> amount) to the counts."""
+        with self._lock:
+            self._counts = dataclasses.replace(
+                self._counts, **{name: getattr(self._counts, name) + value for name, value in deltas.items()})
+
+    def snapshot(self) -> PlanningStats:
+        with self._lock:
+            return self._counts

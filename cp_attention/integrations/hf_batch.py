@@ -16,7 +16,7 @@ import torch
 from ..engine.batch import batch_of
 from ..refusals import refuse
 from .model_check import default_position_start, unwrap_adapters
-from .models import model_masks
+from .models import attention_shapes, model_masks
 from .multimodal import MEDIA_NAME, decoder_inputs, install_injection, media_inputs, outer_inputs, shard_decoder_inputs
 from .overlays import batch_span_next
 
@@ -68,14 +68,20 @@ def _document_opens(documents: dict, seq_len: int) -> torch.Tensor | None:
 
 
 def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor | None = None, model=None,
-                **inputs) -> dict[str, torch.Tensor]:
+                prepare: dict | None = None, **inputs):
     """:meth:`ContextParallel.shard_batch <cp_attention.ContextParallel.shard_batch>` (see there) for the
     context ``cp``: transformers' conventions, then the engine's :meth:`~cp_attention.ContextParallel.shard_documents`.
 
     Multimodal batches (a processor's output: ``pixel_values`` and the like, which are not along the
     sequence) need ``model``: its own front-end runs on the full batch and the text decoder's inputs
     are sharded (:mod:`.multimodal`); the returned batch then holds ``inputs_embeds`` instead of
-    ``input_ids``."""
+    ``input_ids``.
+
+    ``prepare`` (``{"masks": ..., "shapes": {...}, "executor": ...}``, from :meth:`ContextParallel.prepare
+    <cp_attention.ContextParallel.prepare>`): read the batch the same way, then, instead of sharding
+    it, the engine's :meth:`~cp_attention.ContextParallel.prepare_documents` on the same tensors, with the
+    masks and shapes of ``model``'s attention layers where the request names none (no front-end runs);
+    returns its :class:`~cp_attention.engine.prepare.PreparedBatch`."""
     media, front_positions = {}, None
     model = None if model is None else unwrap_adapters(model)  # a PEFT wrapper: its transformers model
     if model is None:
@@ -138,6 +144,16 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
     # each rank's loss is P x its share, so the MEAN over ranks is the single-device loss
     scaled = {} if num_items is None else {"num_items_in_batch": num_items.to(device, torch.float32) / cp.world_size}
     span_next, spans_read = batch_span_next(model, tensors)  # image blocks, as the model's mask opens them
+    if prepare is not None:  # the documents exactly as below, planned instead of sharded
+        masks, shapes = prepare["masks"], dict(prepare["shapes"])
+        if model is not None:
+            masks = masks if masks is not None else model_masks(model)[0]
+            shapes = {**attention_shapes(model), **shapes}
+        return cp.prepare_documents(B, L, position_ids=position_ids, opens=opens,
+                                    valid=None if valid is None else valid.bool(),
+                                    model_masks=None if model is None else (lambda: model_masks(model)),
+                                    span_next=span_next, masks=masks, shapes=shapes, documents_path=model is None,
+                                    executor=prepare.get("executor"))
     derived, largest = None, position_ids
     if media:
         derived, decoder_positions = _front_end(model, tensors, media, given_positions, B, L)

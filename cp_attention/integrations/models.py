@@ -12,7 +12,7 @@ import zlib
 from . import state
 from ..masks import MaskSpec
 
-__all__ = ["text_config", "layer_mask", "layer_masks", "model_masks", "config_crc"]
+__all__ = ["text_config", "layer_mask", "layer_masks", "model_masks", "attention_shapes", "config_crc"]
 
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")
 
@@ -80,6 +80,28 @@ def model_masks(model) -> tuple[list[dict], float]:
         dense = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name)
         token_weight = 2.0 * dense / (4.0 * heads * head_dim)
     return masks, token_weight
+
+
+def attention_shapes(model) -> dict:
+    """The shapes of a transformers model's attention calls as ``cp_flash`` receives them, from its
+    configuration: ``heads`` (``num_attention_heads``), ``kv_heads`` (``num_key_value_heads``, else the
+    heads), ``head_dim`` of q and k (``head_dim``, else ``hidden_size / heads``; multi-head latent
+    attention: ``qk_nope_head_dim + qk_rope_head_dim``), ``head_dim_v`` (``v_head_dim``, else
+    ``head_dim``) and ``dtype``, its first floating parameter's (the config's ``dtype`` without any).
+    What :meth:`ContextParallel.prepare <cp_attention.ContextParallel.prepare>` plans for."""
+    config = text_config(model)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if nope and rope:  # multi-head latent attention (DeepSeek-V2/V3, ...)
+        head_dim = int(nope) + int(rope)
+    head_dim_v = int(getattr(config, "v_head_dim", None) or head_dim)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None) \
+        if hasattr(model, "parameters") else None
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim_v, dtype=dtype)
 
 
 def config_crc(module) -> int:
