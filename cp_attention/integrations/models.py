@@ -29,8 +29,11 @@ def layer_mask(config, layer_idx: int | None) -> MaskSpec:
     ``attention_chunk_size``, anything else full) and ``is_causal`` (ModernBERT is bidirectional).
     A config without ``layer_types`` but with a ``sliding_window`` (Mistral, Phi-3) slides on every
     layer; without either, or for ``layer_idx`` None, a layer is full. A heterogeneous config
-    (transformers' ``per_layer_config``: NeoMME) is read at the layer."""
-    causal = bool(getattr(config, "is_causal", True)) and getattr(config, "model_type", "") != "modernbert"
+    (transformers' ``per_layer_config``: NeoMME) is read at the layer. ModernBERT's ``sliding_window``
+    is a half-window (``local_attention / 2``: a key at that distance is seen), so its layers' window
+    is one more, as they pass it."""
+    modernbert = getattr(config, "model_type", "") == "modernbert"
+    causal = bool(getattr(config, "is_causal", True)) and not modernbert
     types = getattr(config, "layer_types", None)
     if getattr(config, "is_heterogeneous", False):  # per-layer values (transformers' heterogeneous configs)
         config = config.per_layer_config[layer_idx] if layer_idx is not None else None
@@ -40,7 +43,7 @@ def layer_mask(config, layer_idx: int | None) -> MaskSpec:
     else:
         kind = types[layer_idx] if layer_idx is not None and layer_idx < len(types) else None
     if kind == "sliding_attention" and window:
-        return MaskSpec(causal=causal, window=int(window))
+        return MaskSpec(causal=causal, window=int(window) + int(modernbert))
     if kind == "chunked_attention":
         return MaskSpec(causal=causal, chunk_size=int(config.attention_chunk_size))
     return MaskSpec(causal=causal)

@@ -25,7 +25,7 @@ def test_layer_types_windows_and_chunks():
     llama4 = tiny_config("llama4", chunk=8)  # chunked x 3, full
     assert layer_masks(llama4) == [MaskSpec(chunk_size=8)] * 3 + [MaskSpec()]
     modernbert = tiny_config("modernbert", window=8)  # full, sliding, sliding; bidirectional
-    w = modernbert.sliding_window
+    w = modernbert.sliding_window + 1  # a half-window in the config; its layers pass one more
     assert layer_masks(modernbert) == [MaskSpec(causal=False), MaskSpec(causal=False, window=w),
                                        MaskSpec(causal=False, window=w)]
 

@@ -156,19 +156,13 @@ def test_one_rank_shard_batch_reuses_the_prepared_documents(kind, monkeypatch):
     assert local.keys() == plain.keys() and all(torch.equal(local[n], plain[n]) for n in plain)
 
 
-# ModernBERT's config holds a half-window (sliding_window = local_attention / 2) and its layers pass one
-# more; models.layer_mask reads the half, so a prepared ModernBERT batch misses its sliding layers' plans
-# (the step plans them, exactly, and planning_stats counts the misses) until that reading is fixed
-MODERNBERT_HALF_WINDOW = pytest.mark.xfail(strict=True, reason="models.layer_mask reads ModernBERT's half-window")
-
-
 @pytest.mark.transformers
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gpt_oss", "llama4", "mistral", "phi3",
-                                    pytest.param("modernbert", marks=MODERNBERT_HALF_WINDOW)])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gpt_oss", "llama4", "mistral", "phi3", "modernbert"])
 def test_model_masks_and_shapes_are_what_its_layers_receive(family, monkeypatch):
     """What ``cp.prepare(model=...)`` plans for (the config's attention layer masks and
     :func:`attention_shapes`) is what the model's cp_flash layers hand the engine: the masks' planning
-    parts and the (H, K, D, Dv, itemsize) of their q, k and v."""
+    parts and the (H, K, D, Dv, itemsize) of their q, k and v (ModernBERT's config holds a half-window;
+    its layers pass one more, and so must the config's reading)."""
     from cp_attention.integrations import transformers as adapter
     from cp_attention.integrations.models import attention_shapes, model_masks
 
