@@ -1,4 +1,4 @@
-"""Rank workers for tests/multirank/test_prepare.py: steps whose batch was planned ahead (``cp.prepare``,
+"""Rank workers for tests/multirank/test_prepare_ranks.py: steps whose batch was planned ahead (``cp.prepare``,
 ``cp.prefetch``, a background thread) against the same steps unprepared, in a fresh context each (so
 that nothing is cached from an earlier step), counting every planning function the step calls.
 
