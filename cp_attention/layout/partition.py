@@ -10,13 +10,12 @@ Legend: ``P`` ranks, ``L`` tokens; ``csum[i]`` the cost of tokens ``[0, i)`` (a
 
 from __future__ import annotations
 
-import bisect
-import functools
 import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .bins import BUNDLE_SHARE, FILL_TOLERANCE, SEARCH, Bin, Bundle, DensityIndex, bin_density, bundles, fill
 from .split import LongDocument
 from .layouts import Layout, merge_ranges
 
@@ -28,122 +27,16 @@ __all__ = ["TOKEN_SLACK", "Batch", "layout_from_items"]
 TOKEN_SLACK = 0.95
 """Estimated tokens per rank (choosing the piece cost) and a document's tokens per piece stay under
 this fraction of the cap."""
-FILL_TOLERANCE = 1e-3
-"""A bin counts as full within this fraction of the per-rank target."""
 SETTLE_ROUNDS = 3
 """Rounds of passing free items away from a group's ranks over the token cap."""
 SETTLE_SLACK = 0.85
 """A group's free items go to its inner pieces' ranks while their estimated tokens stay under this x cap."""
 HEAD_TOKENS = 0.75
 """A long document's start longer than this x cap joins its nesting even without a rank to spare."""
-SEARCH = 16
-"""Items tried per move when filling bins exactly."""
 BUNDLE_ABOVE = 8
-"""With more free documents than this x P, the tiny ones are packed in bundles (:func:`_bundles`)."""
+"""With more free documents than this x P, the tiny ones are packed in bundles (:func:`bundles`)."""
 BIG_SHARE = 0.25
 """Free items costing or holding more than this share of a rank's target are packed first, one by one."""
-BUNDLE_SHARE = 1 / 16
-"""A bundle costs and holds at most this share of a rank's target cost and tokens."""
-
-
-class _Bin:
-    """Free items packed against a cost capacity (exact) and a token capacity (hard) and target."""
-
-    def __init__(self, cost: float, tokens: int, target_tokens: float, group=None, rank: int | None = None):
-        self.cap_cost, self.cap_tokens, self.target_tokens = cost, tokens, target_tokens
-        self.group, self.rank = group, rank
-        self.load, self.tokens, self._items = 0.0, 0, {}  # id -> item, in the order added
-        self.recv = 0  # what the rank (for a group: its rank that receives least) receives, estimated
-
-    @property
-    def items(self) -> list:
-        return list(self._items.values())
-
-    @items.setter
-    def items(self, items: list) -> None:
-        self._items = {id(item): item for item in items}
-
-    def add(self, item, cost: float, tokens: int) -> None:
-        self._items[id(item)] = item
-        self.load += cost
-        self.tokens += tokens
-
-    def remove(self, item, cost: float, tokens: int) -> None:
-        if self._items.pop(id(item), None) is None:  # an equal item, not this object
-            del self._items[next(k for k, x in self._items.items() if x == item)]
-        self.load -= cost
-        self.tokens -= tokens
-
-
-def _bin_density(bn: _Bin) -> float:
-    """The log of a bin's remaining cost per remaining target token (what an item's density is matched to)."""
-    return math.log(max(bn.cap_cost - bn.load, 1e-300) / max(bn.target_tokens - bn.tokens, 1.0))
-
-
-class _DensityIndex:
-    """The bins sorted by :func:`_bin_density`: :meth:`nearest` finds the bin an item goes to without
-    reading every bin (the packing's O(items x bins) scan was its cost at hundreds of ranks)."""
-
-    def __init__(self, bins: list[_Bin]):
-        self.bins = bins
-        self.pos = {id(bn): i for i, bn in enumerate(bins)}  # ties go to the first bin, as a scan would
-        self.key = {id(bn): (_bin_density(bn), i) for i, bn in enumerate(bins)}
-        self.keys = sorted(self.key.values())
-
-    def remove(self, bn: _Bin) -> None:
-        del self.keys[bisect.bisect_left(self.keys, self.key[id(bn)])]
-
-    def insert(self, bn: _Bin) -> None:
-        key = self.key[id(bn)] = (_bin_density(bn), self.pos[id(bn)])
-        bisect.insort(self.keys, key)
-
-    def nearest(self, density: float, c: float, n: int) -> _Bin | None:
-        """The first bin (in ``bins`` order) of those whose density is nearest ``density`` among the
-        ones with room for cost ``c`` and ``n`` tokens; None if there is none."""
-        keys, bins = self.keys, self.bins
-
-        def fits(i: int) -> bool:
-            bn = bins[i]
-            return bn.cap_cost - bn.load >= c and bn.tokens + n <= bn.cap_tokens
-
-        at = bisect.bisect_left(keys, (density, -1))
-        right = next(((keys[j][0] - density, keys[j][1]) for j in range(at, len(keys)) if fits(keys[j][1])), None)
-        left, j = None, at - 1
-        while j >= 0:  # below: the lowest index among the fitting bins of the nearest density
-            d, i = keys[j]
-            if left is not None and d != left[2]:
-                break
-            if fits(i):
-                left = (density - d, i, d)
-            j -= 1
-        options = [x[:2] for x in (left, right) if x is not None]
-        return bins[min(options)[1]] if options else None
-
-
-class _Bundle(list):
-    """Whole documents (runs) that pack and move as one free item, with their cost and tokens."""
-
-    __slots__ = ("cost", "tokens")
-
-
-def _bundles(a_D, b_D, cost_D, target: float, tau: float) -> list[_Bundle]:
-    """Tiny documents ``[a_D, b_D)`` (int64 numpy, each under :data:`BUNDLE_SHARE` of a rank's
-    cost and tokens) grouped, in order of cost per token, into bundles of about that share
-    (thousands of short documents over hundreds of ranks: the packing then handles bundles)."""
-    order = np.argsort(cost_D / np.maximum(b_D - a_D, 1), kind="stable")
-    a_D, b_D, cost_D = a_D[order], b_D[order], cost_D[order]
-    group = np.maximum(np.floor(np.cumsum(cost_D) / (BUNDLE_SHARE * target)),
-                       np.floor(np.cumsum(b_D - a_D) / (BUNDLE_SHARE * tau)))
-    edges = np.concatenate(([0], np.flatnonzero(np.diff(group)) + 1, [len(group)])).tolist()
-    runs = list(zip(a_D.tolist(), b_D.tolist()))
-    costs = np.concatenate(([0.0], np.cumsum(cost_D)))
-    sizes = np.concatenate(([0], np.cumsum(b_D - a_D)))
-    out = []
-    for i, j in zip(edges[:-1], edges[1:]):
-        bundle = _Bundle(runs[i:j])
-        bundle.cost, bundle.tokens = float(costs[j] - costs[i]), int(sizes[j] - sizes[i])
-        out.append(bundle)
-    return out
 
 
 class Batch:
@@ -163,7 +56,7 @@ class Batch:
         cs = self.csum
         if len(item) == 1:
             return cs[item[0][1]] - cs[item[0][0]]
-        if type(item) is _Bundle:
+        if type(item) is Bundle:
             return item.cost
         return sum([cs[q] - cs[p] for p, q in item])
 
@@ -172,7 +65,7 @@ class Batch:
         """The number of an item's tokens."""
         if len(item) == 1:
             return item[0][1] - item[0][0]
-        if type(item) is _Bundle:
+        if type(item) is Bundle:
             return item.tokens
         return sum([q - p for p, q in item])
 
@@ -185,7 +78,7 @@ class Batch:
             if d.lo > d.a:
                 free.append([(d.a, d.lo)])
         bins = (self.pack if method == "greedy" else self.pack_nearest)(free, groups, next_rank, recv)
-        _fill(bins, self.csum, self.starts, self.target, self.cost_of, self.size_of,
+        fill(bins, self.csum, self.starts, self.target, self.cost_of, self.size_of,
               lambda bn, rank: self.grow(bn, rank, most), lambda run: self.traffic.recv([run])[0],
               several=method == "greedy")
 
@@ -211,7 +104,7 @@ class Batch:
         rest = ~long_D & ~tiny_D
         free = [[run] for run in zip(self.a_D[rest].tolist(), self.b_D[rest].tolist())]
         if tiny_D.any():
-            free += _bundles(self.a_D[tiny_D], self.b_D[tiny_D], self.cost_D[tiny_D], target, tau)
+            free += bundles(self.a_D[tiny_D], self.b_D[tiny_D], self.cost_D[tiny_D], target, tau)
         longs.sort(key=lambda d: csum[d[0]] - csum[d[1]])
         spare = P - sum(max(1, int((csum[b] - csum[a]) // x)) for a, b in longs)
         docs_long: list[LongDocument] = []
@@ -287,7 +180,7 @@ class Batch:
                 outer[r] = max(outer[r], 1 - j / d.m)
         return groups, next_rank, recv
 
-    def bins(self, groups: list[dict], next_rank: int, recv: list[int]) -> list[_Bin]:
+    def bins(self, groups: list[dict], next_rank: int, recv: list[int]) -> list[Bin]:
         """Step 3's bins: one per group (its ranks' cost less its pieces', their tokens less its
         pieces') and one per remaining rank."""
         P, cap, target, tau = self.P, self.cap, self.target, self.tau
@@ -296,25 +189,25 @@ class Batch:
             k = len(g["ranks"])
             region_cost = sum(d.cost for d in g["longs"])
             region_tokens = sum(d.b - d.lo for d in g["longs"])
-            bins.append(_Bin(k * target - region_cost, k * cap - region_tokens,
+            bins.append(Bin(k * target - region_cost, k * cap - region_tokens,
                              max(k * tau - region_tokens, 0.05 * tau), group=g))
             bins[-1].recv = min(recv[r] for r in g["ranks"])
-        return bins + [_Bin(target, cap, tau, rank=r) for r in range(next_rank, P)]
+        return bins + [Bin(target, cap, tau, rank=r) for r in range(next_rank, P)]
 
-    def pack_nearest(self, free: list[list], groups: list[dict], next_rank: int, recv: list[int]) -> list[_Bin]:
+    def pack_nearest(self, free: list[list], groups: list[dict], next_rank: int, recv: list[int]) -> list[Bin]:
         """Step 3 by nearest density: the free items, largest first, each to the bin whose remaining
         cost per remaining target token is nearest the item's among those with room for its cost
-        and tokens (:class:`_DensityIndex`, O(log bins) per item), else to the bin with most token
+        and tokens (:class:`DensityIndex`, O(log bins) per item), else to the bin with most token
         room. Exact fills follow from small items placed last; at hundreds of bins the large items
         leave the ranks short of cost at their token cap and the fill slow (:meth:`pack`)."""
         cost_of, size_of, target, tau = self.cost_of, self.size_of, self.target, self.tau
         bins = self.bins(groups, next_rank, recv)
-        index = _DensityIndex(bins)
+        index = DensityIndex(bins)
         for item in sorted(free, key=lambda item: -max(cost_of(item) / target, size_of(item) / tau)):
             self.place(bins, index, item, cost_of(item), size_of(item))
         return bins
 
-    def pack(self, free: list[list], groups: list[dict], next_rank: int, recv: list[int]) -> list[_Bin]:
+    def pack(self, free: list[list], groups: list[dict], next_rank: int, recv: list[int]) -> list[Bin]:
         """Step 3 by density balance: the items costing or holding more than :data:`BIG_SHARE` of
         a rank first, by nearest density (:meth:`place`); then each bin, those wanting a density
         furthest from the rest's first, takes the free items from the dense or the sparse end of
@@ -322,7 +215,7 @@ class Batch:
         they fit (looking up to :data:`SEARCH` items in from that end, else from the other); what
         no bin took goes where it fits best, else to the bin emptiest in cost. Both the bins' costs
         and tokens come out near their targets, so the fill has little to do. Thousands of tiny
-        documents arrive as bundles (:func:`_bundles`), which stay whole. O(items + bins log bins)."""
+        documents arrive as bundles (:func:`bundles`), which stay whole. O(items + bins log bins)."""
         target, tau = self.target, self.tau
         cost_of, size_of = self.cost_of, self.size_of
         bins = self.bins(groups, next_rank, recv)
@@ -331,7 +224,7 @@ class Batch:
             c, n = cost_of(item), size_of(item)
             (big if c > BIG_SHARE * target or n > BIG_SHARE * tau else pool).append((c, n, item))
         big.sort(key=lambda g: -max(g[0] / target, g[1] / tau))
-        index = _DensityIndex(bins)
+        index = DensityIndex(bins)
         for c, n, item in big:
             self.place(bins, index, item, c, n)
         pool.sort(key=lambda g: g[0] / g[1])  # sparsest first
@@ -340,10 +233,10 @@ class Batch:
         pool_cost, pool_tokens = sum(g[0] for g in pool), sum(g[1] for g in pool)
         tol = FILL_TOLERANCE * target
 
-        def want(bn: _Bin) -> float:  # the bin's remaining cost per remaining target token
+        def want(bn: Bin) -> float:  # the bin's remaining cost per remaining target token
             return (bn.cap_cost - bn.load) / max(bn.target_tokens - bn.tokens, 1.0)
 
-        def fitting(bn: _Bin, dense: bool) -> int | None:  # of the SEARCH items nearest that end
+        def fitting(bn: Bin, dense: bool) -> int | None:  # of the SEARCH items nearest that end
             step, i, seen = (-1, ends[1], 0) if dense else (1, ends[0], 0)
             while 0 <= i < len(pool) and seen < SEARCH and ends[0] <= i <= ends[1]:
                 if not taken[i]:
@@ -385,7 +278,7 @@ class Batch:
         return bins
 
     @staticmethod
-    def place(bins: list[_Bin], index: _DensityIndex, item, c: float, n: int) -> None:
+    def place(bins: list[Bin], index: DensityIndex, item, c: float, n: int) -> None:
         """Put one item in the bin whose remaining density is nearest its own among those with room
         for its cost and tokens; else (none has) the bin with most token room."""
         density = math.log(max(c, 1e-300) / n)
@@ -395,14 +288,14 @@ class Batch:
             for bn in bins:
                 room = bn.cap_cost - bn.load
                 key = (bn.tokens + n > bn.cap_tokens, 1, bn.tokens - bn.cap_tokens) if room < c else (
-                    bn.tokens + n > bn.cap_tokens, 0, abs(density - _bin_density(bn)))
+                    bn.tokens + n > bn.cap_tokens, 0, abs(density - bin_density(bn)))
                 if best_key is None or key < best_key:
                     best, best_key = bn, key
         index.remove(best)
         best.add(item, c, n)
         index.insert(best)
 
-    def grow(self, bn: _Bin, rank: _Bin, most: int) -> bool:
+    def grow(self, bn: Bin, rank: Bin, most: int) -> bool:
         """The group of ``bn`` takes in the under-full ``rank``: its largest document takes one more
         piece (its start, a free item here, joins the nesting if that receives less); False where
         the document has no token to spare."""
@@ -431,7 +324,7 @@ class Batch:
         bn.target_tokens += tau
         return True
 
-    def settle(self, bn: _Bin, owned: list[list]) -> None:
+    def settle(self, bn: Bin, owned: list[list]) -> None:
         """A group's ranks (step 4 of :mod:`cp_attention.layout.balanced`): its free items spread over them,
         each rank's remaining cost its pieces' budget, then its long documents split. A rank first gets
         the densest free items it needs to reach the target at all; then the items go, largest
@@ -608,164 +501,6 @@ def _budgets(group: dict, gap: dict[int, float], rounds: int = 60) -> list[list[
         total = sum(cost[i])
         cost[i] = [c * d.cost / total for c in cost[i]] if total > 0 else [d.cost / d.m] * d.m
     return cost
-
-
-def _fill(bins: list[_Bin], csum: Costs, starts: set[int], target: float, cost_of, size_of, grow,
-          halo, several: bool = False) -> None:
-    """Make every bin's cost its capacity: an over-full bin passes cost to an under-full one by the
-    first of: a whole item that fits; the head of one of its items cut at the exact cost (the
-    shortest head: the rest of that item, which stays, receives it); where the under-full bin has no
-    token room, a swap of an item for cheaper ones of the under-full bin (the sparsest; its head cut
-    at the exact cost if need be). Only items that start a document move or are cut, so a moved item
-    receives nothing. Where nothing moves, an over-full group takes in an under-full rank of its
-    own (``grow(group, rank)``: one more piece of a long document, on that rank)."""
-    tol = FILL_TOLERANCE * target
-
-    def movable(bn: _Bin) -> list:  # whole documents (or bundles of them): they receive nothing anywhere
-        return [item for item in bn.items if all(run[0] in starts for run in item)]
-
-    @functools.lru_cache(maxsize=None)
-    def _head(p: int, q: int, cost: float) -> int:
-        return min(max(csum.left(csum[p] + cost), p + 1), q - 1)
-
-    @functools.lru_cache(maxsize=None)
-    def _tail(p: int, q: int, cost: float) -> int:
-        return min(max(csum.left(csum[q] - cost), p + 1), q - 1)
-
-    def head(item, cost: float) -> int:  # end of the item's head of this cost
-        return _head(*item[0], cost)
-
-    def tail(item, cost: float) -> int:  # start of the item's tail of this cost
-        return _tail(*item[0], cost)
-
-    for bn in bins:  # first no bin over its token cap: its sparsest items to the bins with most room
-        for item in sorted(movable(bn), key=lambda item: cost_of(item) / size_of(item)):
-            if bn.tokens <= bn.cap_tokens:
-                break
-            dest = max(bins, key=lambda d: d.cap_tokens - d.tokens)
-            if dest is bn or dest.tokens + size_of(item) > dest.cap_tokens:
-                break
-            bn.remove(item, cost_of(item), size_of(item))
-            dest.add(item, cost_of(item), size_of(item))
-    # the bins by excess cost (ties: bins order), kept sorted as moves change two bins at a time
-    by_pos = dict(enumerate(bins))
-    at = {id(bn): (bn.load - bn.cap_cost, i) for i, bn in by_pos.items()}
-    order = sorted(at.values())
-
-    def moved(*changed: _Bin) -> None:
-        for bn in changed:
-            del order[bisect.bisect_left(order, at[id(bn)])]
-            at[id(bn)] = (bn.load - bn.cap_cost, at[id(bn)][1])
-            bisect.insort(order, at[id(bn)])
-
-    def pairs():  # (over, under): the fullest and emptiest first, those with more than 0.1 tol to move;
-        # with the over-full bin's movable items (cost, tokens, item), densest first, and the
-        # under-full one's sparsest items (read once per bin and move)
-        sparsest = {}
-        for ex_o, i in reversed(order):
-            if ex_o <= 0.1 * tol:
-                return
-            give = dense = None
-            for ex_u, j in order:
-                if -ex_u <= 0.1 * tol:
-                    break
-                if give is None:
-                    give = [(cost_of(item), size_of(item), item) for item in movable(by_pos[i])]
-                    dense = sorted(give, key=lambda g: -g[0] / g[1])[:SEARCH]
-                if j not in sparsest:
-                    sparsest[j] = sorted(movable(by_pos[j]), key=lambda item: cost_of(item) / size_of(item))[:SEARCH]
-                yield by_pos[i], by_pos[j], give, dense, sparsest[j]
-
-    for _ in range(4 * len(bins) + 8):
-        if order[-1][0] <= tol:
-            return
-        move = None
-        for over, under, give, dense, sparse in pairs():
-            excess = min(over.load - over.cap_cost, under.cap_cost - under.load)
-            room, room_over = under.cap_tokens - under.tokens, over.cap_tokens - over.tokens
-            best = None  # (cut tokens, -net cost, item, its head end or None, items taken back)
-            whole = [g for g in give if g[0] <= excess + 0.1 * tol and g[1] <= room]
-            if whole and several:  # whole items, largest first, as many as fit
-                whole.sort(key=lambda g: -g[0])
-                c_sum, n_sum, chosen = 0.0, 0, []
-                for c, n, item in whole:
-                    if c_sum + c <= excess + 0.1 * tol and n_sum + n <= room:
-                        chosen.append(item)
-                        c_sum += c
-                        n_sum += n
-                best = ((0, -c_sum), chosen[0], None, [], chosen[1:])
-            elif whole:  # a whole item
-                c, n, item = max(whole, key=lambda g: g[0])
-                best = ((0, -c), item, None, [], [])
-            else:  # an item cut at the exact cost: its head moves (the rest, staying, receives the head)
-                # or its tail moves (and receives the rest): where the receiving rank then receives less
-                for c, n, item in sorted((g for g in give if g[0] > excess and g[1] > 1 and len(g[2]) == 1),
-                                          key=lambda g: g[0])[:SEARCH]:
-                    (p, q), = item
-                    t = head(item, excess)
-                    if t - p <= room:
-                        key = (over.recv + halo((t, q)), t - p)
-                        if best is None or key < best[0]:
-                            best = (key, item, t, [], [])
-                    t = tail(item, excess)
-                    if q - t <= room:
-                        key = (under.recv + halo((t, q)), q - t)
-                        if best is None or key < best[0]:
-                            best = (key, item, -t, [], [])
-            if best is None and give:  # a dense item for the under-full bin's sparsest ones
-                c_back = n_back = 0
-                for i in range(len(sparse)):
-                    c_back += cost_of(sparse[i])
-                    n_back += size_of(sparse[i])
-                    for c_all, n_all, item in dense:
-                        options = [(c_all, n_all, None, max(over.recv, under.recv))]
-                        if c_all > excess + c_back and n_all > 1 and len(item) == 1:  # cut: its head or tail moves
-                            (p, q), = item
-                            t = head(item, excess + c_back)
-                            options.append((csum[t] - csum[p], t - p, t, over.recv + halo((t, q))))
-                            t = tail(item, excess + c_back)
-                            options.append((csum[q] - csum[t], q - t, -t, under.recv + halo((t, q))))
-                        for c, n, t, recv in options:
-                            net = c - c_back
-                            if net <= 0.1 * tol or net > excess + 0.1 * tol or n - n_back > room or \
-                                    n_back - n > room_over:
-                                continue
-                            key = (recv, t is not None, -net)
-                            if best is None or key < best[0]:
-                                best = (key, item, t, sparse[:i + 1], [])
-            if best is not None:
-                move = (over, under, *best[1:])
-                break
-        if move is None:
-            pair = next(((by_pos[i], by_pos[j]) for ex_o, i in reversed(order) if ex_o > tol
-                         for ex_u, j in order if -ex_u > tol
-                         if by_pos[i].group is not None and by_pos[j].group is None), None)
-            if pair is None or not grow(*pair):
-                return
-            bins.remove(pair[1])
-            del order[bisect.bisect_left(order, at[id(pair[1])])]
-            moved(pair[0])
-            continue
-        over, under, item, t, back, more = move
-        for extra in more:  # several whole items: the others go too
-            over.remove(extra, cost_of(extra), size_of(extra))
-            under.add(extra, cost_of(extra), size_of(extra))
-        over.remove(item, cost_of(item), size_of(item))
-        if t is not None and t > 0:  # the head moves, the rest stays and receives it
-            (p, q), = item
-            over.add([(t, q)], csum[q] - csum[t], q - t)
-            over.recv += halo((t, q))
-            item = [(p, t)]
-        elif t is not None:  # the tail moves and receives the rest, which stays
-            (p, q), = item
-            over.add([(p, -t)], csum[-t] - csum[p], -t - p)
-            under.recv += halo((-t, q))
-            item = [(-t, q)]
-        under.add(item, cost_of(item), size_of(item))
-        for item in back:
-            under.remove(item, cost_of(item), size_of(item))
-            over.add(item, cost_of(item), size_of(item))
-        moved(over, under)
 
 
 def layout_from_items(L: int, owned: list[list], size_of) -> Layout:

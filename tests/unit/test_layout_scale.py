@@ -24,7 +24,7 @@ import torch
 import cp_attention
 from cp_attention.layout import token_costs
 from cp_attention.layout.costs import Costs, Traffic, layer_specs
-from cp_attention.layout.partition import _Bin, _bin_density, _DensityIndex
+from cp_attention.layout.bins import Bin, DensityIndex, bin_density
 from cp_attention.layout.split import LongDocument
 from cp_attention.masks import SequenceMeta
 from layout_cases import lengths as _lengths
@@ -87,23 +87,23 @@ def test_nested_split_gives_every_piece_its_budget():
 
 
 def test_density_index_finds_what_a_scan_finds():
-    """Random bins and items: :class:`_DensityIndex` returns the first bin (in order) of those with
+    """Random bins and items: :class:`DensityIndex` returns the first bin (in order) of those with
     room for the item's cost and tokens whose density is nearest the item's, as a scan does."""
     rng = random.Random(0)
     for _ in range(200):
         bins = []
         for i in range(rng.randint(1, 12)):
-            bn = _Bin(rng.choice([1.0, 2.0, 5.0]), rng.randint(5, 40), rng.choice([4.0, 10.0, 20.0]))
+            bn = Bin(rng.choice([1.0, 2.0, 5.0]), rng.randint(5, 40), rng.choice([4.0, 10.0, 20.0]))
             bn.load, bn.tokens = rng.choice([0.0, 0.5, 1.0, 3.0]), rng.randint(0, 30)
             bins.append(bn)
         if rng.random() < 0.3:  # equal densities: the first bin in order wins
             bins.append(bins[0].__class__(bins[0].cap_cost, bins[0].cap_tokens, bins[0].target_tokens))
             bins[-1].load, bins[-1].tokens = bins[0].load, bins[0].tokens
-        index = _DensityIndex(bins)
+        index = DensityIndex(bins)
         c, n = rng.choice([0.1, 0.5, 1.0, 2.0]), rng.randint(1, 10)
         density = math.log(c / n)
         fitting = [bn for bn in bins if bn.cap_cost - bn.load >= c and bn.tokens + n <= bn.cap_tokens]
-        want = min(fitting, key=lambda bn: abs(density - _bin_density(bn)), default=None)  # first of the nearest
+        want = min(fitting, key=lambda bn: abs(density - bin_density(bn)), default=None)  # first of the nearest
         assert index.nearest(density, c, n) is want
 
 
