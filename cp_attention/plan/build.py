@@ -39,7 +39,7 @@ from .ranks import RankRuns, rank_runs
 from .types import WORK_TILE, KernelCall, PlanStats, RankPlan, Round, Step
 from .verify import check_plan, check_step
 
-__all__ = ["build_plan", "build_local_plan", "verify_plan"]
+__all__ = ["build_plan", "build_local_plan", "verify_plan", "group_sequences"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,14 +229,16 @@ def _seq(fit, q_base: int, k_base: int) -> _Seq:
                 left_min=Lk - 1, right_min=Lq - 1, visible=visible, work=work)
 
 
-def _group_sequences(out: list[_Seq], Q: list, K: list, sa: int, sb: int, lo: int, hi: int,
-                     q_base: int, k_base: int) -> None:
+def group_sequences(out: list[_Seq], Q: list, K: list, sa: int, sb: int, lo: int, hi: int,
+                    q_base: int, k_base: int) -> None:
     """Append the sequences computing exactly the visible pairs of one segment's query pieces
     ``Q`` against its key pieces ``K`` (``q_base``/``k_base``: packed rows of their first tokens).
 
     Tried in order: the whole group as one sequence (e.g. a zigzag rank's two slices of one causal
     document); each query piece against all key pieces it reaches; each (query piece, key piece)
-    pair, which always fits (both contiguous in global positions)."""
+    pair, which always fits (both contiguous in global positions). The sequences carry ``q0, q1, k0,
+    k1`` (packed rows), ``visible`` and ``work`` (score entries computed); :mod:`.summary` reads them
+    for the groups of more than one piece."""
     fit = _fit(Q, K, sa, sb, lo, hi)
     if fit is _EMPTY:
         return
@@ -282,8 +284,8 @@ def _pair_sequences(pr: list[_Pieces], ps: list[_Pieces], segs, band: tuple[int,
             (iq, nq), (ik, nk) = qp.first[g], kp.first[g]
             Q = list(zip(qp.start[iq:iq + nq], qp.end[iq:iq + nq]))
             K = list(zip(kp.start[ik:ik + nk], kp.end[ik:ik + nk]))
-            _group_sequences(seqs, Q, K, int(starts[g]), int(ends[g]), lo, hi,
-                             b * Lr + qp.local[iq], b * Ls + kp.local[ik])
+            group_sequences(seqs, Q, K, int(starts[g]), int(ends[g]), lo, hi,
+                            b * Lr + qp.local[iq], b * Ls + kp.local[ik])
     seqs.sort(key=lambda x: (x.q0, x.k0))
     return seqs
 
