@@ -19,7 +19,8 @@ row and mask term:
 * a pair where both ranks hold one piece of the segment (the common case: a document inside a
   shard, or a zigzag slice of a longer one) is one varlen sequence whose window, visible pairs and
   tiled work (``WORK_TILE`` rows per tile) are closed forms of the two ranges (the planner's
-  ``_fit_ranges`` and ``_seq``), evaluated for all such pairs at once;
+  ``_fit_ranges`` and ``_seq``), evaluated for all such pairs at once; a pair where every query sees
+  every key (most pairs of a long causal document) is its rectangle of rows x keys;
 * where a rank holds several pieces of the segment (a zigzag rank's two slices of a document
   crossing the middle of the sequence; a balanced layout's split documents), the planner fits the
   two ranks' pieces together; when only one pair of pieces sees anything, or every live query piece
@@ -135,11 +136,15 @@ def _row_sequences(index: RankRuns, starts: np.ndarray, ends: np.ndarray, lo: in
     qp = order[np.repeat(np.arange(N), n)]
     kp = order[np.repeat(j0, n) + _within(n)]
     G = len(g_first)
-    alone = _blockwise(qp, kp, gid, g_size, a, e, lo, hi)
-    qs, ks = qp[alone], kp[alone]
+    full = (a[kp] >= e[qp] - 1 + lo) & (e[kp] - 1 <= a[qp] + hi)  # every query of the pair sees every key
+    alone = _blockwise(qp, kp, gid, g_size, full)
+    qs, ks = qp[alone & full], kp[alone & full]  # rows x keys, all visible
+    area = (e[qs] - a[qs]) * (e[ks] - a[ks])
+    out = [(rank[qs], rank[ks], loc[ks], loc[ks] + e[ks] - a[ks], area, area)]
+    qs, ks = qp[alone & ~full], kp[alone & ~full]
     f0, Lk, work, vis, live = _fit_pairs(a[qs], e[qs], a[ks], e[ks], lo, hi, L)
     first_key = loc[ks] + f0
-    out = [(rank[qs][live], rank[ks][live], first_key[live], (first_key + Lk)[live], work[live], vis[live])]
+    out.append((rank[qs][live], rank[ks][live], first_key[live], (first_key + Lk)[live], work[live], vis[live]))
     pairs = np.unique(gid[qp[~alone]] * G + gid[kp[~alone]])
     rows = []
     for gq, gk in zip((pairs // G).tolist(), (pairs % G).tolist()):
@@ -155,7 +160,7 @@ def _row_sequences(index: RankRuns, starts: np.ndarray, ends: np.ndarray, lo: in
     return tuple(np.concatenate([o[i] for o in out]) for i in range(6))
 
 
-def _blockwise(qp, kp, gid, g_size, a, e, lo: int, hi: int) -> np.ndarray:
+def _blockwise(qp, kp, gid, g_size, full) -> np.ndarray:
     """Which reachable (query piece, key piece) pairs ``qp, kp`` (E,) cost what they cost alone, as
     one sequence each (E,) bool: where both ranks hold one piece of the segment; and where a rank holds
     several (a group), in the two cases where the planner's fitting of the two groups, whatever it
@@ -167,20 +172,30 @@ def _blockwise(qp, kp, gid, g_size, a, e, lo: int, hi: int) -> np.ndarray:
       sequence the planner can make is a full rectangle of rows x keys, whose tiles compute exactly
       its visible pairs, over the same key pieces.
 
-    Every other pair of groups goes to the planner's :func:`.build.group_sequences`."""
+    ``full``: (E,) whether every query of the pair sees every key. Every other pair of groups goes to
+    the planner's :func:`.build.group_sequences`."""
     single = (g_size[gid[qp]] == 1) & (g_size[gid[kp]] == 1)
     many = np.flatnonzero(~single)
     if not len(many):
         return single
-    mq, mk = qp[many], kp[many]
-    pair = gid[mq] * len(g_size) + gid[mk]
-    groups, inv, blocks = np.unique(pair, return_inverse=True, return_counts=True)
-    full = (a[mk] >= e[mq] - 1 + lo) & (e[mk] - 1 <= a[mq] + hi)  # every query sees every key
-    n_full = np.bincount(inv, weights=full, minlength=len(groups))
-    n_q = np.bincount(np.unique(inv * len(a) + mq) // len(a), minlength=len(groups))  # live query pieces
-    n_k = np.bincount(np.unique(inv * len(a) + mk) // len(a), minlength=len(groups))
-    easy = (blocks == 1) | ((n_full == blocks) & (blocks == n_q * n_k))
-    single[many] = easy[inv]
+    # the pairs of pieces of each pair of groups, query piece by query piece (stable: in position order)
+    pair = gid[qp[many]] * len(g_size) + gid[kp[many]]
+    order = np.argsort(pair, kind="stable")
+    pair, mq, mk, whole = pair[order], qp[many][order], kp[many][order], full[many][order].astype(np.int64)
+    first = np.flatnonzero(np.diff(pair, prepend=-1) != 0)
+    blocks = np.diff(np.append(first, len(pair)))
+    # each live query piece's key pieces of the group: a run of them (a reach is one range of positions)
+    new_q = np.ones(len(mq), dtype=bool)
+    new_q[1:] = (mq[1:] != mq[:-1]) | (pair[1:] != pair[:-1])
+    q_first = np.flatnonzero(new_q)
+    q_last = np.append(q_first[1:], len(mq)) - 1
+    per_pair = np.searchsorted(first, q_first, side="right") - 1  # the pair of groups of each live query piece
+    k_lo, k_hi = mk[q_first], mk[q_last]
+    pair_first = np.flatnonzero(np.diff(per_pair, prepend=-1) != 0)
+    same_keys = (np.minimum.reduceat(k_lo, pair_first) == np.maximum.reduceat(k_lo, pair_first)) & \
+        (np.minimum.reduceat(k_hi, pair_first) == np.maximum.reduceat(k_hi, pair_first))
+    easy = (blocks == 1) | ((np.add.reduceat(whole, first) == blocks) & same_keys)
+    single[many[order]] = np.repeat(easy, blocks)
     return single
 
 
