@@ -15,9 +15,9 @@ single bottom-right ``(left, right)`` is decided exactly from the pieces' edges 
 do not (a window crossing a zigzag gap), each query piece is tried against the key pieces it
 reaches, and in the last resort each (query piece, key piece) pair runs alone, which always fits.
 Sequences that admit a common ``(left, right)`` and do not overlap share a kernel call. The cost
-follows the number of documents, chunks and ranks, not the length: milliseconds at a million
-tokens. :func:`verify_plan` checks a plan token by token against the mask (tests run it on every
-plan: ``$CP_ATTENTION_VERIFY_PLANS=1``).
+follows the number of documents, chunks and the rank's peers (the ranks sharing a segment with it),
+not the length: milliseconds at a million tokens. :func:`verify_plan` checks a plan token by token
+against the mask (tests run it on every plan: ``$CP_ATTENTION_VERIFY_PLANS=1``).
 
 Legend: ``B`` batch rows, ``L`` global length, ``Q``/``K`` a segment's query/key pieces as global
 ``(start, end)`` ranges, ``R`` packed query rows of a pair (``b * L_r + i``; verification only).
@@ -35,10 +35,11 @@ import torch
 
 from .. import layout as layout_mod
 from ..masks import MaskSpec, SequenceMeta, mask_terms
+from .ranks import RankRuns, rank_runs
 from .types import WORK_TILE, KernelCall, PlanStats, RankPlan, Round, Step
 from .verify import check_plan, check_step
 
-__all__ = ["build_plan", "build_local_plan", "verify_plan"]
+__all__ = ["build_plan", "build_local_plan", "verify_plan", "group_sequences"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,14 +229,16 @@ def _seq(fit, q_base: int, k_base: int) -> _Seq:
                 left_min=Lk - 1, right_min=Lq - 1, visible=visible, work=work)
 
 
-def _group_sequences(out: list[_Seq], Q: list, K: list, sa: int, sb: int, lo: int, hi: int,
-                     q_base: int, k_base: int) -> None:
+def group_sequences(out: list[_Seq], Q: list, K: list, sa: int, sb: int, lo: int, hi: int,
+                    q_base: int, k_base: int) -> None:
     """Append the sequences computing exactly the visible pairs of one segment's query pieces
     ``Q`` against its key pieces ``K`` (``q_base``/``k_base``: packed rows of their first tokens).
 
     Tried in order: the whole group as one sequence (e.g. a zigzag rank's two slices of one causal
     document); each query piece against all key pieces it reaches; each (query piece, key piece)
-    pair, which always fits (both contiguous in global positions)."""
+    pair, which always fits (both contiguous in global positions). The sequences carry ``q0, q1, k0,
+    k1`` (packed rows), ``visible`` and ``work`` (score entries computed); :mod:`.summary` reads them
+    for the groups of more than one piece."""
     fit = _fit(Q, K, sa, sb, lo, hi)
     if fit is _EMPTY:
         return
@@ -281,8 +284,8 @@ def _pair_sequences(pr: list[_Pieces], ps: list[_Pieces], segs, band: tuple[int,
             (iq, nq), (ik, nk) = qp.first[g], kp.first[g]
             Q = list(zip(qp.start[iq:iq + nq], qp.end[iq:iq + nq]))
             K = list(zip(kp.start[ik:ik + nk], kp.end[ik:ik + nk]))
-            _group_sequences(seqs, Q, K, int(starts[g]), int(ends[g]), lo, hi,
-                             b * Lr + qp.local[iq], b * Ls + kp.local[ik])
+            group_sequences(seqs, Q, K, int(starts[g]), int(ends[g]), lo, hi,
+                            b * Lr + qp.local[iq], b * Ls + kp.local[ik])
     seqs.sort(key=lambda x: (x.q0, x.k0))
     return seqs
 
@@ -388,6 +391,32 @@ def _step(seqs: list[_Seq], source: int, Ls: int, whole: bool) -> Step | None:
     return Step(source=source, spans=spans, calls=tuple(_calls(seqs, k_shift)))
 
 
+def _peer_offsets(index: RankRuns, mine: list[list[_Pieces]], terms, rank: int) -> list[int]:
+    """The round offsets (increasing, 1..P-1) at which ``rank`` may receive or send: those of the
+    ranks holding keys its queries reach or queries its keys are reached by, inside the segments of
+    its pieces (``mine[t][b]``: its pieces of term ``t``, row ``b``). Query ``q`` of segment ``[sa,
+    sb)`` reaches the keys ``[max(sa, q + lo), min(sb, q + hi + 1))``, so a piece ``[a, e)`` reaches
+    ``[max(sa, a + lo), min(sb, e + hi))`` and is reached from ``[max(sa, a - hi), min(sb, e - lo))``.
+    Any other rank shares no visible pair with ``rank``: skipping it leaves the plan unchanged."""
+    P = index.world_size
+    recv, send = [], []
+    for (segs, (lo, hi)), rows in zip(terms, mine):
+        for (starts, ends), pc in zip(segs, rows):
+            if not pc.seg:
+                continue
+            seg = np.asarray(pc.seg, dtype=np.int64)
+            a, e = np.asarray(pc.start, dtype=np.int64), np.asarray(pc.end, dtype=np.int64)
+            sa, sb = starts[seg], ends[seg]
+            recv.append((np.maximum(sa, a + lo), np.minimum(sb, e + hi)))
+            send.append((np.maximum(sa, a - hi), np.minimum(sb, e - lo)))
+    if not recv:
+        return []
+    src = index.holders(np.concatenate([x for x, _ in recv]), np.concatenate([y for _, y in recv]))
+    dst = index.holders(np.concatenate([x for x, _ in send]), np.concatenate([y for _, y in send]))
+    offsets = np.union1d((rank - src) % P, (dst - rank) % P)
+    return offsets[offsets > 0].tolist()
+
+
 def build_plan(
     meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str | layout_mod.Layout, rank: int, head_kv: int,
     head_dim: int, itemsize: int, grad_itemsize: int = 4, verify: bool | None = None, head_dim_v: int | None = None,
@@ -396,7 +425,10 @@ def build_plan(
 
     Works on runs, not tokens: each rank's token runs (``layout.rank_ranges``) are cut at the
     attention segments (``masks.segment_runs``), and only the segments two ranks share are fitted,
-    so its cost follows the numbers of documents, chunks and ranks, not the sequence length.
+    so its cost follows the numbers of documents, chunks and ranks, not the sequence length. Only
+    the ranks holding tokens within the mask's reach of this rank's pieces are visited (an interval
+    index over every rank's runs, :mod:`.ranks`); the rounds are those of every offset that has
+    something to move, in offset order, as if every offset had been tried.
 
     Args:
         meta: global document metadata (B rows of L tokens).
@@ -410,8 +442,8 @@ def build_plan(
     """
     layout_mod.check_layout(layout)
     B, P, L = meta.batch, world_size, meta.seq_len
-    runs = [layout_mod.rank_ranges(L, P, layout, r) for r in range(P)]
-    sizes = [sum(b - a for a, b in rr) for rr in runs]
+    index = rank_runs(L, P, layout)
+    runs, sizes = index.runs, index.sizes
     terms = mask_terms(meta, spec)  # (segments, band) of each part of the mask
     pieces: dict[tuple[int, int], list[_Pieces]] = {}
 
@@ -428,7 +460,7 @@ def build_plan(
     token_bytes, grad_token_bytes = head_kv * width * itemsize * B, head_kv * width * grad_itemsize * B
     local = _step(seqs(rank, rank), rank, sizes[rank], whole=True)
     rounds = []
-    for t in range(1, P):
+    for t in _peer_offsets(index, [pieces_of(rank, t) for t in range(len(terms))], terms, rank):
         src, dst = (rank - t) % P, (rank + t) % P
         recv = _step(seqs(rank, src), src, sizes[src], whole=False)
         out = seqs(dst, rank)

@@ -47,8 +47,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+from .. import layout as layout_mod
 from ..masks import MaskSpec, SequenceMeta
 from ..plan import PlanStats, RankPlan, build_plan
+from ..plan.ranks import rank_runs
+from .pricing import candidate_time
 from .ring import ring_attention, ring_backward, ring_forward
 from .ulysses import Grid, UlyssesPlan, build_ulysses_plan, ulysses_attention, ulysses_backward, ulysses_forward
 
@@ -198,17 +201,32 @@ def choose(meta: SequenceMeta, spec: MaskSpec, layout, rank: int, world_size: in
            kv_heads: int, head_dim: int, head_dim_v: int, itemsize: int):
     """``strategy="auto"``: ``rank``'s plan of the candidate with the lowest :func:`layer_time`
     (ties: the first of :func:`candidates`), its stats carrying every candidate's modeled time
-    (``predicted``). A pure function of global metadata: every rank chooses the same."""
+    (``predicted``). A pure function of global metadata: every rank chooses the same.
+
+    Each candidate is priced from the documents and the layout (:func:`~.pricing.candidate_time`:
+    the value :func:`layer_time` gives for the plans of every rank, without building them); only the
+    chosen candidate's plan of ``rank`` is built."""
     dims = dict(heads=heads, head_dim=head_dim, head_dim_v=head_dim_v)
+    layout = _read_once(layout, meta.seq_len, world_size)
     best, times = None, []
     for cand in candidates(world_size, heads):
-        plans = rank_plans(meta, spec, cand, layout, kv_heads=kv_heads, itemsize=itemsize, **dims)
-        t = layer_time(model, plans, **dims)
+        t = candidate_time(meta, spec, cand, layout, model, kv_heads=kv_heads, itemsize=itemsize, **dims)
         times.append((cand.name, t))
         if best is None or t < best[0]:
-            best = (t, plans[rank])
-    plan = best[1]
+            best = (t, cand)
+    plan = rank_plans(meta, spec, best[1], layout, kv_heads=kv_heads, itemsize=itemsize, ranks=(rank,), **dims)[rank]
     return dataclasses.replace(plan, stats=dataclasses.replace(plan.stats, predicted=tuple(times)))
+
+
+def _read_once(layout, seq_len: int, world_size: int):
+    """``layout`` as a :class:`~cp_attention.layout.Layout` holding every rank's runs, read once for
+    the many reads of one choice (a named layout answers ``rank_ranges`` in O(P) per rank); the
+    plans do not depend on the layout's form, only on its runs."""
+    lay = layout_mod.check_layout(layout)
+    if isinstance(lay, layout_mod.Layout):
+        return lay
+    runs = rank_runs(seq_len, world_size, lay).runs
+    return layout_mod.Layout(seq_len, runs, name=str(lay)) if all(runs) else lay
 
 
 def fixed_candidate(strategy: str, ulysses_size: int | None, world_size: int, heads: int) -> Candidate | None:
