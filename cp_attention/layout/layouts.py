@@ -76,8 +76,8 @@ class Zigzag(NamedLayout):
     name = "zigzag"
 
     def rank_ranges(self, seq_len: int, world_size: int, rank: int) -> list[tuple[int, int]]:
-        bounds = slice_bounds(seq_len, 2 * world_size)
-        ranges = [bounds[rank], bounds[2 * world_size - 1 - rank]]
+        n = 2 * world_size
+        ranges = [slice_bound(seq_len, n, rank), slice_bound(seq_len, n, n - 1 - rank)]
         return [(a, b) for a, b in ranges if b > a]
 
 
@@ -88,7 +88,7 @@ class Contiguous(NamedLayout):
     name = "contiguous"
 
     def rank_ranges(self, seq_len: int, world_size: int, rank: int) -> list[tuple[int, int]]:
-        a, b = slice_bounds(seq_len, world_size)[rank]
+        a, b = slice_bound(seq_len, world_size, rank)
         return [(a, b)] if b > a else []
 
 
@@ -218,6 +218,14 @@ def slice_bounds(seq_len: int, n: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def slice_bound(seq_len: int, n: int, i: int) -> tuple[int, int]:
+    """``slice_bounds(seq_len, n)[i]`` in closed form: the first ``seq_len % n`` slices hold one
+    token more."""
+    base, extra = divmod(seq_len, n)
+    start = i * base + min(i, extra)
+    return start, start + base + (1 if i < extra else 0)
 
 
 def rank_ranges(seq_len: int, world_size: int, layout, rank: int) -> list[tuple[int, int]]:

@@ -129,3 +129,14 @@ def test_cost_window_bisections_equal_bisect():
             v = rng.choice(prefixes) if rng.random() < 0.3 else rng.uniform(-10, prefixes[-1] * 1.1)
             assert window.left(v, lo, hi) == bisect.bisect_left(prefixes, v, lo, hi)
             assert window.right(v, lo, hi) == bisect.bisect_right(prefixes, v, lo, hi)
+
+
+def test_slice_bound_is_the_slice_of_slice_bounds():
+    """A rank's zigzag or contiguous slice in closed form (no list of every slice: reading every
+    rank's ranges at 1024 ranks was O(P^2)) is the one the list of all slices gives."""
+    from cp_attention.layout.layouts import slice_bound, slice_bounds
+
+    rng = random.Random(0)
+    for _ in range(500):
+        L, n = rng.randint(0, 5000), rng.randint(1, 300)
+        assert [slice_bound(L, n, i) for i in range(n)] == slice_bounds(L, n)
