@@ -21,7 +21,7 @@ from cp_attention.plan import build_plan
 from cp_attention.plan.summary import ring_summary
 from cp_attention.strategies.choice import CostModel, candidates, choose, layer_time, rank_plans
 from cp_attention.strategies.pricing import candidate_time
-from test_plan_peers import random_case, random_layout, same
+from plan_cases import random_case, random_layout, same
 
 @pytest.fixture(autouse=True)
 def _unverified(monkeypatch):
