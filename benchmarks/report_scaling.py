@@ -248,3 +248,36 @@ def planning_section(folder: str) -> list[str]:
     if text:
         out += para(text.strip())
     return out
+
+
+def planning_scale_section(folder: str, page_dir: str) -> list[str]:
+    """``bench_planning.py --scale``: planning from 8 to 1024 ranks, one rank's view."""
+    payload = load(folder, "planning_scale.json")
+    if payload is None:
+        return []
+    done = [r for r in payload["records"] if not r.get("skipped")]
+    skipped = [r for r in payload["records"] if r.get("skipped")]
+    out = ["### At hundreds of ranks", ""]
+    out += code("OMP_NUM_THREADS=1 python benchmarks/bench_planning.py --scale --repeats 1 --out benchmarks/results/cpu")
+    out += para("`bench_planning.py --scale`, `planning_scale.json`: one rank's view on one thread, from `cu_seqlens`: "
+                "the balanced layout of the batch's documents for the layer mix, this rank's plan of each distinct "
+                "mask, and `strategy=\"auto\"`'s choice per distinct mask (H 64 / K 8 / D 128, float16 K/V); "
+                "lognormal documents filling the row. The worst over the mixes per (L, documents, P), in ms:")
+    lines = ["| L | documents | P | layout + plans ms (worst mix) | auto ms per mask (worst mix) |",
+             "|---:|---:|---:|---:|---:|"]
+    keys = sorted({(r["L"], r["docs"], r["P"]) for r in done})
+    for L, docs, P in keys:
+        mine = [r for r in done if (r["L"], r["docs"], r["P"]) == (L, docs, P)]
+        worst = max(mine, key=lambda r: r["layout_plan_ms"])
+        lines.append(f"| {k_tokens(L)} | {docs} | {P} | {worst['layout_plan_ms']:.0f} ({worst['mix']}) | "
+                     f"{max(r['auto_ms_per_mask'] for r in mine):.0f} |")
+    out += lines + [""]
+    growth = [g for g in payload["growth"] if g.get("layout_plan") is not None]
+    if growth:
+        out += para(f"Growth exponents in P from 64 to the largest P measured (log-log slope; P log P from 64 to "
+                    f"1024 is 1.18): layout + plans {span([g['layout_plan'] for g in growth], 2)}, auto "
+                    f"{span([g['auto'] for g in growth if g.get('auto') is not None], 2)}.")
+    if skipped:
+        out += para(f"{len(skipped)} configurations were skipped: a smaller P of theirs took over the script's budget.")
+    out += image(folder, page_dir, "planning_scale.png", "planning at scale")
+    return out + [""]
