@@ -258,7 +258,8 @@ def planning_scale_section(folder: str, page_dir: str) -> list[str]:
     done = [r for r in payload["records"] if not r.get("skipped")]
     skipped = [r for r in payload["records"] if r.get("skipped")]
     out = ["### At hundreds of ranks", ""]
-    out += code("OMP_NUM_THREADS=1 python benchmarks/bench_planning.py --scale --repeats 1 --out benchmarks/results/cpu")
+    out += code("OMP_NUM_THREADS=1 python benchmarks/bench_planning.py --scale --repeats 1 --budget 120 "
+                "--lengths 1048576 4194304 --out benchmarks/results/cpu")
     out += para("`bench_planning.py --scale`, `planning_scale.json`: one rank's view on one thread, from `cu_seqlens`: "
                 "the balanced layout of the batch's documents for the layer mix, this rank's plan of each distinct "
                 "mask, and `strategy=\"auto\"`'s choice per distinct mask (H 64 / K 8 / D 128, float16 K/V); "
