@@ -148,7 +148,8 @@ class Grid:
         runs = tuple(tuple(layout_mod.merge_ranges(
             [run for r in self.head_group(g * self.ulysses) for run in layout_mod.rank_ranges(
                 seq_len, self.world_size, layout, r)])) for g in range(self.ring))
-        return layout_mod.Layout(seq_len, runs, name=f"{layout} in head groups of {self.ulysses}")
+        name = getattr(layout, "name", layout)  # (a Layout's repr lists every rank: long at many ranks)
+        return layout_mod.Layout(seq_len, runs, name=f"{name} in head groups of {self.ulysses}")
 
 
 class _TokenMap:
