@@ -145,9 +145,10 @@ class LongDocument:
         if len(budgets) == 1:  # one piece: the whole region
             return [[(self.lo, self.b)]], [self.traffic.recv([(self.lo, self.b)])]
         lo = self.lo - self.a
-        splits = [_split_nested(self.cs, lo, budgets, most),
-                  _split_nested(self.cs, lo, budgets, [m + m // 4 for m in most]),
-                  _split_contiguous(self.cs, lo, budgets, most)]
+        strict = _split_nested(self.cs, lo, budgets, most)
+        fits = all(sum(q - p for p, q in runs) <= cap for runs, cap in zip(strict, most))
+        splits = [strict] + ([] if fits else [_split_nested(self.cs, lo, budgets, [m + m // 4 for m in most])]) + \
+            [_split_contiguous(self.cs, lo, budgets, most)]
         scale = max(sum(budgets) / len(budgets), 1e-300)
         best = None
         for local in splits:
