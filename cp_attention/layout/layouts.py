@@ -211,18 +211,12 @@ def layout_code(layout) -> int:
 
 def slice_bounds(seq_len: int, n: int) -> list[tuple[int, int]]:
     """``[start, end)`` of ``n`` consecutive slices of ``seq_len`` tokens, sizes differing by <= 1."""
-    base, extra = divmod(seq_len, n)
-    bounds, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    return [slice_bound(seq_len, n, i) for i in range(n)]
 
 
 def slice_bound(seq_len: int, n: int, i: int) -> tuple[int, int]:
-    """``slice_bounds(seq_len, n)[i]`` in closed form: the first ``seq_len % n`` slices hold one
-    token more."""
+    """``[start, end)`` of slice ``i`` of :func:`slice_bounds` in closed form: the first
+    ``seq_len % n`` slices hold one token more."""
     base, extra = divmod(seq_len, n)
     start = i * base + min(i, extra)
     return start, start + base + (1 if i < extra else 0)

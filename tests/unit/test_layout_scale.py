@@ -131,12 +131,16 @@ def test_cost_window_bisections_equal_bisect():
             assert window.right(v, lo, hi) == bisect.bisect_right(prefixes, v, lo, hi)
 
 
-def test_slice_bound_is_the_slice_of_slice_bounds():
+def test_slice_bounds_cut_the_row_in_near_equal_consecutive_slices():
     """A rank's zigzag or contiguous slice in closed form (no list of every slice: reading every
-    rank's ranges at 1024 ranks was O(P^2)) is the one the list of all slices gives."""
-    from cp_attention.layout.layouts import slice_bound, slice_bounds
+    rank's ranges at 1024 ranks was O(P^2)), checked against the definition: ``n`` consecutive
+    slices covering ``[0, L)``, the first ``L % n`` one token longer than the others."""
+    from cp_attention.layout.layouts import slice_bounds
 
     rng = random.Random(0)
     for _ in range(500):
         L, n = rng.randint(0, 5000), rng.randint(1, 300)
-        assert [slice_bound(L, n, i) for i in range(n)] == slice_bounds(L, n)
+        bounds = slice_bounds(L, n)
+        assert len(bounds) == n and bounds[0][0] == 0 and bounds[-1][1] == L
+        assert all(bounds[i][1] == bounds[i + 1][0] for i in range(n - 1))
+        assert [b - a for a, b in bounds] == [L // n + 1] * (L % n) + [L // n] * (n - L % n)
