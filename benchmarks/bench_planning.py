@@ -21,9 +21,10 @@ not slow down there.
 ``--scale`` measures how planning grows with the world size (issue #36), one rank's view, one
 thread, from ``cu_seqlens``: for P in ``--world-sizes`` (default 8 ... 1024), L in ``--lengths``
 (default 128k, 1M, 4M tokens) and ``--docs-list`` (default 1,000 and 10,000 documents), and the
-layer mixes of :data:`MIXES` (one plan per distinct mask), the balanced layout, this rank's plan of
-every distinct mask and ``strategy="auto"``'s choice per distinct mask (H 64 / K 8 / D 128, float16
-K/V). Prints the table, the growth exponent in P (64 to the largest P) and in L (smallest to
+layer mixes of :data:`MIXES` (one plan per distinct mask), the balanced layout, this rank's ring plan
+of every distinct mask, and per distinct mask ``strategy="auto"``'s choice (every candidate priced,
+``strategies.choice.price``) and the chosen candidate's plan of this rank (H 64 / K 8 / D 128, float16
+K/V); and the whole step's planning under auto. Prints the table, the growth exponent in P (64 to the largest P) and in L (smallest to
 largest length), and writes ``planning_scale.json`` and ``planning_scale.png`` to ``--out``. A
 configuration whose previous world size took more than ``--budget`` seconds is skipped (marked).
 
@@ -47,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cp_attention.layout import balanced_layout_of  # noqa: E402
 from cp_attention.masks import MaskSpec, SequenceMeta  # noqa: E402
 from cp_attention.plan import build_plan  # noqa: E402
-from cp_attention.strategies.choice import CostModel, choose  # noqa: E402
+from cp_attention.strategies.choice import CostModel, price, rank_plans  # noqa: E402
 
 SOURCES = ("cu_seqlens", "position_ids")
 MASKS = {"causal": MaskSpec(), "window-4096": MaskSpec(window=4096), "chunked-8192": MaskSpec(chunk_size=8192)}
@@ -106,7 +107,8 @@ def measure(L: int, P: int, docs: int, source: str, layout_name: str, mask: str,
 
 def scale_once(L: int, P: int, docs: int, mix: str, seed: int) -> dict:
     """One step's planning at scale, one rank's view: (ms) metadata from cu_seqlens, balanced layout,
-    this rank's plans of the distinct masks, auto's choice per distinct mask."""
+    this rank's ring plans of the distinct masks; per distinct mask, ``strategy="auto"``'s choice (every
+    candidate priced) and the chosen candidate's plan of this rank; and the step under auto."""
     rank = seed % P
     t0 = time.perf_counter()
     meta = SequenceMeta.from_inputs(1, L, **packed_inputs(L, docs, seed, "cu_seqlens"))
@@ -120,11 +122,17 @@ def scale_once(L: int, P: int, docs: int, mix: str, seed: int) -> dict:
         build_plan(meta, spec, world_size=P, layout=layout, rank=rank, head_kv=SHAPE["kv_heads"],
                    head_dim=SHAPE["head_dim"], itemsize=SHAPE["itemsize"], verify=False)
     t3 = time.perf_counter()
+    choice_s = chosen_s = 0.0
     for spec in distinct:
-        choose(meta, spec, layout, rank, P, CostModel(), **SHAPE)
-    t4 = time.perf_counter()
+        s0 = time.perf_counter()
+        cand, _ = price(meta, spec, layout, P, CostModel(), **SHAPE)
+        s1 = time.perf_counter()
+        rank_plans(meta, spec, cand, layout, ranks=(rank,), **SHAPE)
+        choice_s, chosen_s = choice_s + s1 - s0, chosen_s + time.perf_counter() - s1
+    n = len(distinct)
     return dict(meta_ms=1e3 * (t1 - t0), layout_ms=1e3 * (t2 - t1), plan_ms=1e3 * (t3 - t2),
-                layout_plan_ms=1e3 * (t3 - t1), auto_ms_per_mask=1e3 * (t4 - t3) / len(distinct))
+                layout_plan_ms=1e3 * (t3 - t1), auto_ms_per_mask=1e3 * choice_s / n,
+                auto_plan_ms_per_mask=1e3 * chosen_s / n, auto_step_ms=1e3 * (t2 - t1 + choice_s + chosen_s))
 
 
 def exponent(xs: list, ys: list) -> float | None:
@@ -137,8 +145,9 @@ def exponent(xs: list, ys: list) -> float | None:
 def run_scale(args) -> int:
     torch.set_num_threads(1)
     records, slow = [], set()
-    print("| L | docs | mix | P | metadata ms | layout ms | plan ms | layout + plan ms | auto ms per mask |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("| L | docs | mix | P | metadata ms | layout ms | plan ms | layout + plan ms | auto's choice ms per mask | "
+          "auto's plan ms per mask | step under auto ms |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for L in args.lengths:
         for docs in args.docs_list:
             for mix in MIXES:
@@ -153,7 +162,8 @@ def run_scale(args) -> int:
                     row = dict(L=L, docs=docs, mix=mix, P=P, **{k: statistics.median(r[k] for r in runs) for k in runs[0]})
                     records.append(row)
                     print(f"| {L} | {docs} | {mix} | {P} | {row['meta_ms']:.1f} | {row['layout_ms']:.1f} | "
-                          f"{row['plan_ms']:.1f} | {row['layout_plan_ms']:.1f} | {row['auto_ms_per_mask']:.1f} |",
+                          f"{row['plan_ms']:.1f} | {row['layout_plan_ms']:.1f} | {row['auto_ms_per_mask']:.1f} | "
+                          f"{row['auto_plan_ms_per_mask']:.1f} | {row['auto_step_ms']:.1f} |",
                           flush=True)
                     if (time.perf_counter() - start) / args.repeats > args.budget:
                         slow.add(key)
@@ -231,7 +241,7 @@ def main(argv=None) -> int:
         if args.lengths == [131072, 1048576]:
             args.lengths = [131072, 1048576, 4194304]
         if args.smoke:
-            args.lengths, args.world_sizes, args.docs_list, args.repeats = [8192], [4, 16], [60], 1
+            args.lengths, args.world_sizes, args.docs_list, args.repeats = [8192], [4, 128], [60], 1
         elif args.repeats == 7:
             args.repeats = 3
         return run_scale(args)

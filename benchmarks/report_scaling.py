@@ -3,6 +3,8 @@ planning time (see ``report.py``). Every figure in them is computed from the JSO
 
 from __future__ import annotations
 
+import math
+
 from report_tables import (bullet, code, image, k_tokens, layouts_goal_table, layouts_table, load, para,
                            planning_table, span, strategy_model_tables, strategy_rank_table)
 
@@ -258,20 +260,25 @@ def planning_scale_section(folder: str, page_dir: str) -> list[str]:
     done = [r for r in payload["records"] if not r.get("skipped")]
     skipped = [r for r in payload["records"] if r.get("skipped")]
     out = ["### At hundreds of ranks", ""]
-    out += code("OMP_NUM_THREADS=1 python benchmarks/bench_planning.py --scale --repeats 1 --budget 120 "
-                "--lengths 1048576 4194304 --out benchmarks/results/cpu")
+    out += code("OMP_NUM_THREADS=1 python benchmarks/bench_planning.py --scale --budget 120 --out benchmarks/results/cpu")
     out += para("`bench_planning.py --scale`, `planning_scale.json`: one rank's view on one thread, from `cu_seqlens`: "
                 "the balanced layout of the batch's documents for the layer mix, this rank's plan of each distinct "
-                "mask, and `strategy=\"auto\"`'s choice per distinct mask (H 64 / K 8 / D 128, float16 K/V); "
-                "lognormal documents filling the row. The worst over the mixes per (L, documents, P), in ms:")
-    lines = ["| L | documents | P | layout + plans ms (worst mix) | auto ms per mask (worst mix) |",
-             "|---:|---:|---:|---:|---:|"]
+                "mask (the ring's), and per distinct mask `strategy=\"auto\"`'s choice (every candidate priced) "
+                "and the chosen candidate's plan of this rank (H 64 / K 8 / D 128, float16 K/V); lognormal "
+                "documents filling the row; above 64 ranks the layout is the stream partition. The worst over the "
+                "mixes per (L, documents, P), in ms; the last column is a whole step's planning under auto "
+                "(layout, then every distinct mask's choice and plan):")
+    lines = ["| L | documents | P | layout + plans ms (worst mix) | auto's choice ms per mask | auto's plan ms per mask "
+             "| step under auto ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
     keys = sorted({(r["L"], r["docs"], r["P"]) for r in done})
     for L, docs, P in keys:
         mine = [r for r in done if (r["L"], r["docs"], r["P"]) == (L, docs, P)]
         worst = max(mine, key=lambda r: r["layout_plan_ms"])
+        step = max(mine, key=lambda r: r.get("auto_step_ms", 0.0))
         lines.append(f"| {k_tokens(L)} | {docs} | {P} | {worst['layout_plan_ms']:.0f} ({worst['mix']}) | "
-                     f"{max(r['auto_ms_per_mask'] for r in mine):.0f} |")
+                     f"{max(r['auto_ms_per_mask'] for r in mine):.0f} | "
+                     f"{max(r.get('auto_plan_ms_per_mask', float('nan')) for r in mine):.0f} | "
+                     f"{step.get('auto_step_ms', float('nan')):.0f} ({step['mix']}) |")
     out += lines + [""]
     growth = [g for g in payload["growth"] if g.get("layout_plan") is not None]
     if growth:
@@ -281,4 +288,39 @@ def planning_scale_section(folder: str, page_dir: str) -> list[str]:
     if skipped:
         out += para(f"{len(skipped)} configurations were skipped: a smaller P of theirs took over the script's budget.")
     out += image(folder, page_dir, "planning_scale.png", "planning at scale")
-    return out + [""]
+    return out + [""] + stream_section(folder)
+
+
+def stream_section(folder: str) -> list[str]:
+    """``bench_stream.py``: the search and the stream partitions on the same batches."""
+    payload = load(folder, "stream.json")
+    if payload is None:
+        return []
+    records = payload["records"]
+    out = ["#### The stream partition against the search", ""]
+    out += code("OMP_NUM_THREADS=1 python benchmarks/bench_stream.py --out benchmarks/results/cpu")
+    out += para(f"`bench_stream.py`, `stream.json`: above 64 ranks the balanced layout is the stream partition; "
+                f"here both partitions run on the same batches ({payload['seeds']} per row, 1M tokens, the mixes "
+                "above). Worst over the mixes and seeds: the busiest rank's cost over the mean and the most tokens "
+                "on a rank over L / P (cap 1.25); the K/V tokens the busiest receiver receives (the layer that "
+                "reaches furthest) and the mean over the ranks, as the stream's over the search's (the worst mix "
+                "and the geometric mean over the mixes); layout ms (worst mix).")
+    lines = ["| documents | P | busiest / mean: search | stream | max tokens / (L/P): search | stream | busiest K/V "
+             "recv: stream / search (worst; mean over mixes) | mean K/V recv: stream / search (worst; mean) | "
+             "layout ms: search | stream |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for docs, P in sorted({(r["docs"], r["P"]) for r in records}):
+        mine = {(r["mix"], r["partition"]): r for r in records if (r["docs"], r["P"]) == (docs, P)}
+        mixes = sorted({m for m, _ in mine})
+
+        def worst(part: str, key: str) -> float:
+            return max(mine[(m, part)][key] for m in mixes)
+
+        def ratio(key: str) -> str:
+            rs = [mine[(m, "stream")][key] / max(mine[(m, "search")][key], 1e-9) for m in mixes]
+            geo = math.exp(sum(math.log(max(x, 1e-9)) for x in rs) / len(rs))
+            return f"{max(rs):.2f}; {geo:.2f}"
+        lines.append(f"| {docs} | {P} | {worst('search', 'busiest_over_mean'):.3f} | "
+                     f"{worst('stream', 'busiest_over_mean'):.3f} | {worst('search', 'max_tokens_over_mean'):.2f} | "
+                     f"{worst('stream', 'max_tokens_over_mean'):.2f} | {ratio('recv_busiest')} | {ratio('recv_mean')} | "
+                     f"{worst('search', 'layout_ms'):.0f} | {worst('stream', 'layout_ms'):.0f} |")
+    return out + lines + [""]

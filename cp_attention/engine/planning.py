@@ -20,6 +20,7 @@ import time
 import torch
 
 from ..masks import MaskSpec, SequenceMeta
+from ..quiet_gc import paused_gc
 from ..strategies import CostModel, choose, fixed_candidate, rank_plans
 from . import stats
 
@@ -77,6 +78,7 @@ def plan_key(meta_key: tuple, spec: MaskSpec, how: tuple, dims: Dims) -> tuple:
     return ("plan", meta_key, spec.for_planning(), how, dims)
 
 
+@paused_gc
 def build_rank_plan(rank: int, world_size: int, layout, meta: SequenceMeta, spec: MaskSpec, dims: Dims,
                     how=("ring", None, None)):
     """Rank ``rank``'s plan under ``how`` = (strategy, ulysses_size, cost model): a

@@ -49,6 +49,11 @@ Partition, per document (Python loops over documents and ranks, nothing per toke
    and a rank left over the cap passes free items (or a cut part of one, where the cut receives
    less) to the group's roomiest rank.
 
+Above ``STREAM_ABOVE`` ranks steps 1-4 are replaced by the stream partition (:mod:`.stream`): one pass
+over the ranks, each taking whole short documents from one end of the documents sorted by cost per
+token while they keep its tokens near its share, and the other end (long documents, read back from
+their ends) filling its cost exactly.
+
 Where a rank misses the cost (``ACCEPT``) or the token goal, smaller piece costs are tried (``RETRIES``);
 the first partition that meets both is kept, unless an earlier one within ``LOOSE`` of the target
 has a busiest rank receiving less. The result is a :class:`~cp_attention.layout.Layout`; exactness
@@ -56,7 +61,8 @@ never depends on it.
 
 Modules: this one holds the public entries (:class:`Balanced`, :func:`balanced_layout`) and the choice
 of the piece cost; :mod:`.costs` the cost and traffic models, :mod:`.partition` the partition
-(steps 1-4) and :mod:`.split` the split of one long document into pieces.
+(steps 1-4), :mod:`.split` the split of one long document into pieces, :mod:`.bins` the packing's
+bins and :mod:`.stream` the stream partition.
 
 Legend: ``B`` rows, ``L`` tokens per row, ``P`` ranks, ``D`` documents; a *run* is a ``(start, end)``
 range of global token indices, an *item* a list of runs that moves as one.
@@ -70,9 +76,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..masks import MaskSpec, SequenceMeta
-from .costs import Costs, Traffic, documents, layer_specs
-from .layouts import Layout, as_layout
+from ..quiet_gc import paused_gc
+from .costs import Costs, Traffic, document_arrays, documents, layer_specs
+from .layouts import Layout, as_layout, merge_ranges
 from .partition import TOKEN_SLACK, Batch, layout_from_items
+from .stream import stream_partition
 
 __all__ = ["Balanced", "as_policy", "balanced_layout", "balanced_layout_of"]
 
@@ -84,6 +92,9 @@ ACCEPT = 0.01
 """A partition whose busiest rank is within this fraction of the target (and within the token cap) is kept."""
 LOOSE = 0.03
 """... or an earlier one within this fraction whose busiest rank receives less K/V."""
+STREAM_ABOVE = 64
+"""Above this many ranks the stream partition (:mod:`.stream`) replaces the search of steps 1-4,
+whose packing grows faster than P x documents (seconds at 1024 ranks)."""
 NEAREST_UP_TO = 32
 """Up to this many ranks both packings are tried for each piece cost (the nearest-density one is
 cheap there and sometimes cuts less); above it, the density-balance packing alone."""
@@ -160,6 +171,7 @@ def balanced_layout(world_size: int, *, position_ids=None, cu_seqlens=None, seq_
                               max_token_ratio=max_token_ratio)
 
 
+@paused_gc
 def balanced_layout_of(meta: SequenceMeta, world_size: int, *, masks=None, token_weight: float = 0.0,
                        max_token_ratio: float = 1.25) -> Layout:
     """:func:`balanced_layout` for documents already described by ``meta`` (e.g. the metadata
@@ -171,8 +183,13 @@ def balanced_layout_of(meta: SequenceMeta, world_size: int, *, masks=None, token
     if P == 1:
         return Layout(L, (((0, L),),), name="balanced")
     costs = Costs(meta, layers, token_weight)
-    batch = Batch(costs, P, max(math.ceil(max_token_ratio * L / P), math.ceil(L / P)), documents(meta),
-                  Traffic(meta, layers))
+    cap = max(math.ceil(max_token_ratio * L / P), math.ceil(L / P))
+    if P > STREAM_ABOVE:  # one pass over the ranks (:mod:`.stream`)
+        owned = stream_partition(costs, *document_arrays(meta), P, cap)
+        if all(owned):
+            return Layout(L, tuple(tuple(merge_ranges(runs)) for runs in owned), name="balanced")
+        return layout_from_items(L, [[[run] for run in runs] for runs in owned], Batch.size_of)
+    batch = Batch(costs, P, cap, documents(meta), Traffic(meta, layers))
     first = PIECE_COSTS.index(_piece_cost(costs, batch.docs, P, batch.cap))
     tried = []  # (miss of the tight goals, miss of the loose ones, busiest receive, partition)
     methods = ("greedy", "nearest") if P <= NEAREST_UP_TO else ("greedy",)

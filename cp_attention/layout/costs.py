@@ -20,7 +20,7 @@ import torch
 from ..masks import MaskSpec, SequenceMeta, segment_runs
 from .layouts import merge_ranges
 
-__all__ = ["Costs", "CostWindow", "Traffic", "token_costs", "layer_specs", "documents"]
+__all__ = ["Costs", "CostWindow", "Traffic", "token_costs", "layer_specs", "documents", "document_arrays", "settle"]
 
 
 def _spec(mask: dict | MaskSpec) -> MaskSpec:
@@ -138,7 +138,11 @@ class Costs(dict):
 
     def left(self, v: float) -> int:
         """``bisect.bisect_left(costs, v)``: the first ``i`` with ``costs[i] >= v``, else ``L + 1``."""
-        return _settle(lambda i: self[i] >= v, self._guess(v), 0, self.L + 1)
+        return settle(lambda i: self[i] >= v, self._guess(v), 0, self.L + 1)
+
+    def right(self, v: float) -> int:
+        """``bisect.bisect_right(costs, v)``: the first ``i`` with ``costs[i] > v``, else ``L + 1``."""
+        return settle(lambda i: self[i] > v, self._guess(v), 0, self.L + 1)
 
     def _guess(self, v: float) -> int:
         """About the first ``i`` with ``costs[i] >= v``: the root of the quadratic of its knots' run."""
@@ -174,16 +178,16 @@ class CostWindow(dict):
     def left(self, v: float, lo: int = 0, hi: int | None = None) -> int:
         """``bisect.bisect_left(cs, v, lo, hi)``: searched outwards from the row's closed-form root
         (:meth:`Costs._guess`), settled by exact comparisons of these prefixes."""
-        return _settle(lambda i: self[i] >= v, self.costs._guess(v + self.base) - self.a, lo,
+        return settle(lambda i: self[i] >= v, self.costs._guess(v + self.base) - self.a, lo,
                        self.size if hi is None else hi)
 
     def right(self, v: float, lo: int = 0, hi: int | None = None) -> int:
         """``bisect.bisect_right(cs, v, lo, hi)`` (as :meth:`left`)."""
-        return _settle(lambda i: self[i] > v, self.costs._guess(v + self.base) - self.a, lo,
+        return settle(lambda i: self[i] > v, self.costs._guess(v + self.base) - self.a, lo,
                        self.size if hi is None else hi)
 
 
-def _settle(pred, guess: int, lo: int, hi: int) -> int:
+def settle(pred, guess: int, lo: int, hi: int) -> int:
     """The first ``i`` in ``[lo, hi)`` where ``pred`` (false, then true) holds, else ``hi``: what
     ``bisect`` finds, searched outwards from ``guess`` (two calls of ``pred`` when it is right)."""
     i = min(max(guess, lo), hi)
@@ -227,10 +231,15 @@ def token_costs(meta: SequenceMeta, masks=None, token_weight: float = 0.0) -> to
 
 def documents(meta: SequenceMeta) -> list[tuple[int, int]]:
     """Items: the index ranges between the union of every row's document boundaries."""
+    return list(zip(*(x.tolist() for x in document_arrays(meta))))
+
+
+def document_arrays(meta: SequenceMeta) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`documents` as arrays: starts and ends, each (D,) int64."""
     if meta.starts is None:
-        return [(0, meta.seq_len)]
-    starts = np.unique(np.concatenate(meta.starts)).tolist()
-    return list(zip(starts, starts[1:] + [meta.seq_len]))
+        return np.zeros(1, dtype=np.int64), np.full(1, meta.seq_len, dtype=np.int64)
+    starts = np.unique(np.concatenate(meta.starts)).astype(np.int64)
+    return starts, np.append(starts[1:], meta.seq_len)
 
 
 def _union_segments(meta: SequenceMeta, chunk_size: int | None) -> tuple[list[int], list[int], list[int]]:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .. import layout as layout_mod
+from ..quiet_gc import paused_gc
 from ..masks import MaskSpec, SequenceMeta, mask_terms
 from .ranks import RankRuns, rank_runs
 from .types import WORK_TILE, KernelCall, PlanStats, RankPlan, Round, Step
@@ -417,6 +418,7 @@ def _peer_offsets(index: RankRuns, mine: list[list[_Pieces]], terms, rank: int) 
     return offsets[offsets > 0].tolist()
 
 
+@paused_gc
 def build_plan(
     meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout: str | layout_mod.Layout, rank: int, head_kv: int,
     head_dim: int, itemsize: int, grad_itemsize: int = 4, verify: bool | None = None, head_dim_v: int | None = None,

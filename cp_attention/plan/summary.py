@@ -88,7 +88,7 @@ def ring_summary(meta: SequenceMeta, spec: MaskSpec, *, world_size: int, layout)
     ``spec`` (the numbers :func:`.build.build_plan` gives each rank; module docstring). Raises
     ValueError as ``build_plan`` does for a layout of another length or world size."""
     P, L = world_size, meta.seq_len
-    index = rank_runs(L, P, layout)
+    index = layout if isinstance(layout, RankRuns) else rank_runs(L, P, layout)
     parts = []
     for segs, (lo, hi) in mask_terms(meta, spec):
         if lo > hi:

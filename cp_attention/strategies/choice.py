@@ -49,13 +49,14 @@ from typing import Callable, Mapping
 
 from .. import layout as layout_mod
 from ..masks import MaskSpec, SequenceMeta
+from ..quiet_gc import paused_gc
 from ..plan import PlanStats, RankPlan, build_plan
 from ..plan.ranks import rank_runs
 from .pricing import candidate_time
 from .ring import ring_attention, ring_backward, ring_forward
 from .ulysses import Grid, UlyssesPlan, build_ulysses_plan, ulysses_attention, ulysses_backward, ulysses_forward
 
-__all__ = ["CostModel", "Candidate", "candidates", "fixed_candidate", "rank_plans", "exchange_parts", "layer_time",
+__all__ = ["CostModel", "Candidate", "candidates", "fixed_candidate", "price", "rank_plans", "exchange_parts", "layer_time",
            "choose", "Executor", "EXECUTORS", "executor_of"]
 
 
@@ -197,15 +198,29 @@ def layer_time(model: CostModel, plans: dict, *, heads: int, head_dim: int, head
     return worst
 
 
+@paused_gc
 def choose(meta: SequenceMeta, spec: MaskSpec, layout, rank: int, world_size: int, model: CostModel, *, heads: int,
            kv_heads: int, head_dim: int, head_dim_v: int, itemsize: int):
     """``strategy="auto"``: ``rank``'s plan of the candidate with the lowest :func:`layer_time`
     (ties: the first of :func:`candidates`), its stats carrying every candidate's modeled time
     (``predicted``). A pure function of global metadata: every rank chooses the same.
 
-    Each candidate is priced from the documents and the layout (:func:`~.pricing.candidate_time`:
-    the value :func:`layer_time` gives for the plans of every rank, without building them); only the
-    chosen candidate's plan of ``rank`` is built."""
+    Each candidate is priced from the documents and the layout (:func:`price`); only the chosen
+    candidate's plan of ``rank`` is built."""
+    dims = dict(heads=heads, head_dim=head_dim, head_dim_v=head_dim_v)
+    layout = _read_once(layout, meta.seq_len, world_size)
+    best, times = price(meta, spec, layout, world_size, model, kv_heads=kv_heads, itemsize=itemsize, **dims)
+    plan = rank_plans(meta, spec, best, layout, kv_heads=kv_heads, itemsize=itemsize, ranks=(rank,), **dims)[rank]
+    return dataclasses.replace(plan, stats=dataclasses.replace(plan.stats, predicted=times))
+
+
+@paused_gc
+def price(meta: SequenceMeta, spec: MaskSpec, layout, world_size: int, model: CostModel, *, heads: int,
+          kv_heads: int, head_dim: int, head_dim_v: int, itemsize: int) -> tuple[Candidate, tuple]:
+    """``strategy="auto"``'s choice, without a plan: the :class:`Candidate` with the lowest modeled
+    time (ties: the first of :func:`candidates`) and every candidate's ``(name, seconds)``. Each
+    candidate is priced from the documents and the layout (:func:`~.pricing.candidate_time`: the
+    value :func:`layer_time` gives for the plans of every rank, without building them)."""
     dims = dict(heads=heads, head_dim=head_dim, head_dim_v=head_dim_v)
     layout = _read_once(layout, meta.seq_len, world_size)
     best, times = None, []
@@ -214,8 +229,7 @@ def choose(meta: SequenceMeta, spec: MaskSpec, layout, rank: int, world_size: in
         times.append((cand.name, t))
         if best is None or t < best[0]:
             best = (t, cand)
-    plan = rank_plans(meta, spec, best[1], layout, kv_heads=kv_heads, itemsize=itemsize, ranks=(rank,), **dims)[rank]
-    return dataclasses.replace(plan, stats=dataclasses.replace(plan.stats, predicted=tuple(times)))
+    return best[1], tuple(times)
 
 
 def _read_once(layout, seq_len: int, world_size: int):

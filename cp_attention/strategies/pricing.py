@@ -39,7 +39,7 @@ def candidate_time(meta: SequenceMeta, spec: MaskSpec, cand, layout, model, *, h
         ring_layout, head_kv = layout, kv_heads
     else:
         split = head_split(heads, kv_heads, u)
-        ring_layout, head_kv = ("contiguous" if R == 1 else grid.ring_layout(meta.seq_len, layout)), \
+        ring_layout, head_kv = ("contiguous" if R == 1 else grid.ring_runs(meta.seq_len, layout)), \
             split.q_per_rank // split.group
     summary = ring_summary(meta, spec.for_planning(), world_size=R, layout=ring_layout)
     token = head_kv * (head_dim + head_dim_v) * B  # elements of K and V of one token, all rows

@@ -34,16 +34,19 @@ Legend: ``B`` batch, ``L`` global length, ``L_r`` rank r's tokens, ``H``/``K`` q
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .. import layout as layout_mod
 from ..comm import Comm, SubComm
 from ..masks import accumulation_dtype
 from ..plan import PlanStats, RankPlan, build_plan
+from ..plan.ranks import RankRuns, rank_runs
 from .ring import ring_attention, ring_backward, ring_forward
 
 __all__ = ["Grid", "HeadSplit", "head_split", "UlyssesPlan", "build_ulysses_plan", "ulysses_attention",
@@ -145,11 +148,28 @@ class Grid:
     def ring_layout(self, seq_len: int, layout) -> layout_mod.Layout:
         """The ring's layout: ring rank ``g`` holds every token of head group ``g`` (in increasing
         global order)."""
-        runs = tuple(tuple(layout_mod.merge_ranges(
-            [run for r in self.head_group(g * self.ulysses) for run in layout_mod.rank_ranges(
-                seq_len, self.world_size, layout, r)])) for g in range(self.ring))
         name = getattr(layout, "name", layout)  # (a Layout's repr lists every rank: long at many ranks)
-        return layout_mod.Layout(seq_len, runs, name=f"{name} in head groups of {self.ulysses}")
+        return layout_mod.Layout.of_valid(seq_len, self.ring_runs(seq_len, layout).runs,
+                                          name=f"{name} in head groups of {self.ulysses}")
+
+    def ring_runs(self, seq_len: int, layout) -> RankRuns:
+        """:meth:`ring_layout`'s runs (what strategy="auto" prices a candidate from); cached per layout."""
+        return _ring_runs(self, seq_len, layout)
+
+
+@functools.lru_cache(maxsize=16)
+def _ring_runs(grid: Grid, seq_len: int, layout) -> RankRuns:
+    """:meth:`Grid.ring_runs`: the runs of each head group's ranks, sorted, the touching ones joined
+    (a valid layout's runs, so their union is one: not checked again)."""
+    index = rank_runs(seq_len, grid.world_size, layout)
+    group = index.rank // grid.ulysses
+    order = np.lexsort((index.start, group))
+    g, a, b = group[order], index.start[order], index.end[order]
+    new = np.ones(len(a), dtype=bool)  # a run opens unless it continues the group's previous one
+    new[1:] = (g[1:] != g[:-1]) | (a[1:] != b[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(a)) - 1
+    return RankRuns.of_arrays(seq_len, grid.ring, g[first], a[first], b[last])
 
 
 class _TokenMap:

@@ -2,7 +2,7 @@
 exemption:
 
 * every module belongs to a layer, and imports only modules of its own layer or of layers below
-  (no upward import): the ground (``masks``, ``torch_compat``, ``waits``, ``refusals``) < ``comm`` <
+  (no upward import): the ground (``masks``, ``torch_compat``, ``waits``, ``refusals``, ``quiet_gc``) < ``comm`` <
   ``layout``, ``kernels`` < ``plan`` < ``backends`` < ``strategies`` < ``engine`` < ``integrations`` <
   the public root (``cp_attention``, ``api``) < ``tools`` < ``__main__``;
 * no import cycle, lazy (function-level) imports included: a package's ``__init__`` may import its
@@ -30,7 +30,7 @@ while not os.path.exists(os.path.join(ROOT, "pyproject.toml")):
 PACKAGE = os.path.join(ROOT, "cp_attention")
 MAX_LINES = 600
 LAYERS = (
-    ("masks", "torch_compat", "waits", "refusals"),
+    ("masks", "torch_compat", "waits", "refusals", "quiet_gc"),
     ("comm",),
     ("layout", "kernels"),
     ("plan",),

@@ -435,11 +435,29 @@ def test_planning_scale_smoke(tmp_path):
     assert bench_planning.main(["--scale", "--smoke", "--out", str(tmp_path)]) == 0
     payload = json.load(open(tmp_path / "planning_scale.json"))
     records = payload["records"]
-    assert {(r["mix"], r["P"]) for r in records} == {(m, P) for m in bench_planning.MIXES for P in (4, 16)}
+    assert {(r["mix"], r["P"]) for r in records} == {(m, P) for m in bench_planning.MIXES for P in (4, 128)}
     for r in records:
         assert r["layout_plan_ms"] >= r["plan_ms"] > 0 and r["layout_ms"] > 0 and r["auto_ms_per_mask"] > 0
+        assert r["auto_step_ms"] >= r["layout_ms"] + r["auto_ms_per_mask"] and r["auto_plan_ms_per_mask"] > 0
     assert {g["mix"] for g in payload["growth"]} == set(bench_planning.MIXES)
     assert (tmp_path / "planning_scale.png").stat().st_size > 0
+
+
+def test_stream_benchmark_smoke(tmp_path):
+    """``bench_stream.py --smoke``: both partitions of every mix on the same batch, the stream within
+    the goals (busiest cost within 5% of the mean, no rank above 1.25 x L / P tokens; the search
+    misses them on this small batch), the JSON written."""
+    import json
+
+    bench_stream = importlib.import_module("bench_stream")
+    assert bench_stream.main(["--smoke", "--out", str(tmp_path)]) == 0
+    records = json.load(open(tmp_path / "stream.json"))["records"]
+    mixes = importlib.import_module("bench_planning").MIXES
+    assert {(r["mix"], r["partition"]) for r in records} == {(m, p) for m in mixes for p in ("search", "stream")}
+    for r in records:
+        assert r["busiest_over_mean"] >= 1.0 and r["recv_busiest"] >= r["recv_mean"] >= 0 and r["layout_ms"] > 0
+        if r["partition"] == "stream":
+            assert r["busiest_over_mean"] <= 1.05 and r["max_tokens_over_mean"] <= 1.25
 
 
 # ----------------------------------------------------------------------------------------------

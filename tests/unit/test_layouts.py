@@ -207,7 +207,7 @@ def test_cost_closed_forms_match_a_count_per_token():
     at once, integer token weights."""
     import bisect
 
-    from cp_attention.layout.costs import Costs, _settle, layer_specs
+    from cp_attention.layout.costs import Costs, layer_specs, settle
 
     rng = random.Random(11)
     for case in range(150):
@@ -259,7 +259,7 @@ def test_cost_closed_forms_match_a_count_per_token():
             hi = rng.randint(lo, L + 1)
             assert costs.left(v) == bisect.bisect_left(want, v), (case, v)
             guess = rng.randint(-3, L + 4)  # the search from a poor guess of the root
-            assert _settle(lambda i: costs[i] >= v, guess, lo, hi) == bisect.bisect_left(want, v, lo, hi)
+            assert settle(lambda i: costs[i] >= v, guess, lo, hi) == bisect.bisect_left(want, v, lo, hi)
             v = rng.choice(local) + rng.choice([0, 0, -0.5, 0.5, -1, 1])
             lo = rng.randint(0, b - a)
             hi = rng.randint(lo, b - a + 1)
