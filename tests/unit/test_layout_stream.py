@@ -10,6 +10,8 @@ planning step in milliseconds at hundreds of ranks.
   one window of K/V (counted by the planner, ``plan_stats``). A read-back document's cheap start goes
   back among the free documents, and a small cost gap is closed with a short document's start, not a
   sliver of a long one (checked by the ranks' runs and how many ranks a document spreads over).
+* Plans on the stream's layouts at 128 ranks verify token by token (``verify_plan``), and every
+  rank's sends are what the receivers read.
 * The runs of a layout built from arrays, and a head group's ring runs, equal their definitions
   (tuples of the ranks' ranges; the head group's runs merged one by one); ``price`` chooses what
   ``choose`` plans.
@@ -119,7 +121,8 @@ def test_stream_does_not_cut_a_long_document_in_slivers():
     holders = [set() for _ in lengths]
     for r, runs in enumerate(layout.ranges):
         for a, b in runs:
-            for d in range(int(np.searchsorted(edges, a, side="right")) - 1, int(np.searchsorted(edges, b, side="left"))):
+            first, end = np.searchsorted(edges, a, side="right") - 1, np.searchsorted(edges, b, side="left")
+            for d in range(int(first), int(end)):
                 holders[d].add(r)
     spread = max(len(h) / (float(prefix[edges[d + 1]] - prefix[edges[d]]) / target + 1) for d, h in enumerate(holders))
     assert spread <= 25, spread
@@ -136,6 +139,28 @@ def test_stream_reads_a_windowed_document_back_in_contiguous_pieces():
     for r in range(P):
         stats = cp_attention.plan_stats(layout, r, position_ids=pos, window=W, head_kv=1, head_dim=8)
         assert stats.kv_bytes_recv <= (W - 1) * per_key, (r, stats.kv_bytes_recv // per_key)
+
+
+@pytest.mark.parametrize("mask", [{}, {"window": 96}, {"chunk_size": 200}, {"causal": False, "window": 40}])
+def test_plans_on_stream_layouts_verify(mask):
+    """The stream's layouts (many runs a rank, documents cut back from their ends and at their starts)
+    planned for 128 ranks: a few ranks' plans checked token by token against the mask (``verify_plan``),
+    and every rank's sends equal what the receivers' plans read."""
+    from cp_attention.plan import build_plan, verify_plan
+
+    P = 128
+    L = 64 * P
+    pos = _row(_lengths(L, random.Random(7), median=48.0))[None]
+    meta = SequenceMeta.from_inputs(1, L, position_ids=pos)
+    spec = MaskSpec(**mask)
+    layout = cp_attention.balanced_layout(P, position_ids=pos, masks=[mask])
+    plans = [build_plan(meta, spec, world_size=P, layout=layout, rank=r, head_kv=1, head_dim=8, itemsize=2,
+                        verify=False) for r in range(P)]
+    for r in (0, 1, 63, 64, 127):
+        verify_plan(plans[r], meta, spec, layout)
+    sends = {(r, rnd.send_to): rnd.send_spans for r, p in enumerate(plans) for rnd in p.rounds if rnd.send_spans}
+    reads = {(st.source, r): st.spans for r, p in enumerate(plans) for st in p.steps() if st.source != r}
+    assert sends == reads
 
 
 def test_runs_from_arrays_equal_runs_from_tuples():
