@@ -523,6 +523,52 @@ REFUSALS = _catalogue(
        message="{name} overrides compute_loss, so how it weighs the MoE router auxiliary loss across processes is "
                "unknown and cp_attention cannot take it over the batch exactly: set the config's "
                "output_router_logits=False, or subclass Trainer or TRL's SFTTrainer without changing compute_loss"),
+    _R(key="rl_parallelism_config", exception=ValueError, area="trainer",
+       what="accelerate's own context or sequence parallelism (parallelism_config) in a CP post-training trainer",
+       why="the batch would be sharded twice: by accelerate's torch CP and by cp_attention",
+       fix="drop parallelism_config's cp_size/sp_size; the trainer's cp_group sets the CP ranks",
+       message="{name} shards the sequences itself (cp_group); the configuration's parallelism_config also asks "
+               "accelerate for context or sequence parallelism, which would shard them again: drop its "
+               "cp_size / sp_size"),
+    _R(key="rl_multimodal", exception=NotImplementedError, area="trainer",
+       what="a vision-language model in a CP post-training trainer (GRPO, RLOO)",
+       why="the image inputs travel with each rank's rows, which are packed and sharded as text only",
+       fix="train the vision-language model without the CP trainer, or its text model alone",
+       message="{name} packs and shards the rows' tokens only; a vision-language model's image inputs are not "
+               "packed with them. Train it without {name}, or its text model alone"),
+    _R(key="rl_continuous_batching", exception=NotImplementedError, area="trainer",
+       what="use_transformers_continuous_batching in a CP post-training trainer",
+       why="paged generation through cp_flash is not tested",
+       fix="use_transformers_continuous_batching=False (plain generate) or vLLM",
+       message="{name}: use_transformers_continuous_batching runs paged generation, which cp_flash is not tested "
+               "with; set it to False (generation then uses model.generate on each process) or use vLLM"),
+    _R(key="rl_no_fused_head", exception=NotImplementedError, area="trainer",
+       what="a CP post-training trainer whose TRL did not install its fused LM head",
+       why="the trainer scores sequences through the fused head's forward, which is where CP enters",
+       fix="TRL 1.16 (the version tested), whose GRPO, RLOO and DPO trainers install add_fused_lm_head",
+       message="{name}: the {role} ({model}) has no fused LM head forward (TRL's add_fused_lm_head); this TRL "
+               "version scores differently and cp_attention cannot route its forwards. Use TRL 1.16"),
+    _R(key="packed_rows_not_contiguous", exception=NotImplementedError, area="trainer",
+       what="a scored row whose attended tokens are not one span, or a label outside it or on its first token",
+       why="each row is packed as one document of its attended tokens; a hole would join tokens it does not "
+           "attend across, and such a label predicts a token the row does not attend",
+       fix="left- and right-padded rows only (TRL's own layout), labels -100 on padding and on the first token",
+       message="{name}: rows {holes} attend to tokens that are not one contiguous span, rows {stray} have labels "
+               "on unattended columns and rows {opening} on their first attended token; under context "
+               "parallelism each row is packed as one document of its attended tokens. Pad rows on the left "
+               "and right only, with -100 labels there and on each row's first token"),
+    _R(key="packed_rows_inputs", exception=NotImplementedError, area="trainer",
+       what="a fused log-probability forward under CP with inputs other than the tokens (images, token types)",
+       why="only the rows' tokens, positions and labels are packed and sharded",
+       fix="a text-only model and batch",
+       message="{name}: the fused forward got {keys}; under context parallelism only input_ids, attention_mask, "
+               "labels and position_ids are packed and sharded. Train a text-only model and batch"),
+    _R(key="packed_rows_router_loss_own", exception=NotImplementedError, area="trainer",
+       what="a MoE router auxiliary loss of each rank's own rows under CP (not a joined batch)",
+       why="the group's router loss is one number over all the rows; a rank's own rows have no exact share of it",
+       fix="request router logits only on the joined batch (the trainers do)",
+       message="{name}: router logits were requested on each rank's own rows; the router loss under context "
+               "parallelism is the group's, over the joined batch. Request them on the joined batch only"),
     _R(key="trainer_uneven_rows", exception=ValueError, area="trainer",
        what="CP group ranks' micro-batches with different numbers of rows",
        why="they are joined row by row along the sequence",

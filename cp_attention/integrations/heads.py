@@ -54,7 +54,7 @@ from ..engine.batch import AMBIGUOUS, batch_of
 from ..refusals import refuse
 from .losses import LOSS_SCALE
 
-__all__ = ["HeadCall", "call_kwargs", "prepare_call"]
+__all__ = ["HeadCall", "call_kwargs", "gather_rows", "prepare_call"]
 
 _NUM_ITEMS_LOSS = re.compile(r"self\.loss_function\((?:[^()]|\([^()]*\))*\*\*kwargs", re.S)
 _LAST_TOKEN_POOLING = re.compile(r"last_non_pad_token|sequence_lengths")
@@ -162,6 +162,14 @@ class _GatherRows(torch.autograd.Function):
         rows = torch.empty_like(total)
         rows.index_copy_(1, ctx.order, total)
         return rows.narrow(1, ctx.offset, ctx.n), None, None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor, comm) -> torch.Tensor:
+    """Every rank's rows of ``x`` (B, n_r, ...) along dim 1, ordered by their sequence positions
+    ``index`` (n_r,) int64, on every rank: (B, sum n_r, ...). Differentiable: the backward sums the
+    group's gradients and returns this rank's rows, so a loss of the gathered rows that every rank
+    computes alike counts P times, as a token loss of ``cp.shard_batch`` counts P times its share."""
+    return _GatherRows.apply(x, index.to(x.device), comm)
 
 
 class HeadCall:

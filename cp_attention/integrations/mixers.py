@@ -65,7 +65,9 @@ def _batch_for(batch_size: int, length: int, compiled: bool = False):
         return None
     active = active_context()
     if active is not None:
-        record = active.records.only()
+        record = getattr(state.MODEL_GUARD, "record", None)  # the running model forward's own batch
+        if record is None or record is AMBIGUOUS or record.cp is not active:
+            record = active.records.only()
     elif in_backward():
         record = recomputed_batch(batch_size, length)
     else:

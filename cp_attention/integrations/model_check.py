@@ -402,8 +402,12 @@ def _before(module, args):
         # what its head does with the shard (.heads): refused, or the substitutions of this forward
         guard.head, new_args = prepare_call(inner, args, call_kwargs(), active, compiled=compiled)
         guard.model, guard.ran, guard.reached, guard.counting = module, set(), set(), True
+        # the batch this forward runs on, named by its tensors: a mixer asks for it (several may be alive)
+        guard.record = _call_batch(new_args or args, call_kwargs())
         guard.position_start = default_position_start(inner)
         return new_args
+    if getattr(guard, "record", None) is None and _is_model(module):  # a wrapper's forward shards, then calls
+        guard.record = _call_batch(args, call_kwargs())                   # its model (TRL's fused head)
     head = getattr(guard, "head", None)
     if head is not None and module is head.base:
         return head.base_args(args, call_kwargs())
@@ -411,6 +415,11 @@ def _before(module, args):
             not _is_model(module) and uses_attention_interface(type(module)):
         guard.ran.add(id(module))
     return None
+
+
+def _call_batch(args: tuple, kwargs: dict | None):
+    """The sharded batch a module call's tensors are bound to (None: none)."""
+    return batch_of(*(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)))
 
 
 def _after(module, args, output):
@@ -425,7 +434,7 @@ def _after(module, args, output):
         return head.gathered(output)  # a head module's per-token output, in sequence order on every rank
     if getattr(guard, "model", None) is not module:
         return None
-    guard.model, guard.head = None, None
+    guard.model, guard.head, guard.record = None, None, None
     # every attention module that ran must have reached cp_flash (some call it more than once: DiffLlama's
     # two softmaxes); a module that hands the interface another module object counts as that one
     missing, foreign = guard.ran - guard.reached, guard.reached - guard.ran
@@ -480,7 +489,7 @@ def _enter(cp):
                                           module_mod.register_module_forward_hook(_after, always_call=True)]
 
     def leave() -> None:
-        state.MODEL_GUARD.model = state.MODEL_GUARD.head = None
+        state.MODEL_GUARD.model = state.MODEL_GUARD.head = state.MODEL_GUARD.record = None
 
     return leave
 

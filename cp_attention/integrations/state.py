@@ -33,6 +33,7 @@ MODEL_LOCK = threading.Lock()
 
 MODEL_GUARD = threading.local()
 """Per thread: the outermost cp_flash model forward running under the guard of :mod:`.model_check`, how
-many attention layers ran / reached cp_flash, its mixers' count and its head's substitutions."""
+many attention layers ran / reached cp_flash, its mixers' count, its head's substitutions and the sharded
+batch it runs on (``record``: its mixers' batch when several are alive)."""
 MODEL_GUARD_HOOKS: list = []
 """The guard's module hooks, installed by the first multi-rank block and kept (guarded by ``MODEL_LOCK``)."""

@@ -45,7 +45,7 @@ from .losses import LOSS_SCALE
 from .heads import head_kind
 from .model_check import check_model, unwrap_adapters
 
-__all__ = ["CPTrainer", "CPTrainerMixin", "join_micro_batches"]
+__all__ = ["CPTrainer", "CPTrainerMixin", "MixinBeforeTrainer", "check_cp_options", "join_micro_batches", "to_cpu"]
 
 
 def _segments(part: dict, B: int, L: int) -> torch.Tensor:
@@ -112,7 +112,16 @@ def join_micro_batches(parts: list[dict]) -> tuple[dict, torch.Tensor]:
     return joined, torch.cat(opens, dim=1)
 
 
-class _MixinBeforeTrainer(type):
+def check_cp_options(cp_strategy: str, cp_ulysses_size: int | None, cp_cost_model) -> None:
+    """Validate a CP trainer's strategy options before the Trainer is built (ValueError / TypeError)."""
+    check_strategy(cp_strategy, cp_ulysses_size)
+    if cp_strategy == "usp" and cp_ulysses_size is None:
+        raise ValueError("cp_strategy='usp' needs cp_ulysses_size (the ranks of each head group)")
+    if cp_cost_model is not None and not isinstance(cp_cost_model, CostModel):
+        raise TypeError(f"cp_cost_model must be a cp_attention.CostModel, got {type(cp_cost_model).__name__}")
+
+
+class MixinBeforeTrainer(type):
     """Metaclass of :class:`CPTrainerMixin`: in any subclass the mixin comes right before the first
     Trainer class of the method resolution order, whatever the order of the bases.
 
@@ -135,10 +144,10 @@ class _MixinBeforeTrainer(type):
         return order
 
 
-class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
+class CPTrainerMixin(metaclass=MixinBeforeTrainer):
     """Context parallelism for any :class:`transformers.Trainer` subclass (TRL's ``SFTTrainer``, ...):
     ``class MyTrainer(CPTrainerMixin, SomeTrainer)``; the other base order works the same (the
-    mixin is moved before the Trainer class in the MRO, see :class:`_MixinBeforeTrainer`).
+    mixin is moved before the Trainer class in the MRO, see :class:`MixinBeforeTrainer`).
 
     Args (besides the Trainer's own):
         cp_group: the context-parallel group: None (every process: CP size = world size), a
@@ -172,11 +181,7 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
     def __init__(self, *args, cp_group=None, cp_mesh_dim: str | None = None, cp_layout: str = "zigzag",
                  cp_timeout: float | None = None, cp_strategy: str = "ring", cp_ulysses_size: int | None = None,
                  cp_cost_model=None, **kwargs):
-        check_strategy(cp_strategy, cp_ulysses_size)
-        if cp_strategy == "usp" and cp_ulysses_size is None:
-            raise ValueError("cp_strategy='usp' needs cp_ulysses_size (the ranks of each head group)")
-        if cp_cost_model is not None and not isinstance(cp_cost_model, CostModel):
-            raise TypeError(f"cp_cost_model must be a cp_attention.CostModel, got {type(cp_cost_model).__name__}")
+        check_cp_options(cp_strategy, cp_ulysses_size, cp_cost_model)
         super().__init__(*args, **kwargs)
         name = type(self).__name__
         if self.label_smoother is not None or self.compute_loss_func is not None:
@@ -205,7 +210,7 @@ class CPTrainerMixin(metaclass=_MixinBeforeTrainer):
         with context_parallel(self.cp_group, self.cp_layout, self.cp_timeout, mesh_dim=self.cp_mesh_dim,
                               strategy=self.cp_strategy, ulysses_size=self.cp_ulysses_size,
                               cost_model=self.cp_cost_model) as cp:
-            parts = [inputs] if cp.world_size == 1 else cp.comm.all_gather_object(_to_cpu(inputs))
+            parts = [inputs] if cp.world_size == 1 else cp.comm.all_gather_object(to_cpu(inputs))
             joined, starts = join_micro_batches([inputs if r == cp.rank else p for r, p in enumerate(parts)])
             local = cp.shard_batch(**joined, document_starts=starts, model=self.accelerator.unwrap_model(model))
             if self._cp_aux_loss_scale is not None and self._cp_aux_loss_scale is not _UNKNOWN:
@@ -246,5 +251,6 @@ def _router_aux_loss(config) -> bool:
     return bool(getattr(text, "output_router_logits", False)) and bool(getattr(text, "router_aux_loss_coef", 0.0))
 
 
-def _to_cpu(inputs: dict) -> dict:
+def to_cpu(inputs: dict) -> dict:
+    """``inputs`` with its tensors detached and on the CPU (for an object all-gather)."""
     return {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}

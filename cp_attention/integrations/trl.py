@@ -1,7 +1,8 @@
-"""TRL's ``SFTTrainer`` under context parallelism: :class:`CPSFTTrainer`.
+"""TRL's trainers under context parallelism: :class:`CPSFTTrainer`, and for post-training
+:class:`CPGRPOTrainer`, :class:`CPRLOOTrainer` and :class:`CPDPOTrainer`.
 
-Importing this module imports ``trl`` (``import cp_attention`` never does: trl stays optional). An
-SFT script changes two lines (the class and the attention implementation) and is launched with
+Importing this module imports ``trl`` (``import cp_attention`` never does: trl stays optional). A
+script changes two lines (the class and the attention implementation) and is launched with
 ``torchrun``::
 
     from cp_attention.integrations.trl import CPSFTTrainer
@@ -10,31 +11,66 @@ SFT script changes two lines (the class and the attention implementation) and is
     trainer = CPSFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer)
     trainer.train()                                  # torchrun --nproc_per_node=N sft.py
 
-A training step is :class:`~cp_attention.integrations.trainer.CPTrainerMixin`'s: the CP group's
-micro-batches are joined along the sequence, sharded, and ``SFTTrainer``'s own step (its fused LM
-head scores the pre-shifted ``shift_labels`` of the shard, its loss is normalised by Trainer's
+**SFT.** A training step is :class:`~cp_attention.integrations.trainer.CPTrainerMixin`'s: the CP
+group's micro-batches are joined along the sequence, sharded, and ``SFTTrainer``'s own step (its fused
+LM head scores the pre-shifted ``shift_labels`` of the shard, its loss is normalised by Trainer's
 ``num_items_in_batch`` of the global batch) runs on this rank's shard. ``class X(CPTrainerMixin,
-SFTTrainer)`` and ``class X(SFTTrainer, CPTrainerMixin)`` are the same trainer as this one.
-
-What the configuration needs: nothing beyond CPTrainerMixin's rules (a ``cp_flash`` model,
+SFTTrainer)`` and ``class X(SFTTrainer, CPTrainerMixin)`` are the same trainer as this one. What the
+configuration needs: nothing beyond CPTrainerMixin's rules (a ``cp_flash`` model,
 ``average_tokens_across_devices=True``, no label smoothing, no ``compute_loss_func``; a MoE router
 auxiliary loss, ``router_aux_loss_coef``, is taken over the joined batch; PEFT: a ``peft_config`` of a
-weight adapter, LoRA, DoRA, ...; prompt learning is refused). ``padding_free=True`` (or BFD packing, which
-implies it) is the configuration to use: each micro-batch is one row of documents told apart by
+weight adapter, LoRA, DoRA, ...; prompt learning is refused). ``padding_free=True`` (or BFD packing,
+which implies it) is the configuration to use: each micro-batch is one row of documents told apart by
 ``position_ids``, and nothing but tokens is sharded. A padded batch works too, but its padding is
 joined into the middle of the rows and computed on, and the ranks need the same number of rows
 (``dataloader_drop_last=True``). SFTConfig turns on ``bf16`` autocast by default; under autocast a
-float32 model reaches cp_flash with float32 queries and keys (after RoPE) and bfloat16 values,
-which cp_flash refuses: load the model in bfloat16 or set ``bf16=False``.
+float32 model reaches cp_flash with float32 queries and keys (after RoPE) and bfloat16 values, which
+cp_flash refuses: load the model in bfloat16 or set ``bf16=False``.
+
+**GRPO, RLOO, DPO** (:class:`CPRLTrainerMixin`). The CP group trains as one process holding all its
+ranks' rows would:
+
+1. generation and rewards stay where they are: each process generates and scores its own prompts
+   outside the CP block (``model.generate`` or vLLM), and TRL's rewards and advantages are computed
+   over all processes as usual;
+2. the group's generation batches (GRPO, RLOO: :func:`join_rows`) or preference micro-batches (DPO:
+   :func:`join_pairs`) are joined into the batch one process holding their rows builds; every rank
+   of the group then holds it, shuffles it with the group's first rank's permutation and runs TRL's
+   own loss and metrics on it;
+3. every fused LM head forward (the policy's, the reference model's, the old policy's) is routed
+   through :func:`~.packed_rows.packed_fused_forward`: the rows' tokens packed as documents of one
+   row, sharded, scored on this rank's shard and gathered back in TRL's padded layout (the forwards
+   at generation score each rank's own rows, before the join);
+4. gradients: every rank's loss is the group's and the gather's backward sums the group's gradients,
+   so each rank's gradient is P times its shard's part and DDP / FSDP2's mean over the processes is
+   the group's gradient (on a dp x cp mesh each group is one data-parallel process).
+
+GRPO's token-count normaliser (dapo, cispo, vespo divide by TRL's count over the processes) is
+scaled by P, the ``top_entropy_quantile`` threshold counts each group's tokens once, and DPO's
+``num_tokens`` metric divides the group's copies out. Refused: vision-language models, accelerate's
+own context parallelism (``parallelism_config``), ``use_transformers_continuous_batching``.
+
+Legend: ``P`` ranks of the CP group, ``B`` rows.
 """
 
 from __future__ import annotations
 
-from trl import SFTTrainer
+import contextlib
+import weakref
+from types import MappingProxyType
 
-from .trainer import CPTrainerMixin
+import torch
+from trl import DPOTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer
 
-__all__ = ["CPSFTTrainer"]
+from ..engine.context import active_context, context_parallel, outside_context
+from ..refusals import refuse
+from .heads import head_kind
+from .model_check import check_model, unwrap_adapters
+from .packed_rows import packed_fused_forward
+from .trainer import CPTrainerMixin, MixinBeforeTrainer, check_cp_options, to_cpu
+
+__all__ = ["CPDPOTrainer", "CPGRPOTrainer", "CPRLOOTrainer", "CPRLTrainerMixin", "CPSFTTrainer", "join_pairs",
+           "join_rows"]
 
 
 class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
@@ -45,3 +81,296 @@ class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
     :class:`~cp_attention.integrations.trainer.CPTrainerMixin`). The model must use
     ``attn_implementation="cp_flash"``; ``padding_free=True`` is recommended (module docstring).
     """
+
+
+_LEFT_PADDED = ("prompt_ids", "prompt_mask")
+_PAD_VALUES = MappingProxyType({"tool_mask": 1, "importance_sampling_ratio": 1.0})  # TRL's; else 0 / the pad id
+
+
+def join_rows(parts: list[dict], pad_token_id: int) -> dict:
+    """The CP group's generation batches (TRL's ``_generate_and_score_completions`` outputs, in rank
+    order) as the one batch a single process holding all their rows builds: (B_r, ...) tensors
+    concatenated along the rows, (B_r, T_r) ones padded to the widest first (prompts on the left,
+    everything else on the right, as TRL pads them; ids with ``pad_token_id``, masks with 0), 0-d
+    tensors (``num_items_in_batch``, the same on every rank) kept."""
+    keys = [sorted(p) for p in parts]
+    if any(k != keys[0] for k in keys):
+        raise ValueError(f"the ranks of a context-parallel group built generation batches with different keys {keys}")
+    joined: dict = {}
+    for key in keys[0]:
+        values = [p[key] for p in parts]
+        first = values[0]
+        if first is None:
+            joined[key] = None
+        elif not isinstance(first, torch.Tensor):
+            raise ValueError(f"cannot join the generation batches' {key!r} ({type(first).__name__}): only tensors "
+                             f"are joined along the rows")
+        elif first.dim() == 0:
+            if any(not torch.equal(v.cpu(), first.cpu()) for v in values):
+                raise ValueError(f"the ranks' generation batches disagree on {key!r}: {[float(v) for v in values]}")
+            joined[key] = first
+        else:
+            width = max(int(v.shape[1]) for v in values) if first.dim() >= 2 else None
+            fill = pad_token_id if key.endswith("_ids") else _PAD_VALUES.get(key, 0)
+            left = key in _LEFT_PADDED
+            padded = []
+            for v in values:
+                if width is not None and v.shape[1] < width:
+                    shape = list(v.shape)
+                    shape[1] = width - v.shape[1]
+                    pad = v.new_full(shape, fill)
+                    v = torch.cat([pad, v] if left else [v, pad], dim=1)
+                padded.append(v)
+            joined[key] = torch.cat(padded, dim=0)
+    return joined
+
+
+def join_pairs(parts: list[dict], pad_token_id: int) -> dict:
+    """The CP group's preference micro-batches (TRL's ``DataCollatorForPreference``: 2B rows, the B
+    chosen sequences then the B rejected ones, right-padded; optional (B,) precomputed reference
+    log-probabilities), in rank order, as one micro-batch of all their pairs in the collator's
+    layout: every rank's chosen rows, then every rank's rejected rows."""
+    keys = [sorted(k for k, v in p.items() if v is not None) for p in parts]
+    if any(k != keys[0] for k in keys):
+        raise ValueError(f"the ranks of a context-parallel group got preference batches with different keys {keys}")
+    joined: dict = {}
+    for key in keys[0]:
+        values = [p[key] for p in parts]
+        if not all(isinstance(v, torch.Tensor) and v.dim() in (1, 2) for v in values):
+            raise ValueError(f"cannot join the preference batches' {key!r}: only (2B, L) and (B,) tensors are joined")
+        if values[0].dim() == 1:
+            joined[key] = torch.cat(values)
+            continue
+        width = max(int(v.shape[1]) for v in values)
+        fill = pad_token_id if key.endswith("_ids") else 0
+        padded = [torch.cat([v, v.new_full((v.shape[0], width - v.shape[1]), fill)], dim=1) for v in values]
+        halves = [v.chunk(2, dim=0) for v in padded]
+        joined[key] = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return joined
+
+
+def _routed(original, owner, trainer_ref):
+    """The fused-head forward of ``owner`` (TRL's instance ``forward``) that, inside a context, runs
+    :func:`.packed_fused_forward` (rows as the trainer says) and otherwise the original."""
+
+    def forward(*args, fused_lm_head=False, **kwargs):
+        cp, trainer = active_context(), trainer_ref()
+        if not fused_lm_head or cp is None or trainer is None:
+            return original(*args, fused_lm_head=fused_lm_head, **kwargs)
+        if len(args) > 1 or (args and "input_ids" in kwargs):
+            raise TypeError("the fused forward under context parallelism takes input_ids and keywords only")
+        if args:
+            kwargs["input_ids"] = args[0]
+        return packed_fused_forward(original, owner, cp, kwargs, rows=trainer._cp_rows, name=type(trainer).__name__)
+
+    forward._cp_attention_routed = True
+    return forward
+
+
+def _fused_owners(model) -> list:
+    """The modules whose instance ``forward`` TRL's ``add_fused_lm_head`` replaced (the model, or a
+    PEFT model's base model)."""
+    found, seen = [], set()
+    for candidate in (model, unwrap_adapters(model)):
+        if id(candidate) in seen:
+            continue
+        seen.add(id(candidate))
+        fn = candidate.__dict__.get("forward")
+        code = getattr(getattr(fn, "__func__", None), "__code__", None)  # TRL wraps it: its code keeps the name
+        if fn is not None and (getattr(fn, "_cp_attention_routed", False)
+                               or getattr(code, "co_name", "") == "_fused_forward"):
+            found.append(candidate)
+    return found
+
+
+class CPRLTrainerMixin(metaclass=MixinBeforeTrainer):
+    """Context parallelism for TRL's post-training trainers (GRPO, RLOO, DPO): the CP group's rows
+    are scored and trained as one process holding all of them would (module docstring).
+
+    Args (besides the trainer's own): ``cp_group``, ``cp_mesh_dim``, ``cp_layout``, ``cp_timeout``,
+    ``cp_strategy``, ``cp_ulysses_size``, ``cp_cost_model``, as for
+    :class:`~cp_attention.integrations.trainer.CPTrainerMixin`. Either base order works.
+    """
+
+    _cp_trainer_mixin = True
+    _cp_rows = "shared"  # the rows a fused forward scores: "shared" (the joined batch) or "own"
+
+    def __init__(self, *args, cp_group=None, cp_mesh_dim: str | None = None, cp_layout: str = "zigzag",
+                 cp_timeout: float | None = None, cp_strategy: str = "ring", cp_ulysses_size: int | None = None,
+                 cp_cost_model=None, **kwargs):
+        check_cp_options(cp_strategy, cp_ulysses_size, cp_cost_model)
+        # stored first: DPOTrainer's __init__ already scores (precompute_ref_log_probs)
+        self.cp_group, self.cp_mesh_dim, self.cp_layout, self.cp_timeout = cp_group, cp_mesh_dim, cp_layout, cp_timeout
+        self.cp_strategy, self.cp_ulysses_size, self.cp_cost_model = cp_strategy, cp_ulysses_size, cp_cost_model
+        self._cp_checked, self._cp_rng_restore, self._cp_tp_size = False, None, None
+        super().__init__(*args, **kwargs)
+        self._cp_ready()
+
+    # ------------------------------------------------------------------ checks and routing
+    def _cp_ready(self) -> None:
+        """The refusals, then the fused forwards of the policy and reference model routed (once)."""
+        if self._cp_checked:
+            return
+        name = type(self).__name__
+        config = getattr(self.args, "parallelism_config", None) or getattr(self.accelerator, "parallelism_config", None)
+        if config is not None and (getattr(config, "cp_enabled", False) or getattr(config, "sp_enabled", False)):
+            raise refuse("rl_parallelism_config", name=name)
+        if getattr(self, "_is_vlm", False):
+            raise refuse("rl_multimodal", name=name)
+        if getattr(self.args, "use_transformers_continuous_batching", False):
+            raise refuse("rl_continuous_batching", name=name)
+        models = [("policy", self.model)]
+        if getattr(self, "ref_model", None) is not None:
+            models.append(("reference model", self.ref_model))
+        for role, model in models:
+            inner = unwrap_adapters(self.accelerator.unwrap_model(model))
+            config = getattr(inner, "config", None)
+            implementation = getattr(config, "_attn_implementation", None)
+            if implementation != "cp_flash":
+                raise refuse("trainer_not_cp_flash", name=f"{name} ({role})", implementation=implementation)
+            if self.args.world_size > 1:
+                check_model(inner)
+            if head_kind(inner) is not None:
+                raise refuse("trainer_row_head", name=name, model=type(inner).__name__)
+            owners = _fused_owners(self.accelerator.unwrap_model(model))
+            if not owners:
+                raise refuse("rl_no_fused_head", name=name, role=role, model=type(inner).__name__)
+            for owner in owners:
+                fn = owner.__dict__["forward"]
+                if not getattr(fn, "_cp_attention_routed", False):
+                    owner.forward = _routed(fn, owner, weakref.ref(self))
+        self._cp_checked = True
+
+    @contextlib.contextmanager
+    def _cp_block(self):
+        """The active context, or a new one with the trainer's options."""
+        active = active_context()
+        if active is not None:
+            yield active
+            return
+        with context_parallel(self.cp_group, self.cp_layout, self.cp_timeout, mesh_dim=self.cp_mesh_dim,
+                              strategy=self.cp_strategy, ulysses_size=self.cp_ulysses_size,
+                              cost_model=self.cp_cost_model) as cp:
+            yield cp
+
+    @contextlib.contextmanager
+    def _cp_rows_as(self, rows: str):
+        before, self._cp_rows = self._cp_rows, rows
+        try:
+            yield
+        finally:
+            self._cp_rows = before
+
+    def _cp_generates(self) -> bool:
+        return hasattr(super(), "_generate_and_score_completions")
+
+    def _cp_join_step(self, cp, inputs):
+        """A preference trainer's micro-batch joined over the group (the generating trainers join at
+        generation, :meth:`_generate_and_score_completions`)."""
+        if self._cp_generates() or cp.world_size == 1:
+            return inputs
+        if hasattr(self, "_tp_size"):  # DPO counts every joined token once per rank: divide by the copies
+            self._cp_tp_size = self._cp_tp_size or self._tp_size
+            self._tp_size = self._cp_tp_size * cp.world_size
+        parts = cp.comm.all_gather_object(to_cpu(inputs), "the ranks' preference batches")
+        device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
+        joined = join_pairs([inputs if r == cp.rank else p for r, p in enumerate(parts)], self._cp_pad_id())
+        return {k: v.to(device) for k, v in joined.items()}
+
+    def _cp_pad_id(self) -> int:
+        tokenizer = getattr(self, "_tokenizer", None) or getattr(self, "processing_class", None)
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        return 0 if pad is None else int(pad)
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The trainer's own step inside the CP block (generation and rewards outside it)."""
+        self._cp_ready()
+        with self._cp_block() as cp:
+            return super().training_step(model, self._cp_join_step(cp, inputs), num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Evaluation as training: the group's rows joined and scored under context parallelism."""
+        self._cp_ready()
+        with self._cp_block() as cp:
+            return super().prediction_step(model, self._cp_join_step(cp, inputs), prediction_loss_only,
+                                           ignore_keys=ignore_keys)
+
+    def compute_ref_log_probs(self, model, inputs):
+        """DPO's reference log-probabilities of each rank's own pairs (precompute), under context parallelism."""
+        self._cp_ready()
+        with self._cp_block(), self._cp_rows_as("own"):
+            return super().compute_ref_log_probs(model, inputs)
+
+    # ------------------------------------------------------------------ generation (GRPO, RLOO)
+    def _generate(self, prompts):
+        with outside_context():
+            return super()._generate(prompts)
+
+    def _calculate_rewards(self, *args, **kwargs):
+        with outside_context():
+            return super()._calculate_rewards(*args, **kwargs)
+
+    def _generate_and_score_completions(self, inputs):
+        """Each rank's generation batch generated, scored and weighed as TRL does it (the old and
+        reference log-probabilities of its own rows under context parallelism), then the group's
+        batches joined into the one batch a single process holding them builds."""
+        with self._cp_block() as cp:
+            with self._cp_rows_as("own"):
+                out = super()._generate_and_score_completions(inputs)
+            if cp.world_size == 1:
+                return out
+            device = next(v.device for v in out.values() if isinstance(v, torch.Tensor))
+            parts = cp.comm.all_gather_object(to_cpu(out), "the ranks' generation batches")
+            joined = join_rows([out if r == cp.rank else p for r, p in enumerate(parts)], self._cp_pad_id())
+            joined = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in joined.items()}
+            if "num_items_in_batch" in joined:
+                # TRL divides the generation batch's token count by the process count for the loss of one
+                # process; the group is one process of P ranks
+                joined["num_items_in_batch"] = joined["num_items_in_batch"] * cp.world_size
+            if self.model.training:  # TRL shuffles the batch next: the same permutation on every rank
+                states = cp.comm.all_gather_object(torch.get_rng_state(), "the ranks' random states")
+                if cp.rank != 0:
+                    self._cp_rng_restore = torch.get_rng_state()
+                    torch.set_rng_state(states[0])
+            return joined
+
+    def _prepare_inputs(self, generation_batch):
+        try:
+            return super()._prepare_inputs(generation_batch)
+        finally:
+            if self._cp_rng_restore is not None:
+                torch.set_rng_state(self._cp_rng_restore)
+                self._cp_rng_restore = None
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """GRPO's ``top_entropy_quantile`` mask: the tokens whose entropy reaches the ``threshold``
+        quantile of every scored token of the processes' micro-batches; each CP group's joined
+        micro-batch counts once (from its first rank), as one process's."""
+        cp = active_context()
+        values = entropies[mask.bool()].float()
+        if cp is not None and cp.rank != 0:
+            values = values[:0]
+        sentinel = -1e9  # entropies are >= 0
+        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(values, dim=0, pad_index=sentinel))
+        gathered = gathered[gathered != sentinel]
+        if gathered.numel() == 0:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        cut = torch.quantile(gathered, threshold)
+        return ((entropies * mask.float()) >= cut) & mask.bool()
+
+
+class CPGRPOTrainer(CPRLTrainerMixin, GRPOTrainer):
+    """TRL's :class:`trl.GRPOTrainer` with its scoring and training forwards under context parallelism
+    (:class:`CPRLTrainerMixin`; module docstring)."""
+
+
+class CPRLOOTrainer(CPRLTrainerMixin, RLOOTrainer):
+    """TRL's :class:`trl.RLOOTrainer` with its scoring and training forwards under context parallelism
+    (:class:`CPRLTrainerMixin`; module docstring)."""
+
+
+class CPDPOTrainer(CPRLTrainerMixin, DPOTrainer):
+    """TRL's :class:`trl.DPOTrainer` with its policy and reference forwards under context parallelism
+    (:class:`CPRLTrainerMixin`; module docstring)."""
