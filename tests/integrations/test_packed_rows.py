@@ -109,11 +109,11 @@ def _padded_fields(state):
     model = _fused(tiny_model("gpt_oss", "eager", seed=0, window=4))
     model.load_state_dict(state)
     ids, mask, labels = _rows()
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, output_router_logits=True)
     w, v = _weights()
     ((out.log_probs * w).sum() + (out.entropy * v).sum()).backward()
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return {f: getattr(out, f).detach().float() for f in FIELDS}, grads
+    return {f: getattr(out, f).detach().float() for f in FIELDS}, grads, float(out.aux_loss)
 
 
 OWN = {0: (slice(0, 2), 14), 1: (slice(2, 4), 11)}
@@ -134,12 +134,21 @@ def _cp_worker(rank, world_size, state, rows_mode, layout):
         rows, width = OWN[rank]
         ids, mask, labels = ids[rows, :width], mask[rows, :width], labels[rows, :width]
         w, v = w[rows, :width - 1], v[rows, :width - 1]
+    call = dict(input_ids=ids, attention_mask=mask, labels=labels)
     with cp_attention.context_parallel(layout=layout) as cp:
-        out = packed_fused_forward(model.forward, model, cp, dict(input_ids=ids, attention_mask=mask, labels=labels),
-                                   rows=rows_mode)
+        if rows_mode == "own":  # a rank's own rows have no share of the group's router loss
+            try:
+                packed_fused_forward(model.forward, model, cp, dict(call, output_router_logits=True), rows="own")
+                raise AssertionError("router logits of each rank's own rows were not refused")
+            except NotImplementedError as e:
+                assert "joined batch" in str(e), e
+        else:
+            call["output_router_logits"] = True
+        out = packed_fused_forward(model.forward, model, cp, call, rows=rows_mode)
         ((out.log_probs * w).sum() + (out.entropy * v).sum()).backward()
     grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    return {f: getattr(out, f).detach().float().numpy() for f in FIELDS}, grads.numpy()
+    aux = None if out.aux_loss is None else float(out.aux_loss)
+    return {f: getattr(out, f).detach().float().numpy() for f in FIELDS}, grads.numpy(), aux
 
 
 @pytest.mark.multirank
@@ -147,12 +156,15 @@ def _cp_worker(rank, world_size, state, rows_mode, layout):
 def test_packed_fused_forward_equals_the_padded_call(rows_mode, layout):
     """Two gloo ranks, gpt-oss (window 4 with sinks): the fields equal TRL's padded eager call, row
     for row. "shared": every rank holds the four rows, and the mean of the ranks' gradients is one
-    device's (each rank's loss of the gathered fields counts whole, as under DDP's mean); "own":
-    each rank its own rows (:data:`OWN`), and the sum of the ranks' gradients is one device's."""
+    device's (each rank's loss of the gathered fields counts whole, as under DDP's mean), and every
+    rank returns the batch's router loss; "own": each rank its own rows (:data:`OWN`), the sum of the
+    ranks' gradients is one device's, and router logits are refused."""
     state = tiny_model("gpt_oss", "eager", seed=0, window=4).state_dict()
     per_rank = run_ranks(2, _cp_worker, state, rows_mode, layout, timeout=600)
-    fields, grads = _padded_fields(state)
+    fields, grads, aux = _padded_fields(state)
     for r in range(2):
+        if rows_mode == "shared":  # every rank returns the batch's router loss (one device's value)
+            assert abs(per_rank[r][2] - aux) <= TOL * max(1.0, abs(aux)), (r, per_rank[r][2], aux)
         rows, width = OWN[r] if rows_mode == "own" else (slice(0, 4), 14)
         for f in FIELDS:
             got, want = torch.from_numpy(per_rank[r][0][f]), fields[f][rows, :width - 1]

@@ -45,6 +45,7 @@ GRPO_CASES = [
     {"name": "entropy-quantile", "set": {"top_entropy_quantile": 0.3, "entropy_coef": 0.05}},
     {"name": "iterations", "set": {"num_iterations": 2, "steps_per_generation": 4}, "steps": 3},
     {"name": "truncated", "set": {"mask_truncated_completions": True}},
+    {"name": "no-reference", "set": {"beta": 0.0}},
     {"name": "lora", "peft": True},
     {"name": "hybrid", "model": "qwen3_next"},
     {"name": "rloo", "trainer": "rloo"},
