@@ -134,7 +134,7 @@ def test_cp_dpo_equals_one_process(dpo_runs, case):
     check_same_training(dpo_runs / "cp" / case, dpo_runs / "single" / case)
 
 
-@pytest.mark.parametrize("script", [GRPO, pytest.param(DPO, marks=pytest.mark.slow)], ids=["grpo", "dpo"])
+@pytest.mark.parametrize("script", [GRPO, DPO], ids=["grpo", "dpo"])
 def test_dp_by_cp_equals_data_parallel(tmp_path, script):
     """4 ranks as 2 (data parallel) x 2 (CP): each CP group trains as one data-parallel process holding
     its rows; plain data parallelism on 2 processes (eager) is the reference. One accumulation step:
