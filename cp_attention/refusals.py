@@ -267,6 +267,14 @@ REFUSALS = _catalogue(
        message="cp_flash: {family} hands its attention {name!r}, a {shape} tensor over (query, key) pairs (a score "
                "bias or a dense mask), which cp_flash cannot apply: it would be dropped. Use "
                "attn_implementation=\"eager\" (or \"sdpa\") for this family, without context_parallel."),
+    _R(key="selected_keys_argument", exception=NotImplementedError, area="masks",
+       what="a selection of keys per query handed to the attention (an indexer's top-k indices)",
+       why="cp_flash does not read it yet: every causal key would be attended instead of the selected ones",
+       fix='attn_implementation="eager" (or "sdpa"), without context_parallel',
+       message="cp_flash: {family} hands its attention {name!r}, a {shape} tensor of selected keys per query (a "
+               "sparse-attention indexer's choice), which cp_flash does not read yet: every causal key would be "
+               "attended instead. Use attn_implementation=\"eager\" (or \"sdpa\") for this family, without "
+               "context_parallel."),
     _R(key="foreign_mask_overlay", exception=NotImplementedError, area="masks",
        what="a causal mask holding a mask function of the model's own, under context parallelism",
        why="each rank's mask is built from its shard: the overlay cannot be read and would be dropped",

@@ -42,6 +42,7 @@ Legend: ``B`` batch, ``L``/``Lq`` query tokens, ``Lk`` key tokens, ``H`` heads, 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -373,13 +374,22 @@ def _refuse_spans_past_window(batch, window: int, family: str) -> None:
         raise refuse("span_longer_than_window", longest=longest, window=window, family=family or "this model")
 
 
+SELECTION_ARGUMENT = re.compile(r"(^|_)indices$")
+"""Keyword names of a selection of keys per query (DSA's ``indices``, MiniMax-M3's ``block_indices``)."""
+
+
 def _refuse_score_tensors(kwargs: dict, q_length: int, kv_length: int, info) -> None:
     """A keyword tensor over (query, key) pairs, ``(..., Lq, Lk)`` with at least 3 dims, is a score
-    bias or a dense mask (Inkling's relative-position ``position_bias``): cp_flash cannot apply it,
+    bias or a dense mask (Inkling's relative-position ``position_bias``), and one named ``indices``
+    or ``*_indices`` is a sparse-attention indexer's selection of keys: cp_flash cannot apply either,
     so the layer raises instead of dropping it."""
     for name, value in kwargs.items():
-        if isinstance(value, torch.Tensor) and value.dim() >= 3 and tuple(value.shape[-2:]) == (q_length, kv_length):
-            family = (info.family if info is not None else "") or "this model"
+        if not isinstance(value, torch.Tensor):
+            continue
+        family = (info.family if info is not None else "") or "this model"
+        if SELECTION_ARGUMENT.search(name):  # DSA's indices=, MiniMax-M3's block_indices=: keys chosen per query
+            raise refuse("selected_keys_argument", family=family, name=name, shape=tuple(value.shape))
+        if value.dim() >= 3 and tuple(value.shape[-2:]) == (q_length, kv_length):
             raise refuse("score_tensor_argument", family=family, name=name, shape=tuple(value.shape))
 
 

@@ -415,6 +415,26 @@ def test_score_tensors_handed_to_the_attention_are_refused():
         _logits(model, ids)
 
 
+def test_selected_keys_handed_to_the_attention_are_refused():
+    """MiniMax-M3's sparse layers hand their attention the blocks of keys their indexer chose
+    (``block_indices``); cp_flash does not read a selection yet, so on one device and in a one-rank
+    block the layer raises instead of attending to every causal key (it returned logits 0.4 off
+    eager's before)."""
+    from cp_attention.tools.sweeps import configs
+
+    cfg = configs.tiny_config("minimax_m3_vl_text")
+    cfg.num_hidden_layers, cfg.layer_types = 3, ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"]
+    cfg.index_block_size, cfg.index_topk_blocks, cfg.index_local_blocks, cfg.index_n_heads = 4, 2, 1, 2
+    model = configs.build_model(cfg, "cp_flash")
+    ids = torch.randint(3, 96, (1, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NotImplementedError, match="'block_indices'.*selected keys per query"):
+        _logits(model, ids)
+    with cp_attention.context_parallel() as cp:
+        local = cp.shard_batch(input_ids=ids, model=model)
+        with pytest.raises(NotImplementedError, match="'block_indices'"):
+            model(**local)
+
+
 @pytest.mark.parametrize("family", ["bigbird_pegasus", "moss_transcribe_diarize"])
 def test_one_rank_packed_documents_without_position_ids_are_refused(family):
     """A model whose forward takes no position_ids cannot restart positions at the documents

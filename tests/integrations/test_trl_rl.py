@@ -134,6 +134,7 @@ def test_cp_dpo_equals_one_process(dpo_runs, case):
     check_same_training(dpo_runs / "cp" / case, dpo_runs / "single" / case)
 
 
+@pytest.mark.slow  # 4 ranks on 2 cores: 26-37 s each
 @pytest.mark.parametrize("script", [GRPO, DPO], ids=["grpo", "dpo"])
 def test_dp_by_cp_equals_data_parallel(tmp_path, script):
     """4 ranks as 2 (data parallel) x 2 (CP): each CP group trains as one data-parallel process holding
@@ -145,6 +146,7 @@ def test_dp_by_cp_equals_data_parallel(tmp_path, script):
     check_same_training(tmp_path / "cp" / "run", tmp_path / "single" / "run")
 
 
+@pytest.mark.slow
 def test_real_generation_runs_end_to_end(tmp_path):
     """model.generate samples the completions (outside the CP block, each process its own prompts),
     then the step trains under CP: GRPO and RLOO, 2 ranks."""

@@ -68,6 +68,7 @@ FIXED = MappingProxyType({  # name -> value, applied when the default is an int 
     "num_kv_shared_layers": 0, "kv_n_heads": 2, "router_hidden_size": 32, "backbone_hidden_size": 64,
     "num_memory_blocks": 1, "num_mem_blocks": 1, "adapter_rank": 8, "gated_norm_rank": 8, "hc_lowrank": 8,
     "moe_latent_size": 32, "ple_embed_dim": 16, "loop_gate_rank": 8,
+    "index_topk": 8,  # an indexer keeps 8 keys per query: fewer than a 44-token document's, so the selection binds
 })
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_layer")
 TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k_experts", "num_selected_experts",
@@ -130,6 +131,11 @@ OVERRIDES: Mapping[str, tuple[str, object]] = MappingProxyType({
              _dory),
     "reformer": ("axial position embedding dims must sum to hidden_size, their shape multiply to the max length",
                  _set(axial_pos_embds_dim=[16, 48], axial_pos_shape=[16, 32])),
+    "minimax_m3_vl_text": ("the default layer_types have no sparse layer (a checkpoint's sparse_attention_freq "
+                           "sets them): the family's mix has them, with blocks that select within 44 tokens",
+                           _set(num_hidden_layers=3, layer_types=["full_attention", "minimax_m3_sparse",
+                                                                  "minimax_m3_sparse"],
+                                index_block_size=4, index_topk_blocks=2, index_local_blocks=1, index_n_heads=2)),
     "qwen4_exp": ("the sparse-attention indexer fields default to None but the model needs them", _set(**_QSA)),
     "qwen4_exp_text": ("the sparse-attention indexer fields default to None but the model needs them", _set(**_QSA)),
     "lfm2_moe": ("layer_types defaults to None, which the model indexes", _set(layer_types=["conv", "full_attention"])),
