@@ -217,7 +217,6 @@ def train(trainer, logs: Logs, out: str) -> None:
     if rank == 0:
         torch.save({k: v.detach().cpu().clone() for k, v in trainer.model.state_dict().items()},
                    os.path.join(out, "initial.pt"))
-    before = cp_attention.last_plan_stats()  # an earlier run's, in the same process
     trainer.train()
     if rank == 0:
         with open(os.path.join(out, "logs.json"), "w") as f:
@@ -225,8 +224,9 @@ def train(trainer, logs: Logs, out: str) -> None:
         torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()},
                    os.path.join(out, "params.pt"))
         stats = cp_attention.last_plan_stats()  # the last cp_flash layer call: how many ranks shared its sequence
+        eager = trainer.accelerator.unwrap_model(trainer.model).config._attn_implementation == "eager"
         with open(os.path.join(out, "cp.json"), "w") as f:
-            json.dump({"world_size": None if stats is None or stats is before else stats.world_size}, f)
+            json.dump({"world_size": None if stats is None or eager else stats.world_size}, f)
 
 
 def finish() -> None:

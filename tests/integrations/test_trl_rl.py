@@ -163,13 +163,15 @@ def test_real_generation_runs_end_to_end(tmp_path):
 
 
 def test_one_process_cp_trainers_equal_the_plain_ones(tmp_path):
-    """World size 1 (no launcher): CPGRPOTrainer and CPDPOTrainer with cp_flash train to the plain
-    trainers' numbers (eager); the packed scoring path runs all the same."""
+    """World size 1 (no launcher): CPGRPOTrainer, CPRLOOTrainer (examples/train_rloo.py) and
+    CPDPOTrainer with cp_flash train to the plain trainers' numbers (eager); the packed scoring path
+    runs all the same."""
     import train_dpo
     import train_grpo
+    import train_rloo
 
     for module, cases in ((train_grpo, [{"name": "grpo", "set": {"loss_type": "grpo"}}]),
-                          (train_dpo, [{"name": "dpo"}])):
+                          (train_rloo, [{"name": "rloo"}]), (train_dpo, [{"name": "dpo"}])):
         spec = json.dumps(cases)
         module.main(["--out", str(tmp_path / "cp"), "--world", "1", "--cases", spec])
         module.main(["--single", "--out", str(tmp_path / "single"), "--world", "1", "--cases", spec])
