@@ -146,6 +146,15 @@ def test_dp_by_cp_equals_data_parallel(tmp_path, script):
     check_same_training(tmp_path / "cp" / "run", tmp_path / "single" / "run")
 
 
+@pytest.mark.slow  # 2 launches, 25 s
+def test_fsdp2_equals_one_process(tmp_path):
+    """CPGRPOTrainer with Trainer's FSDP2 (fully_shard, reshard after forward; TRL's fused head gathers
+    the LM head's DTensor) on 2 gloo ranks against GRPOTrainer on one process without FSDP."""
+    fsdp = ("--set", "fsdp=full_shard", "--set", "fsdp_config={'fsdp_version': 2, 'reshard_after_forward': True}")
+    _run_pair(tmp_path, GRPO, [{"name": "run"}], cp=fsdp)
+    check_same_training(tmp_path / "cp" / "run", tmp_path / "single" / "run")
+
+
 @pytest.mark.slow
 def test_real_generation_runs_end_to_end(tmp_path):
     """model.generate samples the completions (outside the CP block, each process its own prompts),
