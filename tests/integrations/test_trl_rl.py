@@ -30,8 +30,8 @@ pytestmark = [pytest.mark.multirank, pytest.mark.transformers]
 TOL = 1e-5
 GRPO = os.path.join(ROOT, "examples", "train_grpo.py")
 DPO = os.path.join(ROOT, "examples", "train_dpo.py")
-# not compared: wall-clock figures (step_time, *_runtime, *_per_second), and Trainer's FLOP estimate (6 x parameters x input tokens, padding
-# included: each rank pads its own micro-batch, one process pads all of them to the longest)
+# not compared: wall-clock figures (step_time, *_runtime, *_per_second), and Trainer's FLOP estimate (6 x parameters
+# x input tokens, padding included: each rank pads its own micro-batch, one process pads all of them to the longest)
 UNCOMPARED = ("step_time", "total_flos")
 
 
