@@ -261,12 +261,14 @@ REFUSALS = _catalogue(
                "family is not supported by cp_flash: use attn_implementation=\"sdpa\" or \"eager\" (without "
                "context parallelism)"),
     _R(key="score_tensor_argument", exception=NotImplementedError, area="masks",
-       what="a tensor over (query, key) pairs handed to the attention (a score bias, a dense mask)",
+       what="a tensor the attention adds to its scores (a score bias over (query, key) pairs, per-query sinks, a "
+            "dense mask)",
        why="cp_flash cannot apply it: it would be dropped",
        fix='attn_implementation="eager" (or "sdpa"), without context_parallel',
-       message="cp_flash: {family} hands its attention {name!r}, a {shape} tensor over (query, key) pairs (a score "
-               "bias or a dense mask), which cp_flash cannot apply: it would be dropped. Use "
-               "attn_implementation=\"eager\" (or \"sdpa\") for this family, without context_parallel."),
+       message="cp_flash: {family} hands its attention {name!r}, a {shape} tensor its scores take (a score bias "
+               "over (query, key) pairs, per-query sinks or a dense mask), which cp_flash cannot apply: it would be "
+               "dropped. Use attn_implementation=\"eager\" (or \"sdpa\") for this family, without "
+               "context_parallel."),
     _R(key="selected_keys_argument", exception=NotImplementedError, area="masks",
        what="a selection of keys per query handed to the attention (an indexer's top-k indices)",
        why="cp_flash does not read it yet: every causal key would be attended instead of the selected ones",

@@ -376,6 +376,9 @@ def _refuse_spans_past_window(batch, window: int, family: str) -> None:
 
 SELECTION_ARGUMENT = re.compile(r"(^|_)indices$")
 """Keyword names of a selection of keys per query (DSA's ``indices``, MiniMax-M3's ``block_indices``)."""
+SCORE_ARGUMENTS = frozenset({"sinks", "position_bias", "alibi", "attention_bias", "attn_bias", "score_bias"})
+"""Keyword names of a tensor added to the scores whatever its shape (Inkling2's per-query ``sinks`` (B, H, Lq, 1);
+cp_flash's own sinks are the ``s_aux`` parameter)."""
 
 
 def _refuse_score_tensors(kwargs: dict, q_length: int, kv_length: int, info) -> None:
@@ -389,7 +392,7 @@ def _refuse_score_tensors(kwargs: dict, q_length: int, kv_length: int, info) -> 
         family = (info.family if info is not None else "") or "this model"
         if SELECTION_ARGUMENT.search(name):  # DSA's indices=, MiniMax-M3's block_indices=: keys chosen per query
             raise refuse("selected_keys_argument", family=family, name=name, shape=tuple(value.shape))
-        if value.dim() >= 3 and tuple(value.shape[-2:]) == (q_length, kv_length):
+        if name in SCORE_ARGUMENTS or (value.dim() >= 3 and tuple(value.shape[-2:]) == (q_length, kv_length)):
             raise refuse("score_tensor_argument", family=family, name=name, shape=tuple(value.shape))
 
 

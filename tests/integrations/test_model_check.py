@@ -415,6 +415,19 @@ def test_score_tensors_handed_to_the_attention_are_refused():
         _logits(model, ids)
 
 
+def test_score_tensors_refused_by_name_whatever_their_shape():
+    """Inkling2 hands its attention per-query sinks as ``sinks`` (B, H, Lq, 1): not a (query, key)
+    shape, and not cp_flash's own per-head ``s_aux``, so only the name tells it is added to the
+    scores; the layer raises instead of dropping it (the same call also hands ``position_bias`` today)."""
+    from cp_attention.integrations.transformers import cp_flash_attention
+
+    layer = nn.Linear(2, 2)
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)
+    for name, shape in (("sinks", (1, 2, 5, 1)), ("position_bias", (1, 2, 1, 1)), ("alibi", (2, 5))):
+        with pytest.raises(NotImplementedError, match=f"'{name}'.*its scores take"):
+            cp_flash_attention(layer, q, k, k, None, **{name: torch.zeros(shape)})
+
+
 def test_selected_keys_handed_to_the_attention_are_refused():
     """MiniMax-M3's sparse layers hand their attention the blocks of keys their indexer chose
     (``block_indices``); cp_flash does not read a selection yet, so on one device and in a one-rank
