@@ -8,6 +8,8 @@ latent attention), ``N`` documents.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .engine.attend import attend
@@ -22,7 +24,7 @@ def attention(
     causal: bool = True, window: int | None = None, chunk_size: int | None = None,
     softcap: float | None = None, sinks: torch.Tensor | None = None, scale: float | None = None,
     group=None, layout=None, backend: str | None = None, mask: MaskSpec | None = None,
-    strategy: str | None = None, ulysses_size: int | None = None,
+    strategy: str | None = None, ulysses_size: int | None = None, key_select: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over a sequence sharded across a process group, honouring every mask.
 
@@ -70,6 +72,11 @@ def attention(
             ``ulysses_size``), else "ring". Every strategy computes the same attention; they differ
             in traffic and balance (:mod:`cp_attention.strategies.choice`).
         ulysses_size: strategy "usp"'s head-group size (must divide the world size and ``H``).
+        key_select: (B, L_local, k) integer, index-sparse attention (DeepSeek Sparse Attention): the
+            keys each query selected, as *global* indices into its unsharded row (``-1``: an empty
+            slot). A query then sees a key only when the mask lets it and the key is selected; a
+            repeat counts once. Only the selected keys other ranks hold move
+            (:mod:`cp_attention.strategies.select`; ``strategy`` does not apply).
 
     Returns:
         (B, L_local, H, Dv) in q's dtype (accumulation in float32), differentiable w.r.t. q, k, v
@@ -82,6 +89,7 @@ def attention(
         within the context's ``timeout``.
     """
     keywords = dict(causal=causal, window=window, chunk_size=chunk_size, softcap=softcap, scale=scale)
+    selection = key_select is not None
     local_error = None
     if mask is not None:
         if not isinstance(mask, MaskSpec):
@@ -89,6 +97,9 @@ def attention(
         elif keywords != dict(causal=True, window=None, chunk_size=None, softcap=None, scale=None):
             local_error = ValueError("pass the mask either as mask=MaskSpec(...) or as the keywords causal, window, "
                                      "chunk_size, softcap and scale, not both")
-    return attend(q, k, v, mask if mask is not None and local_error is None else keywords,
+    if mask is not None and local_error is None and selection and not mask.selection:
+        mask = dataclasses.replace(mask, selection=True)
+    return attend(q, k, v, mask if mask is not None and local_error is None else dict(keywords, selection=selection),
                   position_ids=position_ids, cu_seqlens=cu_seqlens, sinks=sinks, group=group, layout=layout,
-                  backend=backend, local_error=local_error, strategy=strategy, ulysses_size=ulysses_size)
+                  backend=backend, local_error=local_error, strategy=strategy, ulysses_size=ulysses_size,
+                  key_select=key_select)

@@ -71,6 +71,13 @@ class MaskSpec:
     what causal, window and documents let it see (transformers' block overlay, ``OR(causal,
     block)``, under the layer's window: Gemma 3 and 4 image tokens). Spans never cross documents.
     False, or a batch without spans: nothing changes. Not combined with ``chunk_size``."""
+    selection: bool = False
+    """Index-sparse attention (DeepSeek Sparse Attention and the families that copy it): every query
+    comes with a set of selected keys, given per call as a tensor of *global* key indices (the
+    position of the key in its unsharded row; ``-1``: an empty slot), and sees a key only when the
+    rest of the mask lets it *and* the key is selected. A selection never adds a pair: a selected key
+    that is later than the query, outside its window or in another document stays hidden, and a key
+    selected twice counts once. Not combined with ``spans``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.causal, bool):
@@ -89,6 +96,11 @@ class MaskSpec:
             raise ValueError(f"scale must be a finite non-zero float or None, got {self.scale!r}")
         if not isinstance(self.spans, bool):
             raise TypeError(f"spans must be a bool, got {type(self.spans).__name__}")
+        if not isinstance(self.selection, bool):
+            raise TypeError(f"selection must be a bool, got {type(self.selection).__name__}")
+        if self.selection and self.spans:
+            raise ValueError("selection (index-selected keys) cannot be combined with spans: no model builds such a "
+                             "mask")
         if self.spans and self.chunk_size is not None:
             raise ValueError("spans (bidirectional spans) cannot be combined with chunk_size: no model builds such "
                              "a mask; use one or the other")
@@ -113,11 +125,13 @@ class MaskSpec:
         return float(self.scale) if self.scale is not None else head_dim ** -0.5
 
     def for_planning(self) -> MaskSpec:
-        """The part of the mask a plan depends on: which pairs are visible (causal, window, chunk).
-        Softcap and scale act inside the kernels, so masks that differ only there share plans."""
+        """The part of the mask a plan depends on: which pairs are visible (causal, window, chunk,
+        spans, whether keys are selected). Softcap and scale act inside the kernels, so masks that
+        differ only there share plans."""
         if self.softcap is None and self.scale is None:
             return self
-        return MaskSpec(causal=self.causal, window=self.window, chunk_size=self.chunk_size, spans=self.spans)
+        return MaskSpec(causal=self.causal, window=self.window, chunk_size=self.chunk_size, spans=self.spans,
+                        selection=self.selection)
 
 
 @dataclass(frozen=True, eq=False, init=False)

@@ -173,6 +173,14 @@ REFUSALS = _catalogue(
        fix="call the model with use_cache=False",
        message="cp_flash: a non-empty KV cache is not supported under context parallelism (queries {queries} "
                "from position {offset}, keys {keys}); call the model with use_cache=False"),
+    _R(key="selection_with_kv_cache", exception=NotImplementedError, area="cache",
+       what="selected keys (a sparse-attention indexer's top-k) with a KV cache (generation)",
+       why="the selection path places queries at the sequence's own positions only; decoding over a cache is "
+           "not built for it yet",
+       fix='call the model with use_cache=False, or generate with attn_implementation="eager"',
+       message="cp_flash: {family} selects keys per query (a sparse-attention indexer) and runs over a KV cache "
+               "({queries} queries from position {offset}, {keys} keys): cp_flash does not decode index-sparse "
+               "attention yet. Call the model with use_cache=False, or generate with attn_implementation=\"eager\"."),
     _R(key="appended_keys", exception=NotImplementedError, area="cache",
        what="keys a model appends inside its attention layer beyond the sequence's own (DeepSeek-V4)",
        why="they belong to no position of the sequence: no mask places them",

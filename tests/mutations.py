@@ -53,6 +53,9 @@ _GRPO_RUNS = "tests/integrations/test_trl_rl.py::test_cp_grpo_and_rloo_equal_one
 _DPO_RUNS = "tests/integrations/test_trl_rl.py::test_cp_dpo_equals_one_process"
 _SCORING = "tests/integrations/test_packed_rows.py::test_packed_fused_forward_equals_the_padded_call"
 _PACKED = "tests/integrations/test_packed_rows.py::"
+_SELECTION = "tests/multirank/test_selection.py"
+_SPARSE_CP = "tests/integrations/test_index_sparse.py::test_dsa_families_match_docs_alone_eager"
+_SPARSE_ONE = "tests/integrations/test_index_sparse.py::test_dsa_one_device_follows_the_tie_rule"
 
 MUTANTS = (
     Mutant("window reach +1 (key at distance W visible)", "masks", "cp_attention/masks.py",
@@ -283,6 +286,25 @@ MUTANTS = (
            "cp_attention/integrations/transformers.py", "if name in SCORE_ARGUMENTS or (value.dim() >= 3",
            "if (value.dim() >= 3",
            ("tests/integrations/test_model_check.py::test_score_tensors_refused_by_name_whatever_their_shape",)),
+    Mutant("DSA indexer: top-k over the rank's own keys (a local top-k)", "masks", "cp_attention/integrations/indexers.py",
+           "whole_row = batch is not None and batch.cp.world_size > 1", "whole_row = False", (_SPARSE_CP,)),
+    Mutant("DSA indexer: ties at the k-th place left to torch.topk", "masks", "cp_attention/integrations/indexers.py",
+           "if func in (torch.topk, torch.Tensor.topk):", "if False:", (_SPARSE_ONE, _SPARSE_CP)),
+    Mutant("selected keys: some remote keys dropped", "masks", "cp_attention/strategies/select.py",
+           "    ok_BLS = sel_BLS >= 0\n",
+           "    ok_BLS = (sel_BLS >= 0) & ((plan.owner.to(device)[sel_BLS.clamp(min=0)] == rank) | (sel_BLS % 5 > 0))\n",
+           (_SELECTION,)),
+    Mutant("selected keys: not intersected with causality, windows and documents", "masks",
+           "cp_attention/strategies/select.py",
+           "inside = (sel_BLS >= lo_BL[..., None]) & (sel_BLS <= hi_BL[..., None])", "inside = sel_BLS >= 0",
+           (_SELECTION,)),
+    Mutant("selected keys: a key selected twice counted twice", "masks", "cp_attention/strategies/select.py",
+           "return sel_BLS.masked_fill(repeat, -1).sort(-1).values", "return sel_BLS", (_SELECTION,)),
+    Mutant("selected keys: the fetched keys' gradients not returned to their owners", "masks",
+           "cp_attention/strategies/select.py", "grad_RKE.index_add_(0, rows, g)", "grad_RKE.index_add_(0, rows, 0 * g)",
+           (_SELECTION,)),
+    Mutant("selected keys: the traffic counted as the keys' shards", "masks", "cp_attention/strategies/select.py",
+           "kv_bytes_recv=got * row_bytes,", "kv_bytes_recv=B * (plan.seq_len - L) * row_bytes,", (_SELECTION,)),
     Mutant("compiled under CP: the backward op runs the forward's passes", "compile", "cp_attention/engine/layer.py",
            "passes(dout, out, lse, need_dsinks))", "passes()) + (None, None)",
            ("tests/integrations/test_compile.py::test_compiled_under_context_parallelism_is_exact",)),

@@ -79,7 +79,7 @@ class Header:
     head_dim: int = -1
     dtype: int = -1                # index in DTYPES
     layout: int = -1               # layout.layout_code
-    causal: int = -1               # causal + 2 * spans (the layer opens the batch's bidirectional spans)
+    causal: int = -1               # causal + 2 * spans (the layer opens the batch's spans) + 4 * selection (keys selected)
     window: int = -1
     chunk_size: int = -1
     softcap: int = -1              # float bits
@@ -124,7 +124,8 @@ def make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cach
     plan_cached, meta_cached, cached_seq_len, cached_meta_crc = cached
     return Header(
         error=0, batch=q.shape[0], local_len=q.shape[1], heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
-        dtype=DTYPES.index(q.dtype), layout=layout_code(layout), causal=int(spec.causal) + 2 * int(spec.spans),
+        dtype=DTYPES.index(q.dtype), layout=layout_code(layout),
+        causal=int(spec.causal) + 2 * int(spec.spans) + 4 * int(spec.selection),
         window=spec.window or -1, chunk_size=spec.chunk_size or -1, softcap=float_bits(spec.softcap),
         scale=float_bits(spec.scale), sinks=int(sinks is not None),
         documents=0 if position_ids is None and cu_seqlens is None else (1 if position_ids is not None else 2),

@@ -27,6 +27,7 @@ from ..comm import Comm
 from ..masks import MaskSpec, SequenceMeta
 from ..plan import RankPlan
 from ..strategies import CostModel, executor_of, fixed_candidate
+from ..strategies.select import select_attention, selected_call_spec
 from . import context, planning, stats
 from .agreement import check_strategy, collective_error, exchange_headers, make_header, meta_crc, signature
 from .batch import BatchRecord
@@ -75,7 +76,7 @@ def resolve_call(group, layout, bound=None) -> Resolved:
 def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None, sinks=None, group=None,
            layout=None, backend: str | None = None, batch: BatchRecord | None = None,
            local_error: Exception | None = None, layer: int | None = None, model_crc: int = -1,
-           strategy: str | None = None, ulysses_size: int | None = None, run=None) -> torch.Tensor:
+           strategy: str | None = None, ulysses_size: int | None = None, run=None, key_select=None) -> torch.Tensor:
     """The engine entry behind :func:`~cp_attention.attention` (same arguments and result).
 
     ``mask``: a MaskSpec or a dict of its keywords (checked on every rank together). ``batch``: the
@@ -88,7 +89,9 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
     (None: the context's, with its ``ulysses_size`` and cost model; :mod:`cp_attention.strategies.choice`).
     ``run(q, k, v, sinks, plan, comm, backend, spec)``: what to do with the agreed plan instead of the
     differentiable ring or head-parallel call (the compiled op's passes without autograd,
-    :func:`passes`); its result is returned.
+    :func:`passes`); its result is returned. ``key_select`` (B, L, k) integer: the global key
+    indices each query selected (``-1``: none), for a mask with ``selection`` (index-sparse
+    attention: :mod:`cp_attention.strategies.select`, whatever ``strategy`` says).
 
     Agreement (see :mod:`cp_attention.engine.agreement`): a call without ``batch`` all-gathers its header
     every time; with ``batch``, only the batch's first call with each signature does."""
@@ -115,9 +118,13 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
             raise local_error
         check_strategy(strategy, ulysses_size)
         spec = mask if isinstance(mask, MaskSpec) else MaskSpec(**mask)
-        check_inputs(q, k, v, position_ids=position_ids, cu_seqlens=cu_seqlens, sinks=sinks, backend=backend)
-        impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3], spec=spec,
-                              head_dim_v=v.shape[3])
+        check_inputs(q, k, v, position_ids=position_ids, cu_seqlens=cu_seqlens, sinks=sinks, backend=backend,
+                     key_select=key_select, selection=spec.selection)
+        if spec.selection and run is not None:
+            raise ValueError("a selected-keys layer runs eagerly (the compiled multi-rank op does not take a "
+                             "selection)")
+        impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[3],
+                              spec=selected_call_spec(spec) if spec.selection else spec, head_dim_v=v.shape[3])
     except (TypeError, ValueError, NotImplementedError) as exc:  # NotImplementedError: a caller's local_error
         error = exc
     if comm.world_size == 1:
@@ -131,6 +138,11 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
         how = planning.how_of(strategy, ulysses_size, cost_model) if error is None else \
             ("ring", None, None)
         plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc, how)
+    if spec.selection:
+        out, call_stats = select_attention(q, k, v, key_select, sinks, plan, comm, impl,
+                                           scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap)
+        stats.note_stats(call_stats, layer, in_model=layer is not None or batch is not None)
+        return out
     stats.note_stats(plan.stats, layer, in_model=layer is not None or batch is not None)
     if run is not None:
         return run(q, k, v, sinks, plan, comm, impl, spec)

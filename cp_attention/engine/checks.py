@@ -17,11 +17,12 @@ __all__ = ["check_inputs"]
 
 
 def check_inputs(q, k, v, *, position_ids=None, cu_seqlens=None, sinks=None, backend: str = "auto",
-                 same_length: bool = True) -> None:
+                 same_length: bool = True, key_select=None, selection: bool = False) -> None:
     """The one check of an attention call's inputs (the bare :func:`~cp_attention.attention`, the engine's
     calls and the single-device op): q (B, L, H, D), k (B, L, K, D), v (B, L, K, Dv) of one dtype and
     device, ``H`` a multiple of ``K``, position_ids (B, L) integer, cu_seqlens (N+1,) int32/int64 of one
-    packed row, sinks (H,) float, a known backend. ``same_length``: q and k hold the same tokens (a
+    packed row, sinks (H,) float, a known backend, ``key_select`` (B, L, S) integer when the mask's
+    ``selection`` is set and None otherwise. ``same_length``: q and k hold the same tokens (a
     shard of the sequence); False for the single-device op, whose keys may differ from its queries (a
     KV cache). Raises TypeError or ValueError naming the argument and the shape expected."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -73,5 +74,18 @@ def check_inputs(q, k, v, *, position_ids=None, cu_seqlens=None, sinks=None, bac
             raise TypeError("sinks must be a float tensor of shape (heads,)")
         if tuple(sinks.shape) != (q.shape[2],):
             raise ValueError(f"sinks must have shape (heads,) = ({q.shape[2]},), got {tuple(sinks.shape)}")
+    if selection and key_select is None:
+        raise ValueError("the mask selects keys (MaskSpec(selection=True)) but no key_select was given: pass each "
+                         "query's selected global key indices as key_select (B, L_local, k)")
+    if key_select is not None:
+        if not selection:
+            raise ValueError("key_select was given but the mask selects no keys: use MaskSpec(selection=True)")
+        if not isinstance(key_select, torch.Tensor) or key_select.dtype.is_floating_point or \
+                key_select.dtype == torch.bool or key_select.is_complex():
+            raise TypeError("key_select must be an integer tensor of shape (B, L_local, k): global key indices, "
+                            "-1 for an empty slot")
+        if key_select.dim() != 3 or tuple(key_select.shape[:2]) != (B, L):
+            raise ValueError(f"key_select must have shape (B, L_local, k) = ({B}, {L}, k), got "
+                             f"{tuple(key_select.shape)}")
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")

@@ -27,7 +27,7 @@ from ..torch_compat import assume_constant_result, in_backward, torch_context_pa
 from . import context, stats
 from .attend import attend, passes
 from .batch import NO_MASK, BatchRecord, batch_of, resolve, resolve_for_mask, tensor_fact
-from .local import local_attention, multi_rank_context_active, pair_autograd
+from .local import local_attention, local_selected_attention, multi_rank_context_active, pair_autograd
 
 __all__ = ["LayerDocs", "attend_layer", "layer_mask_batch", "compiling_outside_cp", "bind_traced_docs", "bound_layer",
            "bound_attention"]
@@ -89,7 +89,7 @@ def _layer_mask_batch_eager(attention_mask, batch_size: int, q_length: int):
 
 
 def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs = LayerDocs(), sinks=None,
-                 layer: int | None = None, model_crc=None, adjust_q=None) -> torch.Tensor:
+                 layer: int | None = None, model_crc=None, adjust_q=None, key_select=None) -> torch.Tensor:
     """One model attention layer: q (B, Lq, H, D), k (B, Lk, K, D), v (B, Lk, K, Dv) (GQA not repeated;
     Dv may differ from D: multi-head latent attention) -> (B, Lq, H, Dv).
 
@@ -99,9 +99,13 @@ def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs 
     a family's correction of queries computed from local positions, given the tokens' global
     positions (L,) under context parallelism. ``model_crc``: a function returning the model
     configuration's checksum, agreed with the batch's first call (called only under context
-    parallelism)."""
+    parallelism). ``key_select`` (B, Lq, k) integer: the global keys each query selected, for a
+    ``spec`` with ``selection`` (index-sparse attention; run eagerly, also under torch.compile)."""
     if torch_context_parallel_active():
         raise refuse("torch_context_parallel")
+    if spec.selection:  # eager: a graph break under torch.compile
+        return _bound_attention(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q,
+                                key_select=key_select)
     if compiling_outside_cp():  # traced outside context parallelism: straight to the op
         batch = batch_of(position_ids) or (docs.batch if docs.mask else None)
         if batch is None:
@@ -160,7 +164,8 @@ def bound_layer(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, run)
 
 
 @torch.compiler.disable
-def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, model_crc, adjust_q, run=None):
+def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, model_crc, adjust_q, run=None,
+                     key_select=None):
     """Eager: torch.compile breaks the graph here (the context is a contextvar; the agreement
     collectives, the planner and the ring's point-to-point calls cannot be traced). Traced inside
     context parallelism, layers reach it through the multi-rank op instead (``run``: its passes)."""
@@ -183,15 +188,15 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
         local_error = local_error or refuse("unsharded_inputs")
     if local_error is not None:  # raised on every rank of the group together, before any K/V moves
         if batch is None and multi_rank_context:
-            attend(q, k, v, spec, sinks=sinks, local_error=local_error)
+            attend(q, k, v, spec, sinks=sinks, local_error=local_error, key_select=key_select)
         elif batch is not None and batch.cp.world_size > 1:
             attend(q, k, v, spec, sinks=sinks, batch=batch, local_error=local_error,
-                   model_crc=-1 if model_crc is None else model_crc())
+                   model_crc=-1 if model_crc is None else model_crc(), key_select=key_select)
         raise local_error
     if batch is None or batch.cp.world_size == 1:
         if run is not None:
             raise refuse("compiled_cp_on_one_rank")
-        return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, batch, layer)
+        return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, batch, layer, key_select)
     model_crc = -1 if model_crc is None else model_crc()
     if Lq != Lk or docs.q_offset or docs.kv_offset:  # keys the model appended were refused above
         raise refuse("kv_cache_under_cp", queries=Lq, offset=docs.q_offset, keys=Lk)
@@ -207,10 +212,11 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
         cp = batch.cp
         q = adjust_q(q, global_index(batch.seq_len, cp.world_size, batch.layout, cp.rank))
     return attend(q, k, v, spec, sinks=sinks, batch=batch, local_error=local_error, layer=layer,
-                  model_crc=model_crc, run=run)
+                  model_crc=model_crc, run=run, key_select=key_select)
 
 
-def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, position_ids, batch, layer):
+def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, position_ids, batch, layer,
+                         key_select=None):
     """One device: the custom op with this layer's documents as tensors (those of ``batch``, a
     shard_batch record of a one-rank context, when it describes these tokens)."""
     B, Lq = q.shape[:2]
@@ -229,6 +235,11 @@ def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, positi
     else:
         found = dict(position_ids=position_ids, cu_seqlens=docs.cu_seqlens, valid=docs.valid, opens=docs.opens,
                      span_next=docs.span_next)
+    if spec.selection:
+        found.pop("span_next")
+        return local_selected_attention(q, k, v, spec, key_select, sinks=sinks, q_offset=docs.q_offset,
+                                        kv_offset=docs.kv_offset, backend=batch.cp.backend if batch is not None else None,
+                                        bound=batch is not None, layer=layer, **found)
     return local_attention(q, k, v, spec, sinks=sinks, q_offset=docs.q_offset, kv_offset=docs.kv_offset,
                                     backend=batch.cp.backend if batch is not None else None, bound=batch is not None,
                                     layer=layer, **found)

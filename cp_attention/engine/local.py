@@ -37,13 +37,16 @@ from ..backends import select_backend
 from ..comm import Comm
 from ..masks import MaskSpec, SequenceMeta, accumulation_dtype
 from ..plan import PlanCache, RankPlan, build_local_plan
+from ..plan.select import SelectPlan, build_select_plan
 from ..refusals import refuse
 from ..strategies.ring import ring_backward, ring_forward
+from ..strategies.select import select_attention, selected_call_spec
 from ..torch_compat import assume_constant_result, in_backward
 from . import context, stats
 from .checks import check_inputs
 
-__all__ = ["local_attention", "local_meta", "local_plan", "multi_rank_context_active", "pair_autograd", "LOCAL_PLANS"]
+__all__ = ["local_attention", "local_selected_attention", "local_meta", "local_plan", "multi_rank_context_active",
+           "pair_autograd", "LOCAL_PLANS"]
 
 log = logging.getLogger("cp_attention.api")
 
@@ -113,7 +116,7 @@ def local_meta(B: int, Lq: int, Lk: int, *, q_offset: int = 0, kv_offset: int = 
 
 def local_plan(B: int, Lq: int, Lk: int, spec: MaskSpec, *, q_offset: int = 0, kv_offset: int = 0,
                position_ids=None, valid=None, opens=None, cu_seqlens=None, span_next=None,
-               label: str = "single device") -> RankPlan:
+               label: str = "single device") -> RankPlan | SelectPlan:
     """The single-device plan of ``spec`` (its planning part) over the documents the tensors describe
     (see :func:`local_meta`), from the process-wide cache keyed by their *content*
     (:data:`LOCAL_PLANS`): what the op and the bare ``attention()`` on one device
@@ -127,9 +130,14 @@ def local_plan(B: int, Lq: int, Lk: int, spec: MaskSpec, *, q_offset: int = 0, k
         log.debug("plan reused from the cache (rank 0 of 1, %s)", label)
         return plan
     start = time.perf_counter()
+    if spec.selection and (q_offset or kv_offset or Lq != Lk):
+        raise refuse("selection_with_kv_cache", family="this model", queries=Lq, offset=q_offset, keys=Lk)
     meta, q_idx, k_idx = local_meta(B, Lq, Lk, q_offset=q_offset, kv_offset=kv_offset, position_ids=position_ids,
                                     valid=valid, opens=opens, cu_seqlens=cu_seqlens, span_next=span_next)
-    plan = cache.put(key, build_local_plan(meta, spec, q_idx=q_idx, k_idx=k_idx))
+    if spec.selection:  # a SelectPlan: which keys each query reads comes with the call
+        plan = cache.put(key, build_select_plan(meta, spec, None, 0, 1))
+    else:
+        plan = cache.put(key, build_local_plan(meta, spec, q_idx=q_idx, k_idx=k_idx))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("plan built in %.1f ms: rank 0 of 1, %s, %d x %d tokens, %s", 1e3 * (time.perf_counter() - start),
                   label, B, Lq, spec)
@@ -274,4 +282,31 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Mas
         bool(spec.causal), bool(spec.spans), spec.window, spec.chunk_size, None if spec.softcap is None else float(spec.softcap),
         spec.resolved_scale(q.shape[3]), backend or _context_backend(), -1 if layer is None else int(layer),
         not bound)
+    return out
+
+
+@torch.compiler.disable
+def local_selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec,
+                             key_select: torch.Tensor, *, sinks: torch.Tensor | None = None,
+                             position_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                             opens: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                             q_offset: int = 0, kv_offset: int = 0, backend: str | None = None, bound: bool = False,
+                             layer: int | None = None) -> torch.Tensor:
+    """:func:`local_attention` of a layer whose keys are selected per query (``spec.selection``;
+    ``key_select`` (B, Lq, k) integer global key indices, ``-1``: none): the same documents, run
+    eagerly by :func:`cp_attention.strategies.select.select_attention` (torch.compile breaks the graph
+    here). No KV cache (refused)."""
+    check_inputs(q, k, v, sinks=sinks, same_length=False, key_select=key_select, selection=spec.selection)
+    if not bound:
+        _check_context()
+    impl = select_backend(backend or _context_backend(), device=q.device, dtype=q.dtype, head_dim=q.shape[3],
+                          spec=selected_call_spec(spec), head_dim_v=v.shape[3])
+    B, Lq = q.shape[:2]
+    plan = local_plan(B, Lq, k.shape[1], spec, q_offset=q_offset, kv_offset=kv_offset, position_ids=position_ids,
+                      valid=valid, opens=opens, cu_seqlens=cu_seqlens, label="a selected-keys layer")
+    out, call_stats = select_attention(q, k, v, key_select, sinks, plan, Comm(single=True), impl,
+                                       scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap)
+    if layer == 0 and not in_backward():
+        stats.begin_forward()
+    stats.note_stats(call_stats, layer, in_model=layer is not None)
     return out

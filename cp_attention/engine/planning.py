@@ -20,6 +20,7 @@ import time
 import torch
 
 from ..masks import MaskSpec, SequenceMeta
+from ..plan.select import build_select_plan
 from ..quiet_gc import paused_gc
 from ..strategies import CostModel, choose, fixed_candidate, rank_plans
 from . import stats
@@ -86,6 +87,8 @@ def build_rank_plan(rank: int, world_size: int, layout, meta: SequenceMeta, spec
     (head parallelism, with or without a ring across head groups); "auto" chooses by the cost model
     (:func:`cp_attention.strategies.choice.choose`). Pure: no process group is needed."""
     start = time.perf_counter()
+    if spec.selection:  # which keys move is decided by the selection when the layer runs
+        return build_select_plan(meta, spec, layout, rank, world_size)
     strategy, ulysses_size, cost_model = how
     heads, kv_heads, head_dim, head_dim_v, itemsize = dims
     shapes = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, head_dim_v=head_dim_v, itemsize=itemsize)

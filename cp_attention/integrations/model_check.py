@@ -74,6 +74,7 @@ from ..engine.context import active_context, register_context_guard
 from ..engine.stats import begin_mixers
 from ..refusals import refuse
 from .heads import call_kwargs, prepare_call
+from .indexers import adapted_indexer
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
 from .rope import rope_findings, tag_ropes
 
@@ -225,7 +226,7 @@ def model_findings(model) -> tuple[Finding, ...]:
         if state_args:
             findings.append(Finding(where, "a recurrent state", f"it carries a state along the sequence "
                                     f"({', '.join(state_args)}), from every earlier token, across the shards"))
-        elif _computes_scores(cls):
+        elif _computes_scores(cls) and not adapted_indexer(cls):  # an adapted DSA indexer: whole-row keys
             bias = sorted(args.intersection(_BIAS_ARGS))
             findings.append(Finding(where, "attention outside the attention interface",
                                     "it computes its scores itself instead of calling transformers' attention "

@@ -14,7 +14,7 @@ import threading
 from ..torch_compat import WeakIdKeyDictionary
 
 __all__ = ["CONFIG_CHECKSUMS", "CONFIG_LOCK", "INTEGRATIONS", "INTEGRATIONS_LOCK", "MODEL_CHECKS", "MODEL_LOCK",
-           "MODEL_GUARD", "MODEL_GUARD_HOOKS"]
+           "MODEL_GUARD", "MODEL_GUARD_HOOKS", "INDEXER_SELECTIONS"]
 
 CONFIG_CHECKSUMS = WeakIdKeyDictionary()
 """config -> its checksum (agreed across ranks), computed once per config object (weak: dies with the
@@ -37,3 +37,7 @@ many attention layers ran / reached cp_flash, its mixers' count, its head's subs
 batch it runs on (``record``: its mixers' batch when several are alive)."""
 MODEL_GUARD_HOOKS: list = []
 """The guard's module hooks, installed by the first multi-rank block and kept (guarded by ``MODEL_LOCK``)."""
+
+INDEXER_SELECTIONS = WeakIdKeyDictionary()
+"""selection tensor -> True: the ``indices`` an adapted sparse-attention indexer returned, global key
+indices (:mod:`.indexers`); cp_flash reads only these (weak: dies with the tensor)."""

@@ -41,6 +41,8 @@ Legend: ``B`` batch, ``L``/``Lq`` query tokens, ``Lk`` key tokens, ``H`` heads, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib
 import re
 import sys
@@ -53,6 +55,8 @@ from . import state
 from ..engine.layer import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
 from ..refusals import refuse
+from .indexers import MaskRows, global_selection
+from .indexers import adapt_module as adapt_indexers
 from .losses import adapt_module as adapt_loss_functions
 from .mixers import adapt_module as adapt_mixer_functions
 from .model_check import guard_position_start, guard_sub_model, install_guard, layer_position_ids, note_cp_flash_call
@@ -226,6 +230,8 @@ class CPMask:
         self._misused(f".{name}")
 
     def __getitem__(self, index):
+        if _is_rows_index(index):  # a DSA layer hands its indexer the mask's rows: read by the adapted indexers
+            return MaskRows(self)
         self._misused("indexing")
 
     def _arith(self, other):
@@ -235,7 +241,14 @@ class CPMask:
     __lt__ = __le__ = __gt__ = __ge__ = __invert__ = __neg__ = _arith
 
 
-_CPMASK_FIELDS = frozenset(f.name for f in fields(CPMask))  # looked up before __init__ (copy): AttributeError
+_CPMASK_FIELDS = frozenset(f.name for f in fields(CPMask))
+
+
+def _is_rows_index(index) -> bool:
+    """``[:, 0]`` or ``[:, 0, :, :]``: the (B, S, T) rows of a (B, 1, S, T) mask."""
+    if not isinstance(index, tuple) or len(index) not in (2, 4) or index[1] != 0 or isinstance(index[1], bool):
+        return False
+    return all(isinstance(i, slice) and i == slice(None) for i in index[:1] + index[2:])  # looked up before __init__ (copy): AttributeError
 
 
 def _probe_no_later_key(mask_function, batch_size: int, q_length: int, q_offset: int, kv_end: int) -> bool | None:
@@ -390,6 +403,8 @@ def _refuse_score_tensors(kwargs: dict, q_length: int, kv_length: int, info) -> 
         if not isinstance(value, torch.Tensor):
             continue
         family = (info.family if info is not None else "") or "this model"
+        if name == "indices" and global_selection(value):  # an adapted DSA indexer's choice: read as key_select
+            continue
         if SELECTION_ARGUMENT.search(name):  # DSA's indices=, MiniMax-M3's block_indices=: keys chosen per query
             raise refuse("selected_keys_argument", family=family, name=name, shape=tuple(value.shape))
         if name in SCORE_ARGUMENTS or (value.dim() >= 3 and tuple(value.shape[-2:]) == (q_length, kv_length)):
@@ -432,10 +447,13 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                          kv_offset=info.kv_offset, kv_length=info.kv_length, valid=info.valid, opens=info.opens,
                          cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator,
                          span_next=info.span_next if spec.spans else None)
+    key_select = kwargs.get("indices")  # DeepSeek Sparse Attention: the keys each query selected (.indexers)
+    if key_select is not None:
+        spec = dataclasses.replace(spec, selection=True)
     out = attend_layer(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
                        position_ids=position_ids, docs=docs, sinks=s_aux,
                        layer=getattr(module, "layer_idx", None), model_crc=lambda: config_crc(module),
-                       adjust_q=_llama4_adjust(module))
+                       adjust_q=_llama4_adjust(module), key_select=key_select)
     return out, None
 
 
@@ -492,6 +510,7 @@ def adapt_modeling_module(mod) -> bool:
     adapted = _wrap_flash_name_check(mod) if hasattr(mod, "is_flash_attention_requested") else False
     adapted = adapt_mixer_functions(mod) or adapted
     adapted = adapt_loss_functions(mod) or adapted
+    adapted = adapt_indexers(mod) or adapted
     for value in list(vars(mod).values()):
         if _is_class_table(value):
             value[NAME] = value["eager"]

@@ -97,6 +97,8 @@ class PlanStats:
     strategy: str = "ring"  # "ring" (K/V moves between token shards), "ulysses" or "usp" (cp_attention.strategies.ulysses)
     ulysses_size: int = 1  # ranks exchanging heads: 1 for the ring, P for "ulysses", the head group for "usp"
     predicted: tuple = ()  # strategy="auto": ((candidate, modeled seconds), ...) it weighed (cp_attention.strategies.choice)
+    index_bytes_recv: int = 0  # strategy="select": the key indices other ranks asked this rank for (8 bytes a key)
+    index_bytes_sent: int = 0  # strategy="select": the key indices this rank asked the others for
 
 
 @dataclass(frozen=True, eq=False)

@@ -9,12 +9,14 @@ outcome record (``exact``, ``wrong``, ``refused``: a NotImplementedError, ``cras
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["TOL", "GRAD_REL_TOL", "grad_tol", "flat_grads", "param_spans", "diffs", "within", "error_record",
-           "classify", "compare_or_error", "jsonable"]
+           "classify", "compare_or_error", "jsonable", "indexer_ties_to_earliest"]
 
 TOL = 1e-4
 # Gradients reach |g| ~ 500 in the tiny models (a loss summing ~20k logits times N(0, 1)), where float32
@@ -104,3 +106,43 @@ def jsonable(obj):
         return obj
     return str(obj)
 
+
+
+class _EarliestOfTies(TorchFunctionMode):
+    """``topk`` along a dimension keeps, among equal values, the lower index (a stable sort)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in (torch.topk, torch.Tensor.topk):
+            return func(*args, **kwargs)
+        names = ("input", "k", "dim", "largest", "sorted")
+        given = dict(zip(names, args), **kwargs)
+        dim = given.get("dim", -1)
+        values, order = torch.sort(given["input"], dim=dim, descending=given.get("largest", True), stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, given["k"]), order.narrow(dim, 0, given["k"])))
+
+
+def _call(fn, *args) -> None:
+    """Call ``fn`` for its effect: a module hook that returns something replaces the args or the output."""
+    fn(*args)
+
+
+@contextlib.contextmanager
+def indexer_ties_to_earliest(model):
+    """The ground truth of index-sparse families (DeepSeek Sparse Attention): inside the model's
+    indexer modules (classes named ``*Indexer``), a top-k keeps the earliest key among equal scores,
+    the rule cp_flash documents. Eager's ``torch.topk`` leaves the order of ties unspecified, and
+    after a ReLU many index scores are exactly 0, so without one rule a document alone and the same
+    document in a packed row can select different keys. Written here from the rule, independently of
+    the library's implementation."""
+    handles = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Indexer"):
+            mode = _EarliestOfTies()
+            handles.append(module.register_forward_pre_hook(lambda *_, m=mode: _call(m.__enter__)))
+            handles.append(module.register_forward_hook(lambda *_, m=mode: _call(m.__exit__, None, None, None)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -42,7 +42,8 @@ import traceback
 import torch
 
 from . import runner
-from .compare import classify, compare_or_error, diffs, error_record, flat_grads, jsonable, param_spans, within
+from .compare import (classify, compare_or_error, diffs, error_record, flat_grads, indexer_ties_to_earliest, jsonable,
+                      param_spans, within)
 from .configs import ID_RANGE, build_model, families, layer_count, layer_kinds, text_config, tiny_config
 from .tables import family_page, summary_markdown
 
@@ -183,7 +184,8 @@ def run_family(family: str, world_sizes=(1, 2), *, rank_timeout: float = 90.0) -
         eager = build_model(config, "eager")
         fkw = forward_kwargs(eager)
         ids, pos = make_inputs()
-        ref = ground_truth(eager, fkw, ids, pos)
+        with indexer_ties_to_earliest(eager):
+            ref = ground_truth(eager, fkw, ids, pos)
     except Exception as exc:  # noqa: BLE001
         return unbuildable("eager docs-alone", exc)
     state_dict = {k: v.detach().clone() for k, v in eager.state_dict().items()}
@@ -194,7 +196,8 @@ def run_family(family: str, world_sizes=(1, 2), *, rank_timeout: float = 90.0) -
                        layer_kinds=layer_kinds(text_config(config)))
     R = ref["R"]
     try:
-        packed_logits, packed_grads = run_packed(eager, fkw, ids, pos, R)
+        with indexer_ties_to_earliest(eager):
+            packed_logits, packed_grads = run_packed(eager, fkw, ids, pos, R)
         iso = diffs(packed_logits, packed_grads, ref["logits"], ref["grads"], spans)
         res["eager_isolates"] = dict(isolates=within(iso), **iso)
     except Exception as exc:  # noqa: BLE001

@@ -1,0 +1,169 @@
+"""Attention over selected keys (index-sparse attention) across ranks: only the selected keys move.
+
+Each query comes with a set of global key indices (DeepSeek Sparse Attention's top-k, ``-1`` for an
+empty slot). One call, given this rank's :class:`~cp_attention.plan.select.SelectPlan`:
+
+1. keeps the selected keys the rest of the mask lets the query see (the plan's ``[lo, hi]``: causal,
+   window, chunk, document) and drops repeats: a selection never adds a pair;
+2. asks every other rank for the distinct keys its queries selected there (an all-to-all of the
+   counts, one of the indices: 8 bytes a key), and receives those K/V rows (one all-to-all of
+   ``K * (D + Dv)`` values a key, in the inputs' dtype), never a whole shard;
+3. attends: every query is one varlen sequence over its own keys, gathered from this rank's K/V
+   and the received rows (the varlen contract, non-causal: the causality is in the selection),
+   so every backend runs it, with the sinks applied after as in the ring.
+
+The backward sends each received key's dK/dV (a sum over this rank's queries) back to its owner,
+which adds it to its own: the same all-to-all, reversed.
+
+Cost: the gathered keys are a copy of ``Tq * k`` rows (a sparse kernel reading the pool in place
+would avoid it: none of the backends here has one).
+
+Legend: ``B`` batch, ``L`` this rank's tokens, ``H`` query heads, ``K`` K/V heads, ``D`` head dim
+of q/k, ``Dv`` of v, ``S`` selection slots per query, ``E = D + Dv``, ``N`` (query, key) pairs kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..comm import Comm
+from ..masks import MaskSpec, accumulation_dtype
+from ..plan import KernelCall, RankPlan, Step
+from ..plan.select import SelectPlan
+from .ring import ring_attention
+
+__all__ = ["select_attention", "kept_selection", "selected_call_spec"]
+
+
+def selected_call_spec(spec: MaskSpec) -> MaskSpec:
+    """The mask of the varlen call a selected-keys layer makes (what a backend must support): every
+    query over its own kept keys, bidirectional, with the layer's softcap and scale."""
+    return MaskSpec(causal=False, softcap=spec.softcap, scale=spec.scale)
+
+
+def kept_selection(key_select_BLS: torch.Tensor, lo_BL: torch.Tensor, hi_BL: torch.Tensor) -> torch.Tensor:
+    """The selected keys each query keeps, (B, L, S) int64 sorted ascending with ``-1`` in the slots
+    dropped: outside ``[lo, hi]`` (causal, window, documents), empty (``-1``) or a repeat."""
+    sel_BLS = key_select_BLS.to(torch.int64)
+    inside = (sel_BLS >= lo_BL[..., None]) & (sel_BLS <= hi_BL[..., None])
+    sel_BLS = torch.where(inside, sel_BLS, torch.full_like(sel_BLS, -1)).sort(-1).values
+    repeat = torch.zeros_like(inside)
+    repeat[..., 1:] = (sel_BLS[..., 1:] == sel_BLS[..., :-1]) & (sel_BLS[..., 1:] >= 0)
+    return sel_BLS.masked_fill(repeat, -1).sort(-1).values
+
+
+class _Fetch(torch.autograd.Function):
+    """Rows of every rank's (R, K, E) buffer, fetched by the ranks that asked: forward sends
+    ``kv[send_rows[p]]`` to each peer ``p`` and returns what the peers sent, in peer order; backward
+    returns each received row's gradient to its owner, added into the owner's rows."""
+
+    @staticmethod
+    def forward(ctx, kv_RKE, send_rows, recv_counts, comm):
+        with comm.reporting("the selected keys' exchange"):
+            sends = [kv_RKE[rows].contiguous() for rows in send_rows]
+            recvs = [kv_RKE.new_empty((n,) + tuple(kv_RKE.shape[1:])) for n in recv_counts]
+            comm.all_to_all(sends, recvs, "the selected keys' exchange")
+        ctx.send_rows, ctx.recv_counts, ctx.comm, ctx.shape = send_rows, recv_counts, comm, kv_RKE.shape
+        return torch.cat(recvs) if recvs else kv_RKE.new_empty((0,) + tuple(kv_RKE.shape[1:]))
+
+    @staticmethod
+    def backward(ctx, grad_NKE):
+        comm = ctx.comm
+        with comm.reporting("the selected keys' gradient exchange"):
+            acc = accumulation_dtype(grad_NKE.dtype)
+            sends = [g.to(acc).contiguous() for g in torch.split(grad_NKE, list(ctx.recv_counts))]
+            recvs = [grad_NKE.new_empty((rows.numel(),) + tuple(ctx.shape[1:]), dtype=acc) for rows in ctx.send_rows]
+            comm.all_to_all(sends, recvs, "the selected keys' gradient exchange")
+            grad_RKE = torch.zeros(ctx.shape, dtype=acc, device=grad_NKE.device)
+            for rows, g in zip(ctx.send_rows, recvs):
+                if rows.numel():
+                    grad_RKE.index_add_(0, rows, g)
+        return grad_RKE.to(grad_NKE.dtype), None, None, None
+
+
+def _exchange_counts(comm: Comm, counts: list[int], device) -> list[int]:
+    """Every peer's count for this rank (an all-to-all of one int64 each)."""
+    sends = [torch.tensor([n], dtype=torch.int64, device=device) for n in counts]
+    recvs = [torch.zeros(1, dtype=torch.int64, device=device) for _ in counts]
+    comm.all_to_all(sends, recvs, "the selected keys' counts")
+    return [int(r.item()) for r in recvs]
+
+
+def _one_call_plan(queries: int, cu_k: torch.Tensor, max_k: int) -> RankPlan:
+    """A single-device plan of ``queries`` one-query sequences over their packed keys (``cu_k``)."""
+    keys = int(cu_k[-1])
+    call = KernelCall(q_start=0, q_end=queries, k_start=0, k_end=keys,
+                      cu_seqlens_q=torch.arange(queries + 1, dtype=torch.int32), cu_seqlens_k=cu_k,
+                      max_seqlen_q=1, max_seqlen_k=max(max_k, 1), causal=False, window=(-1, -1),
+                      entries_computed=keys, entries_visible=keys)
+    return RankPlan(rank=0, world_size=1, batch=1, local_len=queries, local=Step(source=0, spans=((0, keys),),
+                    calls=(call,)), rounds=(), stats=None)
+
+
+def select_attention(q, k, v, key_select, sinks, plan: SelectPlan, comm: Comm, backend, *, scale: float,
+                     softcap: float | None):
+    """Attention of this rank's queries over the keys they selected: q (B, L, H, D), k (B, L, K, D),
+    v (B, L, K, Dv), key_select (B, L, S) integer global key indices (``-1``: none), sinks (H,) or None
+    -> (out (B, L, H, Dv), the call's :class:`~cp_attention.plan.PlanStats` with the bytes it moved).
+    Differentiable w.r.t. q, k, v and sinks. Every rank of ``comm`` calls it together."""
+    B, L, H, D = q.shape
+    K, Dv = k.shape[2], v.shape[3]
+    P, rank, device = plan.world_size, plan.rank, q.device
+    sel_BLS = kept_selection(key_select.to(device), plan.lo.to(device), plan.hi.to(device))
+    ok_BLS = sel_BLS >= 0
+    key_BLS = sel_BLS.clamp(min=0)
+    owner_BLS = plan.owner.to(device)[key_BLS]
+    row_BLS = plan.row.to(device)[key_BLS]
+    b_BLS = torch.arange(B, device=device)[:, None, None].expand_as(key_BLS)
+    lengths = torch.tensor(plan.lengths, dtype=torch.int64, device=device)
+    packed_BLS = b_BLS * lengths[owner_BLS] + row_BLS  # the key's row among its owner's packed (B * L_owner) rows
+    pool_BLS = torch.zeros_like(packed_BLS)
+    mine = ok_BLS & (owner_BLS == rank)
+    pool_BLS[mine] = packed_BLS[mine]
+    wanted = []
+    for p in range(P):
+        if p == rank:
+            wanted.append(packed_BLS.new_empty(0))
+            continue
+        wanted.append(torch.unique(packed_BLS[ok_BLS & (owner_BLS == p)]))
+    kv_RKE = torch.cat([k, v], dim=-1).reshape(B * L, K, D + Dv)
+    send_rows = wanted
+    if P > 1:
+        asked = _exchange_counts(comm, [w.numel() for w in wanted], device)
+        requests = [packed_BLS.new_empty(n) for n in asked]
+        comm.all_to_all([w.contiguous() for w in wanted], requests, "the selected keys' indices")
+        send_rows = requests
+        fetched_NKE = _Fetch.apply(kv_RKE, send_rows, [w.numel() for w in wanted], comm)
+        base = B * L
+        for p in range(P):
+            theirs = ok_BLS & (owner_BLS == p)
+            if p != rank and wanted[p].numel():
+                pool_BLS[theirs] = base + torch.searchsorted(wanted[p], packed_BLS[theirs])
+            base += wanted[p].numel()
+        pool_RKE = torch.cat([kv_RKE, fetched_NKE])
+    else:
+        fetched_NKE, pool_RKE = None, kv_RKE
+    counts_T = ok_BLS.reshape(B * L, -1).sum(-1)
+    rows_N = pool_BLS[ok_BLS]
+    cu_k = torch.zeros(B * L + 1, dtype=torch.int32)
+    cu_k[1:] = torch.cumsum(counts_T.cpu(), 0)
+    picked_NKE = pool_RKE[rows_N]
+    one = _one_call_plan(B * L, cu_k, int(counts_T.max()) if counts_T.numel() else 0)
+    out = ring_attention(q.reshape(1, B * L, H, D), picked_NKE[None, ..., :D], picked_NKE[None, ..., D:], sinks, one,
+                         Comm(single=True), backend, scale=scale, softcap=softcap)
+    if fetched_NKE is not None and fetched_NKE.requires_grad:
+        out = out + 0 * fetched_NKE.sum()  # every rank runs the exchange's backward, also with nothing fetched
+    row_bytes = K * (D + Dv) * k.element_size()
+    got = sum(w.numel() for w in wanted)
+    gave = sum(r.numel() for r in send_rows) if P > 1 else 0
+    grad_row_bytes = K * (D + Dv) * torch.finfo(accumulation_dtype(k.dtype)).bits // 8
+    stats = dataclasses.replace(
+        plan.stats, peers_recv=tuple(p for p in range(P) if p != rank and wanted[p].numel()),
+        peers_send=tuple(p for p in range(P) if p != rank and P > 1 and send_rows[p].numel()),
+        kv_bytes_recv=got * row_bytes, kv_bytes_sent=gave * row_bytes, grad_bytes_recv=gave * grad_row_bytes,
+        grad_bytes_sent=got * grad_row_bytes, index_bytes_recv=8 * gave, index_bytes_sent=8 * got,
+        ring_kv_bytes_recv=B * (plan.seq_len - L) * row_bytes, entries_computed=int(rows_N.numel()),
+        entries_visible=int(rows_N.numel()))
+    return out.reshape(B, L, H, Dv), stats

@@ -1,0 +1,174 @@
+"""Cases and rank workers for tests/integrations/test_index_sparse.py: the DeepSeek Sparse Attention families
+(a lightning indexer picks each query's top-k keys) under ``attn_implementation="cp_flash"``.
+
+Tiny configs come from the family sweep's rules (``index_topk=8``: fewer than most queries see, so the
+selection binds). The ground truth is the same weights under ``"eager"`` with each packed document run
+alone, with one rule for ties at the k-th place written here from cp_flash's documented semantics:
+among equal index scores the earlier key is kept (:func:`earliest_of_ties`; eager's ``torch.topk``
+leaves the order of ties unspecified, and after the indexer's ReLU many scores are exactly 0).
+
+Compared: logits and parameter gradients of ``sum(logits * R)`` (``hf_cases``' tolerances), and every
+indexer layer's selection: the keys each query keeps (its top-k that it may see), as global indices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import cp_attention
+import hf_cases
+import hybrid_cases
+
+SPARSE = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text")
+
+# Two rows (L = 46): documents crossing every rank at world sizes 2 and 4 in every layout, one-token
+# documents, and a row that is one document (most queries see more than k = 8 keys).
+DOCS = ((13, 1, 22, 1, 8, 1), (46,))
+
+
+class _Earliest(TorchFunctionMode):
+    """``topk``: each row ordered by hand by (score descending, index ascending), the first k kept."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in (torch.topk, torch.Tensor.topk):
+            return func(*args, **kwargs)
+        given = dict(zip(("input", "k", "dim", "largest", "sorted"), args), **kwargs)
+        x, k, dim = given["input"], given["k"], given.get("dim", -1) % given["input"].dim()
+        rows = x.movedim(dim, -1)
+        picks = [sorted(range(len(row)), key=lambda j, row=row: (-row[j], j))[:k]
+                 for row in rows.reshape(-1, rows.shape[-1]).tolist()]
+        ind = torch.tensor(picks, dtype=torch.int64).reshape(*rows.shape[:-1], k).movedim(-1, dim)
+        return torch.return_types.topk((torch.gather(x, dim, ind), ind))
+
+
+@contextlib.contextmanager
+def earliest_of_ties(model, record: list | None = None):
+    """Inside ``model``'s indexer modules, top-k keeps the earlier key among equal scores; every
+    indexer output is appended to ``record`` (when given), in call order."""
+    handles = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Indexer"):
+            mode = _Earliest()
+
+            def enter(*_, m=mode):
+                m.__enter__()
+
+            def leave(_module, _args, output, m=mode):
+                m.__exit__(None, None, None)
+                if record is not None:
+                    record.append(output.detach().clone())
+
+            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def recording(model, record: list):
+    """Append every indexer output of ``model`` to ``record`` (cp_flash's own tie rule applies)."""
+    def leave(_module, _args, output):
+        record.append(output.detach().clone())
+
+    handles = [m.register_forward_hook(leave) for m in model.modules() if type(m).__name__.endswith("Indexer")]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def kept(indices_BLk: torch.Tensor, doc_start_BL: torch.Tensor) -> list:
+    """Per row and query, the sorted global keys of its selection that it may see (its document, not later)."""
+    L = indices_BLk.shape[1]
+    q = torch.arange(L)[None, :, None]
+    ok = (indices_BLk >= doc_start_BL[..., None]) & (indices_BLk <= q)
+    return [[sorted(set(row[ok_row].tolist())) for row, ok_row in zip(rows, oks)] for rows, oks in zip(indices_BLk, ok)]
+
+
+def doc_starts(docs=DOCS) -> torch.Tensor:
+    """(B, L) the global index of each token's document's first token."""
+    rows = []
+    for row in docs:
+        starts, at = [], 0
+        for n in row:
+            starts += [at] * n
+            at += n
+        rows.append(starts)
+    return torch.tensor(rows)
+
+
+def ground_truth(eager, docs=DOCS) -> dict:
+    """Each document alone under eager with the tie rule: logits, flat gradients, and per indexer
+    layer the kept keys of every query (global indices)."""
+    ids, pos, R = hybrid_cases.inputs(eager.config.get_text_config().vocab_size, docs)
+    eager.zero_grad(set_to_none=True)
+    rows, selections = [], []
+    for b, row in enumerate(docs):
+        pieces, start, per_doc = [], 0, []
+        for n in row:
+            sl = slice(start, start + n)
+            record: list = []
+            with earliest_of_ties(eager, record):
+                out = eager(input_ids=ids[b:b + 1, sl], position_ids=torch.arange(n)[None], use_cache=False)
+            (out.logits * R[b:b + 1, sl]).sum().backward()
+            pieces.append(out.logits.detach())
+            per_doc.append([idx.long() + start for idx in record])  # document-local -> global
+            start += n
+        rows.append(torch.cat(pieces, dim=1))
+        # per layer: this row's queries' selections, padded to one width with -1
+        layers = []
+        for layer in range(len(per_doc[0])):
+            width = max(d[layer].shape[-1] for d in per_doc)
+            parts = [torch.nn.functional.pad(d[layer], (0, width - d[layer].shape[-1]), value=-1) for d in per_doc]
+            layers.append(torch.cat(parts, dim=1))
+        selections.append(layers)
+    starts = doc_starts(docs)
+    kept_sel = [[kept(selections[b][layer], starts[b:b + 1])[0] for b in range(len(docs))]
+                for layer in range(len(selections[0]))]
+    return dict(logits=torch.cat(rows), grads=hf_cases.flat_grads(eager), kept=kept_sel)
+
+
+def run_cases(rank: int, world_size: int, families, refs: dict, layouts, docs=DOCS) -> list[dict]:
+    """Rank worker: every family in each layout under cp_flash; gathered logits, gradients summed over
+    ranks and every indexer layer's gathered selection against ``refs[family]``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    results = []
+    starts = doc_starts(docs)
+    for family in families:
+        _, model = hybrid_cases.models(family)
+        ids, pos, R = hybrid_cases.inputs(model.config.get_text_config().vocab_size, docs)
+        for layout in layouts:
+            where = f"world={world_size} {layout} rank={rank}"
+            model.zero_grad(set_to_none=True)
+            record: list = []
+            try:
+                with cp_attention.context_parallel(layout=layout) as cp:
+                    batch = cp.shard_batch(input_ids=ids, position_ids=pos)
+                    with recording(model, record):
+                        out = model(**batch, use_cache=False)
+                    stats = [s for _, s in cp_attention.forward_plan_stats() if s.strategy == "select"]
+                    (out.logits * cp.shard(R, dim=1)).sum().backward()
+                    logits = cp.gather(out.logits.detach(), dim=1)
+                    selections = [cp.gather(idx.long(), dim=1) for idx in record]
+                grads = hf_cases.flat_grads(model)
+                dist.all_reduce(grads)
+            except Exception as exc:  # noqa: BLE001 - reported by the test
+                results.append(dict(name=family, family=family, where=where, error=f"{type(exc).__name__}: {exc}"))
+                continue
+            res = hybrid_cases.compare(family, logits, grads, refs[family], where)
+            got = [[kept(sel[b:b + 1], starts[b:b + 1])[0] for b in range(len(docs))] for sel in selections]
+            res["selections_equal"] = got == refs[family]["kept"]
+            res["select_layers"] = len(stats)
+            res["kv_bytes_recv"] = sum(s.kv_bytes_recv for s in stats)
+            res["ring_kv_bytes"] = sum(s.ring_kv_bytes_recv for s in stats)
+            results.append(res)
+    return results
