@@ -145,8 +145,9 @@ def _gather_keys(batch, whole_row: bool):
     return gather
 
 
-def _rows(info, batch, whole_row: bool, position_ids, B: int, S: int, device) -> torch.Tensor:
-    """(B, S, T) bool: the indexer's mask rows, causal within the documents of the layer's batch."""
+def _rows(info, batch, whole_row: bool, B: int, S: int, device) -> torch.Tensor:
+    """(B, S, T) bool: the indexer's mask rows, causal within the documents the layer's attention reads:
+    the sharded batch's, else those of the cp_flash mask (transformers' packed detection, padding)."""
     causal = MaskSpec(causal=True)
     if whole_row:
         cp = batch.cp
@@ -155,8 +156,7 @@ def _rows(info, batch, whole_row: bool, position_ids, B: int, S: int, device) ->
     if batch is not None and batch.seq_len == S and batch.meta.batch == B:
         meta = batch.meta
     else:
-        positions = position_ids if position_ids is not None and tuple(position_ids.shape[-1:]) == (S,) else None
-        meta = local_meta(B, S, S, position_ids=positions, valid=info.valid, opens=info.opens)[0]
+        meta = local_meta(B, S, S, valid=info.valid, opens=info.opens)[0]
     return visible_rows(meta, causal, torch.arange(S)).to(device)
 
 
@@ -176,12 +176,13 @@ def _adapted_forward(original):
         if info.q_offset or info.kv_offset or info.q_length != info.kv_length:
             raise refuse("selection_with_kv_cache", family=family, queries=info.q_length, offset=info.q_offset,
                          keys=info.kv_length)
-        position_ids = bound.arguments.get("position_ids")
-        batch, error = resolve(position_ids, active_context(), mask_batch=info.batch)
+        # the documents are the mask's (its batch), as for the layer's attention: the indexer's position_ids
+        # may be a model's own numbering (M-RoPE rows) that cp.shard_batch did not return
+        batch, error = resolve(None, active_context(), mask_batch=info.batch)
         if error is not None:
             raise error
         whole_row = batch is not None and batch.cp.world_size > 1  # a sharded batch: the keys of every rank
-        bound.arguments["attention_mask"] = _rows(info, batch, whole_row, position_ids, B, S, hidden.device)
+        bound.arguments["attention_mask"] = _rows(info, batch, whole_row, B, S, hidden.device)
         bound.arguments["cache"] = _WholeRowKeys(_gather_keys(batch, whole_row), bound.arguments.get("cache"))
         with _CanonicalTopk():
             selection = original(*bound.args, **bound.kwargs)

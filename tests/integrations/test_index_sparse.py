@@ -22,6 +22,7 @@ import cp_attention
 import hf_cases
 import hybrid_cases
 import sparse_cases as sc
+from cp_attention.integrations import model_check
 from cp_attention.tools.launch import run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.transformers]
@@ -52,7 +53,7 @@ def _check(results: list[dict], expected: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dsa_families_match_docs_alone_eager(world_size, refs):
-    families = sc.SPARSE if world_size == 4 else ("deepseek_v32", "hy_v4", "dots3_note_text")
+    families = sc.SPARSE
     per_rank = run_ranks(world_size, sc.run_cases, families, {f: refs[f] for f in families}, LAYOUTS, timeout=900)
     _check([r for rank in per_rank for r in rank], world_size * len(families) * len(LAYOUTS))
 
@@ -70,3 +71,37 @@ def test_dsa_one_device_follows_the_tie_rule(refs):
     assert not hf_cases.failures([res])
     plain = hybrid_cases.ground_truth(eager, sc.DOCS)  # torch.topk's own order of ties
     assert float((plain["logits"] - refs["deepseek_v32"]["logits"]).abs().max()) > 1e-3
+
+
+def _indexer_class(model):
+    return type(next(m for m in model.modules() if type(m).__name__.endswith("Indexer")))
+
+
+def test_an_indexer_cp_flash_does_not_adapt_is_refused(monkeypatch):
+    """Only adapted indexers may run: with the family's own forward back in place, the model check
+    reports the indexer (it would score within its shard) and on one device its use of the mask's rows
+    raises instead of selecting from a wrong mask."""
+    _, model = hybrid_cases.models("deepseek_v32")
+    cls = _indexer_class(model)
+    assert "attention outside the attention interface" not in {f.what for f in model_check.model_findings(model)}
+    monkeypatch.setattr(cls, "forward", cls.forward.__wrapped__)
+    found = {(f.module, f.what) for f in model_check.model_findings(model)}
+    assert ("model.layers.0.self_attn.indexer", "attention outside the attention interface") in found, found
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NotImplementedError, match=r"deepseek_v32's modeling code uses the attention mask"):
+        model(input_ids=ids, use_cache=False)
+
+
+def test_a_selection_no_adapted_indexer_made_is_refused(monkeypatch):
+    """cp_flash reads ``indices=`` only when an adapted indexer returned it (global key indices): a
+    copy of it, as some other code would hand over, is refused by name."""
+    _, model = hybrid_cases.models("deepseek_v32")
+    cls = _indexer_class(model)
+    adapted = cls.forward
+    monkeypatch.setattr(cls, "forward", lambda self, *args, **kwargs: adapted(self, *args, **kwargs).clone())
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NotImplementedError, match=r"hands its attention 'indices'"):
+        model(input_ids=ids, use_cache=False)
+    with cp_attention.context_parallel() as cp:
+        with pytest.raises(NotImplementedError, match=r"'indices'"):
+            model(**cp.shard_batch(input_ids=ids), use_cache=False)

@@ -54,12 +54,13 @@ def _selected_oracle_mask(case: dict, sel: torch.Tensor) -> torch.Tensor:
 def _worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     reports = []
     for case in cases:
-        B, L, (H, K) = case["B"], case["L"], case["heads"]
+        B, L, (H, K), Dv = case["B"], case["L"], case["heads"], case.get("dv", DV)
+        dtype = getattr(torch, case.get("dtype", "float64"))
         gen = torch.Generator().manual_seed(case["seed"])
-        q = torch.randn(B, L, H, D, generator=gen, dtype=torch.float64)
-        k = torch.randn(B, L, K, D, generator=gen, dtype=torch.float64)
-        v = torch.randn(B, L, K, DV, generator=gen, dtype=torch.float64)
-        dout = torch.randn(B, L, H, DV, generator=gen, dtype=torch.float64)
+        q = torch.randn(B, L, H, D, generator=gen, dtype=torch.float64).to(dtype).double()
+        k = torch.randn(B, L, K, D, generator=gen, dtype=torch.float64).to(dtype).double()
+        v = torch.randn(B, L, K, Dv, generator=gen, dtype=torch.float64).to(dtype).double()
+        dout = torch.randn(B, L, H, Dv, generator=gen, dtype=torch.float64).to(dtype).double()
         sinks = torch.randn(H, generator=gen, dtype=torch.float64) if case["sinks"] else None
         sel = _selection(case, gen)
         mask = _selected_oracle_mask(case, sel)
@@ -69,19 +70,19 @@ def _worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         position_ids, cu_seqlens = positions_and_cu(case)
         layout = case["layout"]
         with cp_attention.context_parallel(layout=layout) as cp:
-            ours = [cp.shard(t.detach()).requires_grad_() for t in (q, k, v)]
-            sinks_in = sinks.detach().clone().requires_grad_() if sinks is not None else None
+            ours = [cp.shard(t.detach().to(dtype)).requires_grad_() for t in (q, k, v)]
+            sinks_in = sinks.detach().to(dtype).requires_grad_() if sinks is not None else None
             out = cp_attention.attention(
                 *ours, position_ids=cp.shard(position_ids) if position_ids is not None else None,
                 cu_seqlens=cu_seqlens, causal=case["causal"], window=case.get("window"),
-                chunk_size=case.get("chunk_size"), sinks=sinks_in, key_select=cp.shard(sel))
+                chunk_size=case.get("chunk_size"), sinks=sinks_in, key_select=cp.shard(sel), backend=case.get("backend"))
             stats = cp_attention.last_plan_stats()
-            out.backward(cp.shard(dout))
+            out.backward(cp.shard(dout).to(dtype))
             got = dict(out=out, dq=ours[0].grad, dk=ours[1].grad, dv=ours[2].grad)
             want = dict(out=cp.shard(ref.detach()), dq=cp.shard(ref_grads[0]), dk=cp.shard(ref_grads[1]),
                         dv=cp.shard(ref_grads[2]))
             if sinks is not None:
-                dsinks = sinks_in.grad.clone()
+                dsinks = sinks_in.grad.double()
                 if world_size > 1:
                     dist.all_reduce(dsinks)
                 got["dsinks"], want["dsinks"] = dsinks, ref_grads[3]
@@ -90,8 +91,8 @@ def _worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
         others = torch.ones(L, dtype=torch.bool)
         others[mine] = False
         remote = mask[:, mine].any(1) & others[None]
-        by_hand = int(remote.sum()) * K * (D + DV) * 8
-        errs = {name: (got[name] - want[name]).abs().max().item() for name in got}
+        by_hand = int(remote.sum()) * K * (D + Dv) * torch.finfo(dtype).bits // 8
+        errs = {name: (got[name].double() - want[name]).abs().max().item() for name in got}
         reports.append(dict(errs=errs, kv_bytes_recv=stats.kv_bytes_recv, by_hand=by_hand, remote=int(remote.sum()),
                             ring=stats.ring_kv_bytes_recv, strategy=stats.strategy,
                             index_bytes=stats.index_bytes_sent, pairs=stats.entries_visible,
@@ -144,6 +145,18 @@ def test_selected_keys_equal_the_dense_oracle_and_move_only_what_is_selected(poo
     if world_size > 1:  # the crossing selections keep fewer remote keys than a ring delivers
         assert all(rep["kv_bytes_recv"] < rep["ring"] for reports in per_rank for rep in reports)
         assert any(rep["kv_bytes_recv"] > 0 for reports in per_rank for rep in reports)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_every_cpu_backend_runs_the_selection(backend):
+    """The selection is a non-causal varlen call per query: each backend of the contract runs it (the
+    Triton one under the interpreter: tests/unit/test_triton.py)."""
+    precision = dict(reference=("float64", DV, 1e-12), cpu=("float32", D, 1e-5))  # cpu: float32, one head dim
+    dtype, dv, tol = precision[backend]
+    cases = [dict(c, layout="zigzag", backend=backend, dtype=dtype, dv=dv) for c in _cases()]
+    reports = RankPool(1).run(_worker, cases)[0]
+    bad = [f"{c['tag']}: {n} {e:.1e}" for c, r in zip(cases, reports) for n, e in r["errs"].items() if not e <= tol]
+    assert not bad, bad
 
 
 def test_selection_validates_its_tensor():

@@ -154,6 +154,8 @@ OVERRIDES: Mapping[str, tuple[str, object]] = MappingProxyType({  # {family: (re
              _sub("", projector_patch_to_query_dict={SIDE * SIDE: 16})),
     "chameleon": (_VQ, lambda kw: _vq_vocabulary(
         kw, lambda i: "IMGIMG" + "".join(chr(ord("A") + int(c)) for c in str(i)) + "Z")),
+    "glm5_next": ("its indexer keeps index_topk // index_kpool pools of keys: index_topk (8 here) must be a multiple "
+                  "of index_kpool (default 16)", lambda kw: _text(kw).update(index_kpool=4)),
     "deepseek_ocr2": ("mlp_layer_types defaults to None, which the text model indexes", lambda kw: _text(kw).update(
         mlp_layer_types=["dense"] + ["sparse"] * (_text(kw)["num_hidden_layers"] - 1))),
     "diffusion_gemma": ("its MoE fields default to None; a canvas of the real length", lambda kw: (
