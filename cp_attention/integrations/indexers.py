@@ -30,9 +30,22 @@ is a ``cp_flash`` mask's rows (:class:`MaskRows`), runs the family's own forward
 
 The selection it returns holds global key indices, marked as such (:func:`global_selection`);
 ``cp_flash`` reads only marked selections. Any other use of the mask's rows raises (the model's code
-would treat a cp_flash mask as a dense tensor). Other indexer forms (Qwen4's block selection,
-MiniMax-M3's key blocks, DeepSeek-V4's compressed entries, GLM-5-Next's pools) are not adapted and
-stay refused.
+would treat a cp_flash mask as a dense tensor).
+
+Qwen4's block indexer (QSA) has the other form adapted here::
+
+    forward(hidden_states, position_embeddings, attention_mask, cache)   -> (B, 1, S, T) bool
+
+It cuts each query's visible keys into blocks of ``compress_ratio`` from the first one, scores the
+blocks' mean-pooled keys (RoPE'd at each block's first position) and keeps the top blocks plus the
+incomplete tail, as a dense mask its attention ANDs with the layer's. Its attention class (found by
+calling such an indexer) gets a forward that hands both a :class:`SelectingMask`: the indexer runs the
+family's own code on the whole row's keys, on the rotary tables of the whole row followed by this
+rank's (its code reads the queries' as the last ``S`` rows and the blocks' by global index) and on this
+rank's mask rows, and returns a :class:`KeySelection`; the attention's ``mask & selection`` then gives
+back the cp_flash mask carrying the selection, which ``cp_flash`` reads as above. Other indexer forms
+(MiniMax-M3's key blocks per KV head, DeepSeek-V4's compressed entries, GLM-5-Next's pools) are not
+adapted and stay refused.
 
 Legend: ``B`` batch, ``S`` this rank's tokens, ``T`` tokens of the whole row, ``D`` indexer head dim.
 """
@@ -53,11 +66,14 @@ from ..plan.select import visible_rows
 from ..refusals import refuse
 from . import source, state
 
-__all__ = ["MaskRows", "adapt_module", "adapted_indexer", "canonical_topk", "global_selection", "SIGNATURES"]
+__all__ = ["MaskRows", "SelectingMask", "KeySelection", "adapt_module", "adapted_indexer", "canonical_topk",
+           "global_selection", "SIGNATURES", "BLOCK_SIGNATURE"]
 
 SIGNATURES = (("hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids", "cache"),
               ("hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache"))
 """The forward parameters (after ``self``) of the token-level DSA indexers (with and without ``q_resid``)."""
+BLOCK_SIGNATURE = ("hidden_states", "position_embeddings", "attention_mask", "cache")
+"""The forward parameters (after ``self``) of Qwen4's block indexer (QSA)."""
 _ADAPTED = "_cp_attention_indexer"
 
 
@@ -87,6 +103,47 @@ class MaskRows:
         self.mask._misused("[:, 0] in arithmetic")
 
     __add__ = __radd__ = __and__ = __rand__ = __or__ = __invert__ = __eq__ = _arith
+
+
+class KeySelection:
+    """What an adapted block indexer returns for a :class:`SelectingMask`: ``key_select`` (B, S, k) int64
+    global key indices per query (``-1``: none)."""
+
+    __slots__ = ("key_select",)
+
+    def __init__(self, key_select: torch.Tensor):
+        self.key_select = key_select
+
+
+class SelectingMask:
+    """A cp_flash mask as an adapted block-indexer attention sees it: its indexer reads the mask's
+    documents from it, ``dtype`` says boolean (so the family's code ANDs its selection in) and
+    ``mask & KeySelection`` gives back the cp_flash mask carrying the selection. Anything else raises
+    as the mask itself does."""
+
+    __slots__ = ("mask",)
+    dtype = torch.bool
+
+    def __init__(self, mask):
+        self.mask = mask
+
+    def __and__(self, other):
+        if not isinstance(other, KeySelection):
+            self.mask._misused("& a tensor")
+        return self.mask.with_selection(other.key_select)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self.mask._misused(f".{name}")
+
+    def __getitem__(self, index):
+        self.mask._misused("indexing")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        mask = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, SelectingMask))
+        mask.mask._misused(f"torch.{getattr(func, '__name__', func)}")
 
 
 def canonical_topk(scores: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
@@ -160,6 +217,20 @@ def _rows(info, batch, whole_row: bool, B: int, S: int, device) -> torch.Tensor:
     return visible_rows(meta, causal, torch.arange(S)).to(device)
 
 
+def _layer_batch(info, B: int, S: int, family: str):
+    """(batch, whole_row) of a layer's cp_flash mask ``info``: the batch its attention runs on (refused
+    over a KV cache) and whether it is sharded (the indexer then needs every rank's keys)."""
+    if info.q_offset or info.kv_offset or info.q_length != info.kv_length:
+        raise refuse("selection_with_kv_cache", family=family, queries=info.q_length, offset=info.q_offset,
+                     keys=info.kv_length)
+    # the documents are the mask's (its batch), as for the layer's attention: the indexer's position_ids
+    # may be a model's own numbering (M-RoPE rows) that cp.shard_batch did not return
+    batch, error = resolve(None, active_context(), mask_batch=info.batch)
+    if error is not None:
+        raise error
+    return batch, batch is not None and batch.cp.world_size > 1
+
+
 def _adapted_forward(original):
     sig = inspect.signature(original)
 
@@ -172,16 +243,7 @@ def _adapted_forward(original):
         info = rows.mask
         hidden = bound.arguments["hidden_states"]
         B, S = hidden.shape[:2]
-        family = info.family or "this model"
-        if info.q_offset or info.kv_offset or info.q_length != info.kv_length:
-            raise refuse("selection_with_kv_cache", family=family, queries=info.q_length, offset=info.q_offset,
-                         keys=info.kv_length)
-        # the documents are the mask's (its batch), as for the layer's attention: the indexer's position_ids
-        # may be a model's own numbering (M-RoPE rows) that cp.shard_batch did not return
-        batch, error = resolve(None, active_context(), mask_batch=info.batch)
-        if error is not None:
-            raise error
-        whole_row = batch is not None and batch.cp.world_size > 1  # a sharded batch: the keys of every rank
+        batch, whole_row = _layer_batch(info, B, S, info.family or "this model")
         bound.arguments["attention_mask"] = _rows(info, batch, whole_row, B, S, hidden.device)
         bound.arguments["cache"] = _WholeRowKeys(_gather_keys(batch, whole_row), bound.arguments.get("cache"))
         with _CanonicalTopk():
@@ -193,32 +255,113 @@ def _adapted_forward(original):
     return forward
 
 
+def _adapted_block_forward(original):
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        mask = bound.arguments.get("attention_mask")
+        if not isinstance(mask, SelectingMask):  # eager, sdpa, ...: the family's own forward
+            return original(self, *args, **kwargs)
+        info = mask.mask
+        hidden = bound.arguments["hidden_states"]
+        B, S = hidden.shape[:2]
+        batch, whole_row = _layer_batch(info, B, S, info.family or "this model")
+        gather = _gather_keys(batch, whole_row)
+        rows_BST = _rows(info, batch, whole_row, B, S, hidden.device)
+        cos, sin = bound.arguments["position_embeddings"]
+        if whole_row:  # the row's tables, then this rank's: the code reads the queries' as the last S rows
+            cos, sin = torch.cat([gather(cos), cos], dim=1), torch.cat([gather(sin), sin], dim=1)
+        bound.arguments["position_embeddings"] = (cos, sin)
+        bound.arguments["attention_mask"] = rows_BST[:, None]
+        bound.arguments["cache"] = _WholeRowKeys(gather, bound.arguments.get("cache"))
+        with _CanonicalTopk():
+            chosen_B1ST = original(*bound.args, **bound.kwargs)
+        chosen_BST = chosen_B1ST[:, 0] & rows_BST
+        T = chosen_BST.shape[-1]
+        j_T = torch.arange(T, device=chosen_BST.device)
+        width = max(int(chosen_BST.sum(-1).max()), 1) if chosen_BST.numel() else 1
+        keys_BSk = torch.where(chosen_BST, j_T, T).sort(-1).values[..., :width]
+        return KeySelection(keys_BSk.masked_fill(keys_BSk == T, -1))
+
+    setattr(forward, _ADAPTED, True)
+    return forward
+
+
+def _selecting_forward(original):
+    """An attention whose block indexer is adapted: a cp_flash mask reaches it (and its indexer) as a
+    :class:`SelectingMask`."""
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        mask = bound.arguments.get("attention_mask")
+        selecting = getattr(type(mask), "selecting", None)  # a cp_flash mask (read on the type: no tensor has it)
+        if selecting is None:
+            return original(self, *args, **kwargs)
+        bound.arguments["attention_mask"] = selecting(mask)
+        return original(*bound.args, **bound.kwargs)
+
+    setattr(forward, _ADAPTED, True)
+    return forward
+
+
+def _params(cls: type) -> tuple | None:
+    forward = vars(cls).get("forward")
+    if forward is None:
+        return None
+    try:
+        return tuple(inspect.signature(forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return None
+
+
+def _fits_blocks(cls: type) -> bool:
+    """Qwen4's block indexer: :data:`BLOCK_SIGNATURE`, the row's keys from the cache, blocks, a top-k."""
+    if not cls.__name__.endswith("Indexer") or _params(cls) != BLOCK_SIGNATURE:
+        return False
+    code = source.class_source(cls)
+    return "update_indexer(" in code and ".topk(" in code and "compress_ratio" in code
+
+
+def _calls_block_indexer(cls: type, indexers: list) -> bool:
+    """An attention class whose forward hands one of ``indexers`` (adapted block indexers) its mask."""
+    params = _params(cls)
+    if not params or "attention_mask" not in params or not cls.__name__.endswith("Attention"):
+        return False
+    code = source.class_source(cls)
+    return "self.indexer(" in code and any(f"{ind.__name__}(" in code for ind in indexers)
+
+
 def _fits(cls: type) -> bool:
     """A token-level DSA indexer: one of :data:`SIGNATURES`, and its forward asks the cache for the
     row's indexer keys and takes a top-k."""
-    forward = vars(cls).get("forward")
-    if forward is None or not cls.__name__.endswith("Indexer"):
-        return False
-    try:
-        params = tuple(inspect.signature(forward).parameters)[1:]
-    except (TypeError, ValueError):
+    if not cls.__name__.endswith("Indexer") or _params(cls) not in SIGNATURES:
         return False
     code = source.class_source(cls)
-    return params in SIGNATURES and "update_indexer(" in code and ".topk(" in code
+    return "update_indexer(" in code and ".topk(" in code
 
 
 def adapt_module(mod) -> bool:
     """Give the DSA indexer classes of one modeling module the adapted forward (idempotent); whether
     the module has one."""
-    found = False
-    for value in list(vars(mod).values()):
-        if not isinstance(value, type) or value.__module__ != mod.__name__:
-            continue
+    found, blocks = False, []
+    classes = [v for v in list(vars(mod).values()) if isinstance(v, type) and v.__module__ == mod.__name__]
+    for value in classes:
         if adapted_indexer(value):
             found = True
         elif _fits(value):
             value.forward = _adapted_forward(value.forward)
             found = True
+        elif _fits_blocks(value):
+            value.forward = _adapted_block_forward(value.forward)
+            blocks.append(value)
+            found = True
+    for value in classes if blocks else ():
+        if not adapted_indexer(value) and _calls_block_indexer(value, blocks):
+            value.forward = _selecting_forward(value.forward)
     return found
 
 

@@ -55,7 +55,7 @@ from . import state
 from ..engine.layer import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
 from ..refusals import refuse
-from .indexers import MaskRows, global_selection
+from .indexers import MaskRows, SelectingMask, global_selection
 from .indexers import adapt_module as adapt_indexers
 from .losses import adapt_module as adapt_loss_functions
 from .mixers import adapt_module as adapt_mixer_functions
@@ -116,7 +116,8 @@ class CPMask:
     only in the mask) takes its window from here. ``mask_function``: transformers' own mask function, probed by
     :meth:`sees_no_later_key` for layers that declare themselves bidirectional. ``span_next`` (B, Lq)
     bool: one device, no KV cache: query ``i`` sees key ``i + 1`` (the bidirectional spans of
-    :mod:`.overlays`), or None when no query sees a later key.
+    :mod:`.overlays`), or None when no query sees a later key. ``key_select`` (B, Lq, k): one layer's
+    copy of the mask carrying the global keys its block indexer selected (:meth:`with_selection`), or None.
     """
 
     batch_size: int
@@ -131,6 +132,7 @@ class CPMask:
     family: str = ""
     mask_function: object = field(default=None, repr=False)
     span_next: torch.Tensor | None = field(default=None, repr=False)
+    key_select: torch.Tensor | None = field(default=None, repr=False)
     _no_later_key: object = field(default=_UNPROBED, repr=False)
     _checked: dict = field(default_factory=dict, repr=False)
 
@@ -228,6 +230,14 @@ class CPMask:
         if name.startswith("__") or name in _CPMASK_FIELDS:
             raise AttributeError(name)
         self._misused(f".{name}")
+
+    def selecting(self) -> SelectingMask:
+        """This mask as an attention whose block indexer is adapted hands it around (:mod:`.indexers`)."""
+        return SelectingMask(self)
+
+    def with_selection(self, key_select: torch.Tensor) -> CPMask:
+        """This mask for one layer, with the keys its block indexer selected (B, Lq, k) global indices."""
+        return dataclasses.replace(self, key_select=key_select)
 
     def __getitem__(self, index):
         if _is_rows_index(index):  # a DSA layer hands its indexer the mask's rows: read by the adapted indexers
@@ -448,6 +458,8 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                          cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator,
                          span_next=info.span_next if spec.spans else None)
     key_select = kwargs.get("indices")  # DeepSeek Sparse Attention: the keys each query selected (.indexers)
+    if info is not None and info.key_select is not None:  # Qwen4's block indexer: carried by the mask
+        key_select = info.key_select
     if key_select is not None:
         spec = dataclasses.replace(spec, selection=True)
     out = attend_layer(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,

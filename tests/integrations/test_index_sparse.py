@@ -1,7 +1,8 @@
 """Index-sparse attention families under cp_flash (issue 38): DeepSeek Sparse Attention's lightning
 indexer (deepseek_v32, glm_moe_dsa with its shared layers, hy_v4 with sinks and shared layers, axk2,
-dots3_note_text with sliding-window layers beside the indexed ones), exact on one device and under
-context parallelism.
+dots3_note_text with sliding-window layers beside the indexed ones) and Qwen4's block indexer
+(qwen4_exp_text: blocks of keys, beside gated DeltaNet layers), exact on one device and under context
+parallelism.
 
 * every family at CP = 2 (and 4, ``-m slow``) in zigzag, contiguous and balanced layouts, two packed
   rows with documents crossing every rank and one-token documents: logits and parameter gradients

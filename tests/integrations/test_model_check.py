@@ -57,7 +57,7 @@ REFUSED = {  # family -> what the check must report (from each mixer's documente
     "openai-gpt": {"attention outside the attention interface", "no attention layer through cp_flash"},
     "bloom": {"attention outside the attention interface"},
     "bart": {"positions computed from the shard"},
-    "qwen4_exp_text": {"attention outside the attention interface"},  # its block indexer (QSA) is not adapted
+    "deepseek_v4": {"attention outside the attention interface"},  # its compressors' indexer is not adapted
 }
 EXACT = ("llama", "mistral", "qwen2_moe", "gemma3_text", "gpt2", "deepseek_v3", "roberta", "gpt_oss", "llama4_text",
          "phimoe", "gpt_neox",

@@ -1,5 +1,5 @@
 """Cases and rank workers for tests/integrations/test_index_sparse.py: the DeepSeek Sparse Attention families
-(a lightning indexer picks each query's top-k keys) under ``attn_implementation="cp_flash"``.
+(a lightning indexer picks each query's top-k keys) and Qwen4's block indexer under ``attn_implementation="cp_flash"``.
 
 Tiny configs come from the family sweep's rules (``index_topk=8``: fewer than most queries see, so the
 selection binds). The ground truth is the same weights under ``"eager"`` with each packed document run
@@ -22,7 +22,7 @@ import cp_attention
 import hf_cases
 import hybrid_cases
 
-SPARSE = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text")
+SPARSE = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text", "qwen4_exp_text")
 
 # Two rows (L = 46): documents crossing every rank at world sizes 2 and 4 in every layout, one-token
 # documents, and a row that is one document (most queries see more than k = 8 keys).
@@ -45,6 +45,23 @@ class _Earliest(TorchFunctionMode):
         return torch.return_types.topk((torch.gather(x, dim, ind), ind))
 
 
+def as_indices(output, width: int) -> torch.Tensor:
+    """An indexer's output as (B, S, width) int64 selected key indices padded with -1: DSA's indices,
+    Qwen4's (B, 1, S, T) boolean mask under eager, or cp_flash's selection object (``.key_select``)."""
+    if hasattr(output, "key_select"):
+        output = output.key_select
+    output = output.detach()
+    if output.dtype == torch.bool:
+        rows = output[:, 0]
+        T = rows.shape[-1]
+        output = torch.where(rows, torch.arange(T), T).sort(-1).values
+        output = output.masked_fill(output == T, -1)
+    output = output.long()
+    if output.shape[-1] < width:
+        output = torch.nn.functional.pad(output, (0, width - output.shape[-1]), value=-1)
+    return output
+
+
 @contextlib.contextmanager
 def earliest_of_ties(model, record: list | None = None):
     """Inside ``model``'s indexer modules, top-k keeps the earlier key among equal scores; every
@@ -60,7 +77,7 @@ def earliest_of_ties(model, record: list | None = None):
             def leave(_module, _args, output, m=mode):
                 m.__exit__(None, None, None)
                 if record is not None:
-                    record.append(output.detach().clone())
+                    record.append(as_indices(output, 0))
 
             handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     try:
@@ -74,7 +91,7 @@ def earliest_of_ties(model, record: list | None = None):
 def recording(model, record: list):
     """Append every indexer output of ``model`` to ``record`` (cp_flash's own tie rule applies)."""
     def leave(_module, _args, output):
-        record.append(output.detach().clone())
+        record.append(output)
 
     handles = [m.register_forward_hook(leave) for m in model.modules() if type(m).__name__.endswith("Indexer")]
     try:
@@ -158,7 +175,7 @@ def run_cases(rank: int, world_size: int, families, refs: dict, layouts, docs=DO
                     stats = [s for _, s in cp_attention.forward_plan_stats() if s.strategy == "select"]
                     (out.logits * cp.shard(R, dim=1)).sum().backward()
                     logits = cp.gather(out.logits.detach(), dim=1)
-                    selections = [cp.gather(idx.long(), dim=1) for idx in record]
+                    selections = [cp.gather(as_indices(idx, ids.shape[1]), dim=1) for idx in record]
                 grads = hf_cases.flat_grads(model)
                 dist.all_reduce(grads)
             except Exception as exc:  # noqa: BLE001 - reported by the test
