@@ -277,6 +277,13 @@ REFUSALS = _catalogue(
                "over (query, key) pairs, per-query sinks or a dense mask), which cp_flash cannot apply: it would be "
                "dropped. Use attn_implementation=\"eager\" (or \"sdpa\") for this family, without "
                "context_parallel."),
+    _R(key="selection_with_spans", exception=NotImplementedError, area="masks",
+       what="selected keys (a sparse-attention indexer) in a layer whose mask also opens bidirectional spans",
+       why="a selection only removes pairs from a causal mask; no model combines it with spans, so it is not built",
+       fix='attn_implementation="eager" for this batch, or a batch without image blocks',
+       message="cp_flash: {family} selects keys per query (a sparse-attention indexer) in a layer whose mask also "
+               "opens bidirectional spans (image blocks); cp_flash does not combine the two. Use "
+               "attn_implementation=\"eager\" for such batches."),
     _R(key="selected_keys_argument", exception=NotImplementedError, area="masks",
        what="a selection of keys per query handed to the attention (an indexer's top-k indices)",
        why="cp_flash does not read it yet: every causal key would be attended instead of the selected ones",

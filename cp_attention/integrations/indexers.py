@@ -235,6 +235,7 @@ def _adapted_forward(original):
     sig = inspect.signature(original)
 
     @functools.wraps(original)
+    @torch.compiler.disable  # the context, the batch record and the exchange: eager, one graph break
     def forward(self, *args, **kwargs):
         bound = sig.bind(self, *args, **kwargs)
         rows = bound.arguments.get("attention_mask")
@@ -259,6 +260,7 @@ def _adapted_block_forward(original):
     sig = inspect.signature(original)
 
     @functools.wraps(original)
+    @torch.compiler.disable  # the context, the batch record and the exchange: eager, one graph break
     def forward(self, *args, **kwargs):
         bound = sig.bind(self, *args, **kwargs)
         mask = bound.arguments.get("attention_mask")
@@ -295,6 +297,7 @@ def _selecting_forward(original):
     sig = inspect.signature(original)
 
     @functools.wraps(original)
+    @torch.compiler.disable  # the context, the batch record and the exchange: eager, one graph break
     def forward(self, *args, **kwargs):
         bound = sig.bind(self, *args, **kwargs)
         mask = bound.arguments.get("attention_mask")

@@ -42,7 +42,7 @@ from ..engine.layer import compiling_outside_cp
 from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan
 from ..engine.stats import note_mixer
 from ..refusals import refuse
-from ..torch_compat import in_backward
+from ..torch_compat import assume_constant_result, in_backward
 
 __all__ = ["CONVOLUTIONS", "RECURRENCES", "SHORTCUTS", "DECODING", "adapt_module", "adapted", "handled_calls",
            "tag_mixers", "MIXER_ATTR"]
@@ -83,17 +83,25 @@ def _batch_for(batch_size: int, length: int, compiled: bool = False):
     return record
 
 
+@assume_constant_result
+def _traced_in_block() -> bool:
+    """torch.compile traces inside a context_parallel block, one-rank ones included (asked once per
+    trace): a one-rank block's mixers read its batch's documents, so they leave the graph there too."""
+    return active_context() is not None
+
+
 def _compiled(original, eager):
     """The wrapper's entry: ``eager(compiled, *args, **kwargs)`` decides; under torch.compile, traced
-    outside a multi-rank block the original is traced as it is (a graph replayed inside a block is
-    stopped by the attention op, which checks the context when it runs), traced inside one the call
-    leaves the graph and decides when it runs (the context is a contextvar dynamo cannot guard on)."""
+    outside every block the original is traced as it is (a graph replayed inside a multi-rank block is
+    stopped by the attention op, which checks the context when it runs), traced inside one (a one-rank
+    block included) the call leaves the graph and decides when it runs (the context is a contextvar
+    dynamo cannot guard on)."""
     leave = torch.compiler.disable(functools.partial(eager, True))
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         if torch.compiler.is_compiling():
-            if compiling_outside_cp():
+            if compiling_outside_cp() and not _traced_in_block():
                 return original(*args, **kwargs)
             return leave(*args, **kwargs)
         return eager(False, *args, **kwargs)

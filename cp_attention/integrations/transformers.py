@@ -461,7 +461,10 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     if info is not None and info.key_select is not None:  # Qwen4's block indexer: carried by the mask
         key_select = info.key_select
     if key_select is not None:
-        spec = dataclasses.replace(spec, selection=True)
+        if spec.spans and info is not None and info.span_next is not None and bool(info.span_next.any()):
+            raise refuse("selection_with_spans", family=info.family or "this model")
+        # spans=True without any span: a compiled one-device mask that may open some (the probe is a tensor)
+        spec = dataclasses.replace(spec, selection=True, spans=False)
     out = attend_layer(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
                        position_ids=position_ids, docs=docs, sinks=s_aux,
                        layer=getattr(module, "layer_idx", None), model_crc=lambda: config_crc(module),
