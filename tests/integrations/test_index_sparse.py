@@ -106,3 +106,16 @@ def test_a_selection_no_adapted_indexer_made_is_refused(monkeypatch):
     with cp_attention.context_parallel() as cp:
         with pytest.raises(NotImplementedError, match=r"'indices'"):
             model(**cp.shard_batch(input_ids=ids), use_cache=False)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_dsa_compiled(world_size, refs):
+    """torch.compile'd in a block of one rank or two: the indexer and the selected-keys attention leave
+    the graph, exact."""
+    family = "deepseek_v32"
+    if world_size == 1:
+        results = [sc.run_compiled(0, 1, family, refs[family])]
+    else:
+        results = run_ranks(2, sc.run_compiled, family, refs[family], timeout=900)
+    fails = hf_cases.failures(results)
+    assert not fails, "\n".join(fails)

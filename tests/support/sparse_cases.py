@@ -189,3 +189,22 @@ def run_cases(rank: int, world_size: int, families, refs: dict, layouts, docs=DO
             res["ring_kv_bytes"] = sum(s.ring_kv_bytes_recv for s in stats)
             results.append(res)
     return results
+
+
+def run_compiled(rank: int, world_size: int, family: str, ref: dict) -> dict:
+    """Rank worker: ``family`` compiled (``backend="eager"``) inside a zigzag block: the indexers and the
+    selected-keys attention leave the graph and run across ranks."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    _, model = hybrid_cases.models(family)
+    compiled = torch.compile(model, backend="eager")
+    ids, pos, R = hybrid_cases.inputs(model.config.get_text_config().vocab_size, DOCS)
+    with cp_attention.context_parallel(layout="zigzag") as cp:
+        out = compiled(**cp.shard_batch(input_ids=ids, position_ids=pos), use_cache=False)
+        (out.logits * cp.shard(R, dim=1)).sum().backward()
+        logits = cp.gather(out.logits.detach(), dim=1)
+    grads = hf_cases.flat_grads(model)
+    if world_size > 1:
+        dist.all_reduce(grads)
+    return hybrid_cases.compare(family, logits, grads, ref, f"compiled world={world_size} rank={rank}")
