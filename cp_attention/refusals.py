@@ -175,12 +175,10 @@ REFUSALS = _catalogue(
                "from position {offset}, keys {keys}); call the model with use_cache=False"),
     _R(key="selection_with_kv_cache", exception=NotImplementedError, area="cache",
        what="selected keys (a sparse-attention indexer's top-k) with a KV cache (generation)",
-       why="the selection path places queries at the sequence's own positions only; decoding over a cache is "
-           "not built for it yet",
+       why="the selected-keys path places queries at the sequence's own positions only",
        fix='call the model with use_cache=False, or generate with attn_implementation="eager"',
-       message="cp_flash: {family} selects keys per query (a sparse-attention indexer) and runs over a KV cache "
-               "({queries} queries from position {offset}, {keys} keys): cp_flash does not decode index-sparse "
-               "attention yet. Call the model with use_cache=False, or generate with attn_implementation=\"eager\"."),
+       message="cp_flash: {family} selects keys per query over a KV cache ({queries} queries from position {offset}, "
+               "{keys} keys), not decoded yet; use use_cache=False, or generate with attn_implementation=\"eager\"."),
     _R(key="appended_keys", exception=NotImplementedError, area="cache",
        what="keys a model appends inside its attention layer beyond the sequence's own (DeepSeek-V4)",
        why="they belong to no position of the sequence: no mask places them",
@@ -279,19 +277,16 @@ REFUSALS = _catalogue(
                "context_parallel."),
     _R(key="selection_with_spans", exception=NotImplementedError, area="masks",
        what="selected keys (a sparse-attention indexer) in a layer whose mask also opens bidirectional spans",
-       why="a selection only removes pairs from a causal mask; no model combines it with spans, so it is not built",
-       fix='attn_implementation="eager" for this batch, or a batch without image blocks',
-       message="cp_flash: {family} selects keys per query (a sparse-attention indexer) in a layer whose mask also "
-               "opens bidirectional spans (image blocks); cp_flash does not combine the two. Use "
-               "attn_implementation=\"eager\" for such batches."),
+       why="a selection only removes pairs from a causal mask; no model combines it with spans", fix='"eager"',
+       message="cp_flash: {family} selects keys per query in a layer whose mask also opens bidirectional spans "
+               "(image blocks), which cp_flash does not combine; use attn_implementation=\"eager\" for such batches."),
     _R(key="selected_keys_argument", exception=NotImplementedError, area="masks",
-       what="a selection of keys per query handed to the attention (an indexer's top-k indices)",
-       why="cp_flash does not read it yet: every causal key would be attended instead of the selected ones",
+       what="a selection of keys per query handed to the attention that no adapted indexer made",
+       why="cp_flash reads only the selections of the indexers it adapts (global key indices): this one is dropped",
        fix='attn_implementation="eager" (or "sdpa"), without context_parallel',
-       message="cp_flash: {family} hands its attention {name!r}, a {shape} tensor of selected keys per query (a "
-               "sparse-attention indexer's choice), which cp_flash does not read yet: every causal key would be "
-               "attended instead. Use attn_implementation=\"eager\" (or \"sdpa\") for this family, without "
-               "context_parallel."),
+       message="cp_flash: {family} hands its attention {name!r}, a {shape} tensor of selected keys per query that no "
+               "indexer cp_flash adapts made (MiniMax-M3's key blocks, ...): it would be dropped. Use "
+               "attn_implementation=\"eager\" (or \"sdpa\") for this family, without context_parallel."),
     _R(key="foreign_mask_overlay", exception=NotImplementedError, area="masks",
        what="a causal mask holding a mask function of the model's own, under context parallelism",
        why="each rank's mask is built from its shard: the overlay cannot be read and would be dropped",

@@ -79,7 +79,7 @@ class Header:
     head_dim: int = -1
     dtype: int = -1                # index in DTYPES
     layout: int = -1               # layout.layout_code
-    causal: int = -1               # causal + 2 * spans (the layer opens the batch's spans) + 4 * selection (keys selected)
+    causal: int = -1               # causal + 2 * spans (opens the batch's spans) + 4 * selection (selected keys)
     window: int = -1
     chunk_size: int = -1
     softcap: int = -1              # float bits

@@ -237,9 +237,10 @@ def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, positi
                      span_next=docs.span_next)
     if spec.selection:
         found.pop("span_next")
+        backend = batch.cp.backend if batch is not None else None
         return local_selected_attention(q, k, v, spec, key_select, sinks=sinks, q_offset=docs.q_offset,
-                                        kv_offset=docs.kv_offset, backend=batch.cp.backend if batch is not None else None,
-                                        bound=batch is not None, layer=layer, **found)
+                                        kv_offset=docs.kv_offset, backend=backend, bound=batch is not None,
+                                        layer=layer, **found)
     return local_attention(q, k, v, spec, sinks=sinks, q_offset=docs.q_offset, kv_offset=docs.kv_offset,
                                     backend=batch.cp.backend if batch is not None else None, bound=batch is not None,
                                     layer=layer, **found)

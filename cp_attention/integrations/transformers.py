@@ -251,14 +251,14 @@ class CPMask:
     __lt__ = __le__ = __gt__ = __ge__ = __invert__ = __neg__ = _arith
 
 
-_CPMASK_FIELDS = frozenset(f.name for f in fields(CPMask))
+_CPMASK_FIELDS = frozenset(f.name for f in fields(CPMask))  # looked up before __init__ (copy): AttributeError
 
 
 def _is_rows_index(index) -> bool:
     """``[:, 0]`` or ``[:, 0, :, :]``: the (B, S, T) rows of a (B, 1, S, T) mask."""
     if not isinstance(index, tuple) or len(index) not in (2, 4) or index[1] != 0 or isinstance(index[1], bool):
         return False
-    return all(isinstance(i, slice) and i == slice(None) for i in index[:1] + index[2:])  # looked up before __init__ (copy): AttributeError
+    return all(isinstance(i, slice) and i == slice(None) for i in index[:1] + index[2:])
 
 
 def _probe_no_later_key(mask_function, batch_size: int, q_length: int, q_offset: int, kv_end: int) -> bool | None:

@@ -75,7 +75,8 @@ def _worker(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
             out = cp_attention.attention(
                 *ours, position_ids=cp.shard(position_ids) if position_ids is not None else None,
                 cu_seqlens=cu_seqlens, causal=case["causal"], window=case.get("window"),
-                chunk_size=case.get("chunk_size"), sinks=sinks_in, key_select=cp.shard(sel), backend=case.get("backend"))
+                chunk_size=case.get("chunk_size"), sinks=sinks_in, key_select=cp.shard(sel),
+                backend=case.get("backend"))
             stats = cp_attention.last_plan_stats()
             out.backward(cp.shard(dout).to(dtype))
             got = dict(out=out, dq=ours[0].grad, dk=ours[1].grad, dv=ours[2].grad)
