@@ -231,32 +231,9 @@ def _layer_batch(info, B: int, S: int, family: str):
     return batch, batch is not None and batch.cp.world_size > 1
 
 
-def _adapted_forward(original):
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    @torch.compiler.disable  # the context, the batch record and the exchange: eager, one graph break
-    def forward(self, *args, **kwargs):
-        bound = sig.bind(self, *args, **kwargs)
-        rows = bound.arguments.get("attention_mask")
-        if not isinstance(rows, MaskRows):  # eager, sdpa, ...: the family's own forward
-            return original(self, *args, **kwargs)
-        info = rows.mask
-        hidden = bound.arguments["hidden_states"]
-        B, S = hidden.shape[:2]
-        batch, whole_row = _layer_batch(info, B, S, info.family or "this model")
-        bound.arguments["attention_mask"] = _rows(info, batch, whole_row, B, S, hidden.device)
-        bound.arguments["cache"] = _WholeRowKeys(_gather_keys(batch, whole_row), bound.arguments.get("cache"))
-        with _CanonicalTopk():
-            selection = original(*bound.args, **bound.kwargs)
-        state.INDEXER_SELECTIONS[selection] = True
-        return selection
-
-    setattr(forward, _ADAPTED, True)
-    return forward
-
-
-def _adapted_block_forward(original):
+def _adapted(original, applies, run):
+    """``original`` (a forward) that calls ``run(original, bound, mask)`` instead when ``applies`` to its
+    ``attention_mask`` (``bound``: its arguments, bound), marked as adapted."""
     sig = inspect.signature(original)
 
     @functools.wraps(original)
@@ -264,51 +241,60 @@ def _adapted_block_forward(original):
     def forward(self, *args, **kwargs):
         bound = sig.bind(self, *args, **kwargs)
         mask = bound.arguments.get("attention_mask")
-        if not isinstance(mask, SelectingMask):  # eager, sdpa, ...: the family's own forward
+        if not applies(mask):  # eager, sdpa, ...: the family's own forward
             return original(self, *args, **kwargs)
-        info = mask.mask
-        hidden = bound.arguments["hidden_states"]
-        B, S = hidden.shape[:2]
-        batch, whole_row = _layer_batch(info, B, S, info.family or "this model")
-        gather = _gather_keys(batch, whole_row)
-        rows_BST = _rows(info, batch, whole_row, B, S, hidden.device)
-        cos, sin = bound.arguments["position_embeddings"]
-        if whole_row:  # the row's tables, then this rank's: the code reads the queries' as the last S rows
-            cos, sin = torch.cat([gather(cos), cos], dim=1), torch.cat([gather(sin), sin], dim=1)
-        bound.arguments["position_embeddings"] = (cos, sin)
-        bound.arguments["attention_mask"] = rows_BST[:, None]
-        bound.arguments["cache"] = _WholeRowKeys(gather, bound.arguments.get("cache"))
-        with _CanonicalTopk():
-            chosen_B1ST = original(*bound.args, **bound.kwargs)
-        chosen_BST = chosen_B1ST[:, 0] & rows_BST
-        T = chosen_BST.shape[-1]
-        j_T = torch.arange(T, device=chosen_BST.device)
-        width = max(int(chosen_BST.sum(-1).max()), 1) if chosen_BST.numel() else 1
-        keys_BSk = torch.where(chosen_BST, j_T, T).sort(-1).values[..., :width]
-        return KeySelection(keys_BSk.masked_fill(keys_BSk == T, -1))
+        return run(original, bound, mask)
 
     setattr(forward, _ADAPTED, True)
     return forward
 
 
-def _selecting_forward(original):
-    """An attention whose block indexer is adapted: a cp_flash mask reaches it (and its indexer) as a
+def _token_selection(original, bound, rows: MaskRows):
+    """A DSA indexer's forward on the whole row: global top-k key indices (B, S, k), marked."""
+    info, hidden = rows.mask, bound.arguments["hidden_states"]
+    B, S = hidden.shape[:2]
+    batch, whole_row = _layer_batch(info, B, S, info.family or "this model")
+    bound.arguments["attention_mask"] = _rows(info, batch, whole_row, B, S, hidden.device)
+    bound.arguments["cache"] = _WholeRowKeys(_gather_keys(batch, whole_row), bound.arguments.get("cache"))
+    with _CanonicalTopk():
+        selection = original(*bound.args, **bound.kwargs)
+    state.INDEXER_SELECTIONS[selection] = True
+    return selection
+
+
+def _block_selection(original, bound, mask: SelectingMask) -> KeySelection:
+    """Qwen4's block indexer on the whole row: its (B, 1, S, T) mask as global key indices (B, S, k)."""
+    info, hidden = mask.mask, bound.arguments["hidden_states"]
+    B, S = hidden.shape[:2]
+    batch, whole_row = _layer_batch(info, B, S, info.family or "this model")
+    gather = _gather_keys(batch, whole_row)
+    rows_BST = _rows(info, batch, whole_row, B, S, hidden.device)
+    cos, sin = bound.arguments["position_embeddings"]
+    if whole_row:  # the row's tables, then this rank's: the code reads the queries' as the last S rows
+        cos, sin = torch.cat([gather(cos), cos], dim=1), torch.cat([gather(sin), sin], dim=1)
+    bound.arguments["position_embeddings"] = (cos, sin)
+    bound.arguments["attention_mask"] = rows_BST[:, None]
+    bound.arguments["cache"] = _WholeRowKeys(gather, bound.arguments.get("cache"))
+    with _CanonicalTopk():
+        chosen_B1ST = original(*bound.args, **bound.kwargs)
+    chosen_BST = chosen_B1ST[:, 0] & rows_BST
+    T = chosen_BST.shape[-1]
+    j_T = torch.arange(T, device=chosen_BST.device)
+    width = max(int(chosen_BST.sum(-1).max()), 1) if chosen_BST.numel() else 1
+    keys_BSk = torch.where(chosen_BST, j_T, T).sort(-1).values[..., :width]
+    return KeySelection(keys_BSk.masked_fill(keys_BSk == T, -1))
+
+
+def _cp_flash_mask(mask) -> bool:
+    """A cp_flash mask (its type has ``selecting``: read on the type, so no tensor is touched)."""
+    return getattr(type(mask), "selecting", None) is not None
+
+
+def _selecting(original, bound, mask):
+    """An attention whose block indexer is adapted: the cp_flash mask reaches it (and its indexer) as a
     :class:`SelectingMask`."""
-    sig = inspect.signature(original)
-
-    @functools.wraps(original)
-    @torch.compiler.disable  # the context, the batch record and the exchange: eager, one graph break
-    def forward(self, *args, **kwargs):
-        bound = sig.bind(self, *args, **kwargs)
-        mask = bound.arguments.get("attention_mask")
-        selecting = getattr(type(mask), "selecting", None)  # a cp_flash mask (read on the type: no tensor has it)
-        if selecting is None:
-            return original(self, *args, **kwargs)
-        bound.arguments["attention_mask"] = selecting(mask)
-        return original(*bound.args, **bound.kwargs)
-
-    setattr(forward, _ADAPTED, True)
-    return forward
+    bound.arguments["attention_mask"] = mask.selecting()
+    return original(*bound.args, **bound.kwargs)
 
 
 def _params(cls: type) -> tuple | None:
@@ -356,15 +342,15 @@ def adapt_module(mod) -> bool:
         if adapted_indexer(value):
             found = True
         elif _fits(value):
-            value.forward = _adapted_forward(value.forward)
+            value.forward = _adapted(value.forward, lambda m: isinstance(m, MaskRows), _token_selection)
             found = True
         elif _fits_blocks(value):
-            value.forward = _adapted_block_forward(value.forward)
+            value.forward = _adapted(value.forward, lambda m: isinstance(m, SelectingMask), _block_selection)
             blocks.append(value)
             found = True
     for value in classes if blocks else ():
         if not adapted_indexer(value) and _calls_block_indexer(value, blocks):
-            value.forward = _selecting_forward(value.forward)
+            value.forward = _adapted(value.forward, _cp_flash_mask, _selecting)
     return found
 
 

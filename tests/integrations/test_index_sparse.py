@@ -23,6 +23,7 @@ import cp_attention
 import hf_cases
 import hybrid_cases
 import sparse_cases as sc
+from rank_pool import single_thread
 from cp_attention.integrations import model_check
 from cp_attention.tools.launch import run_ranks
 
@@ -33,12 +34,8 @@ LAYOUTS = ("zigzag", "contiguous", "balanced")
 
 @pytest.fixture(scope="module")
 def refs() -> dict:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         return {family: sc.ground_truth(hybrid_cases.models(family)[0]) for family in sc.SPARSE}
-    finally:
-        torch.set_num_threads(before)
 
 
 def _check(results: list[dict], expected: int) -> None:
