@@ -10,13 +10,14 @@ empty slot). One call, given this rank's :class:`~cp_attention.plan.select.Selec
    ``K * (D + Dv)`` values a key, in the inputs' dtype), never a whole shard;
 3. attends: every query is one varlen sequence over its own keys, gathered from this rank's K/V
    and the received rows (the varlen contract, non-causal: the causality is in the selection),
-   so every backend runs it, with the sinks applied after as in the ring.
+   so every backend runs it, with the sinks applied after as in the ring. The keys are gathered
+   per chunk of queries (:data:`GATHER_BYTES`) in the forward and again in the backward.
 
 The backward sends each received key's dK/dV (a sum over this rank's queries) back to its owner,
 which adds it to its own: the same all-to-all, reversed.
 
-Cost: the gathered keys are a copy of ``Tq * k`` rows (a sparse kernel reading the pool in place
-would avoid it: none of the backends here has one).
+Cost: every query's keys are copied out of the pool, ``Tq * k`` rows per pass in chunks (a sparse
+kernel reading the pool in place would avoid the copies: none of the backends here has one).
 
 Legend: ``B`` batch, ``L`` this rank's tokens, ``H`` query heads, ``K`` K/V heads, ``D`` head dim
 of q/k, ``Dv`` of v, ``S`` selection slots per query, ``E = D + Dv``, ``N`` (query, key) pairs kept.
@@ -24,15 +25,15 @@ of q/k, ``Dv`` of v, ``S`` selection slots per query, ``E = D + Dv``, ``N`` (que
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import torch
 
 from ..comm import Comm
 from ..masks import MaskSpec, accumulation_dtype
-from ..plan import KernelCall, RankPlan, Step
 from ..plan.select import SelectPlan
-from .ring import ring_attention
+from .merge import apply_sinks
 
 __all__ = ["select_attention", "kept_selection", "selected_call_spec"]
 
@@ -91,15 +92,82 @@ def _exchange_counts(comm: Comm, counts: list[int], device) -> list[int]:
     return [int(r.item()) for r in recvs]
 
 
-def _one_call_plan(queries: int, cu_k: torch.Tensor, max_k: int) -> RankPlan:
-    """A single-device plan of ``queries`` one-query sequences over their packed keys (``cu_k``)."""
-    keys = int(cu_k[-1])
-    call = KernelCall(q_start=0, q_end=queries, k_start=0, k_end=keys,
-                      cu_seqlens_q=torch.arange(queries + 1, dtype=torch.int32), cu_seqlens_k=cu_k,
-                      max_seqlen_q=1, max_seqlen_k=max(max_k, 1), causal=False, window=(-1, -1),
-                      entries_computed=keys, entries_visible=keys)
-    return RankPlan(rank=0, world_size=1, batch=1, local_len=queries, local=Step(source=0, spans=((0, keys),),
-                    calls=(call,)), rounds=(), stats=None)
+GATHER_BYTES = 1 << 28
+"""Bytes of gathered K/V per chunk of queries (256 MiB): the forward and the backward gather each
+chunk's selected keys, run it and drop them, so memory stays O(this) beyond the inputs whatever
+``L * k`` is."""
+
+
+def _chunks(cu_k: list[int], budget_rows: int) -> list[tuple[int, int]]:
+    """Query ranges ``[a, b)`` whose gathered keys fit ``budget_rows`` (one query at least)."""
+    out, a, T = [], 0, len(cu_k) - 1
+    while a < T:
+        b = bisect.bisect_right(cu_k, cu_k[a] + budget_rows, lo=a + 1) - 1
+        b = min(max(b, a + 1), T)
+        out.append((a, b))
+        a = b
+    return out
+
+
+class _SelectedAttention(torch.autograd.Function):
+    """Each query over its own gathered keys: q (T, H, D), pool (R, K, D + Dv), the pool rows of every
+    query's keys concatenated (``rows``, with ``cu_k``: query ``t``'s are ``rows[cu_k[t]:cu_k[t+1]]``),
+    sinks (H,) or None -> out (T, H, Dv). One non-causal varlen call per chunk of queries (every query
+    one sequence), the keys gathered per chunk in both passes; sinks applied after, as the ring does."""
+
+    @staticmethod
+    def forward(ctx, q_THD, pool_RKE, sinks, rows_N, cu_k, D, backend, scale, softcap):
+        T, H, _ = q_THD.shape
+        Dv = pool_RKE.shape[2] - D
+        acc = accumulation_dtype(q_THD.dtype)
+        out_THDv = torch.zeros(T, H, Dv, dtype=acc, device=q_THD.device)
+        lse_HT = torch.full((H, T), float("-inf"), dtype=acc, device=q_THD.device)
+        bounds = cu_k.tolist()
+        budget = max(1, GATHER_BYTES // (pool_RKE.shape[1] * pool_RKE.shape[2] * pool_RKE.element_size()))
+        spans = _chunks(bounds, budget)
+        for a, b in spans:
+            k_NKD, v_NKDv, cu_q, cu_kc, most = _gathered(pool_RKE, rows_N, bounds, a, b, D)
+            o, lse = backend.forward(q_THD[a:b], k_NKD, v_NKDv, cu_q, cu_kc, 1, most, scale=scale, causal=False,
+                                     window=(-1, -1), softcap=softcap)
+            out_THDv[a:b], lse_HT[:, a:b] = o.to(acc), lse.to(acc)
+        if sinks is not None:
+            out_THDv, lse_HT = apply_sinks(out_THDv, lse_HT, sinks)
+        out = out_THDv.to(q_THD.dtype)
+        ctx.save_for_backward(q_THD, pool_RKE, sinks, rows_N, out, lse_HT)
+        ctx.bounds, ctx.spans, ctx.D, ctx.backend, ctx.scale, ctx.softcap = bounds, spans, D, backend, scale, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, dout_THDv):
+        q_THD, pool_RKE, sinks, rows_N, out_THDv, lse_HT = ctx.saved_tensors
+        acc = accumulation_dtype(q_THD.dtype)
+        dout_THDv = dout_THDv.contiguous()
+        dq_THD = torch.zeros(q_THD.shape, dtype=acc, device=q_THD.device)
+        dpool_RKE = torch.zeros(pool_RKE.shape, dtype=acc, device=q_THD.device)
+        for a, b in ctx.spans:
+            k_NKD, v_NKDv, cu_q, cu_kc, most = _gathered(pool_RKE, rows_N, ctx.bounds, a, b, ctx.D)
+            dq, dk, dv = ctx.backend.backward(dout_THDv[a:b], q_THD[a:b], k_NKD, v_NKDv, out_THDv[a:b], lse_HT[:, a:b],
+                                              cu_q, cu_kc, 1, most, scale=ctx.scale, causal=False, window=(-1, -1),
+                                              softcap=ctx.softcap)
+            dq_THD[a:b] = dq
+            if k_NKD.shape[0]:
+                dpool_RKE.index_add_(0, rows_N[ctx.bounds[a]:ctx.bounds[b]], torch.cat([dk, dv], dim=-1).to(acc))
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[2]:
+            # d loss / d sink_h = -sum_t exp(sink_h - lse_ht) * sum_d(dout * out)_ht  (as in the ring)
+            delta_HT = (dout_THDv.to(acc) * out_THDv.to(acc)).sum(-1).t()
+            dsinks = -(torch.exp(sinks.to(acc)[:, None] - lse_HT) * delta_HT).sum(1).to(sinks.dtype)
+        return (dq_THD.to(q_THD.dtype), dpool_RKE.to(pool_RKE.dtype), dsinks, None, None, None, None, None, None)
+
+
+def _gathered(pool_RKE, rows_N, bounds: list[int], a: int, b: int, D: int):
+    """Queries ``[a, b)``'s keys gathered from the pool: (k, v, cu_seqlens_q, cu_seqlens_k, longest)."""
+    device = pool_RKE.device
+    picked_NKE = pool_RKE[rows_N[bounds[a]:bounds[b]]]
+    cu_kc = torch.tensor([x - bounds[a] for x in bounds[a:b + 1]], dtype=torch.int32, device=device)
+    cu_q = torch.arange(b - a + 1, dtype=torch.int32, device=device)
+    most = max(max(y - x for x, y in zip(bounds[a:b], bounds[a + 1:b + 1])), 1)
+    return picked_NKE[..., :D].contiguous(), picked_NKE[..., D:].contiguous(), cu_q, cu_kc, most
 
 
 def select_attention(q, k, v, key_select, sinks, plan: SelectPlan, comm: Comm, backend, *, scale: float,
@@ -144,17 +212,14 @@ def select_attention(q, k, v, key_select, sinks, plan: SelectPlan, comm: Comm, b
             base += wanted[p].numel()
         pool_RKE = torch.cat([kv_RKE, fetched_NKE])
     else:
-        fetched_NKE, pool_RKE = None, kv_RKE
+        pool_RKE = kv_RKE
     counts_T = ok_BLS.reshape(B * L, -1).sum(-1)
     rows_N = pool_BLS[ok_BLS]
-    cu_k = torch.zeros(B * L + 1, dtype=torch.int32)
+    cu_k = torch.zeros(B * L + 1, dtype=torch.int64)
     cu_k[1:] = torch.cumsum(counts_T.cpu(), 0)
-    picked_NKE = pool_RKE[rows_N]
-    one = _one_call_plan(B * L, cu_k, int(counts_T.max()) if counts_T.numel() else 0)
-    out = ring_attention(q.reshape(1, B * L, H, D), picked_NKE[None, ..., :D], picked_NKE[None, ..., D:], sinks, one,
-                         Comm(single=True), backend, scale=scale, softcap=softcap)
-    if fetched_NKE is not None and fetched_NKE.requires_grad:
-        out = out + 0 * fetched_NKE.sum()  # every rank runs the exchange's backward, also with nothing fetched
+    # the pool (this rank's K/V and the fetched rows) is an input: its backward reaches the exchange's on
+    # every rank, also one that fetched nothing (a peer waits for the gradients of what it sent)
+    out = _SelectedAttention.apply(q.reshape(B * L, H, D), pool_RKE, sinks, rows_N, cu_k, D, backend, scale, softcap)
     row_bytes = K * (D + Dv) * k.element_size()
     got = sum(w.numel() for w in wanted)
     gave = sum(r.numel() for r in send_rows) if P > 1 else 0

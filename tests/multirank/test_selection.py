@@ -160,6 +160,18 @@ def test_every_cpu_backend_runs_the_selection(backend):
     assert not bad, bad
 
 
+def test_selection_runs_in_chunks_of_queries(monkeypatch):
+    """Gathered keys are bounded per chunk of queries (``GATHER_BYTES``): with room for 7 key rows the
+    queries run in many chunks, some alone, forward and backward, and the result is the same."""
+    from cp_attention.strategies import select
+
+    monkeypatch.setattr(select, "GATHER_BYTES", 7 * 2 * (D + DV) * 8)  # 7 rows of 2 K/V heads in float64
+    cases = [dict(c, layout="zigzag") for c in _cases()]
+    reports = RankPool(1).run(_worker, cases)[0]
+    bad = [f"{c['tag']}: {n} {e:.1e}" for c, r in zip(cases, reports) for n, e in r["errs"].items() if not e <= 1e-12]
+    assert not bad, bad
+
+
 def test_selection_validates_its_tensor():
     q = torch.randn(1, 8, 2, D)
     k = v = torch.randn(1, 8, 2, D)
