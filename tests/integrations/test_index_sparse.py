@@ -116,3 +116,18 @@ def test_dsa_compiled(world_size, refs):
         results = run_ranks(2, sc.run_compiled, family, refs[family], timeout=900)
     fails = hf_cases.failures(results)
     assert not fails, "\n".join(fails)
+
+
+@pytest.mark.slow
+def test_dsa_training_stack_cp2():
+    """FSDP2 with reentrant checkpointing and the backward after the block (DeepSeek-V3.2), DDP with
+    non-reentrant checkpointing inside it (Qwen4), the flattening collator's batch: the loss and the
+    gradients equal one process's on each document alone."""
+    import training_workers as tw
+
+    per_rank = run_ranks(2, sc.run_training, timeout=900)
+    for rank, per_setup in enumerate(per_rank):
+        assert set(per_setup) == {s[0] for s in sc.TRAINING_SETUPS}
+        for name, e in per_setup.items():
+            assert e["loss_err"] <= tw.REL_TOL, f"rank {rank} {name}: loss relative error {e['loss_err']:.2e}"
+            assert e["grad_err"] <= tw.REL_TOL, f"rank {rank} {name}: gradient error {e['grad_err']:.2e}"

@@ -54,8 +54,11 @@ def strategy_options(strategy: str) -> dict:
 
 def strategy_error(strategy: str, calls) -> str | None:
     """Whether every layer of a forward (``forward_plan_stats()``) ran ``strategy``: for "auto", the
-    candidate its model rated cheapest (recorded in ``predicted``). None when so, else the error."""
+    candidate its model rated cheapest (recorded in ``predicted``); layers of selected keys (index-sparse
+    attention) run "select" whatever it is. None when so, else the error."""
     for layer, stats in calls:
+        if stats.strategy == "select":  # a layer of selected keys runs its own exchange, whatever the strategy
+            continue
         if strategy != "auto":
             if stats.strategy != strategy:
                 return f"layer {layer} ran {stats.strategy!r}, not {strategy!r}"

@@ -208,3 +208,32 @@ def run_compiled(rank: int, world_size: int, family: str, ref: dict) -> dict:
     if world_size > 1:
         dist.all_reduce(grads)
     return hybrid_cases.compare(family, logits, grads, ref, f"compiled world={world_size} rank={rank}")
+
+
+# (name, family, batch form, wrapper, gradient checkpointing (reentrant), backward). DDP needs
+# find_unused_parameters=True for these families, on one device as under CP: their indexers' parameters
+# get no gradient (DSA's runs under no_grad; a top-k's indices carry none), and DDP without it leaves
+# the buckets holding them unreduced (the gradients come out 1.3-1.5x off, silently)
+TRAINING_SETUPS = (
+    ("fsdp2/deepseek_v32/rows/gc-reentrant/after", "deepseek_v32", "rows", "fsdp2", True, "after"),
+    ("ddp/qwen4_exp_text/flatten/gc-nonreentrant/inside", "qwen4_exp_text", "flatten", "ddp-unused", False,
+     "inside"),
+)
+
+
+def run_training(rank: int, world_size: int, setups=TRAINING_SETUPS) -> dict:
+    """Rank worker: the training stack's setups (training_workers.run_setups) for index-sparse families,
+    against each document alone under eager with the tie rule."""
+    import training_workers as tw
+
+    plain = tw.ground_truth
+
+    def tied(ref, replicas):
+        with earliest_of_ties(ref):
+            return plain(ref, replicas)
+
+    tw.ground_truth = tied
+    try:
+        return tw.run_setups(rank, world_size, setups, 1)
+    finally:
+        tw.ground_truth = plain

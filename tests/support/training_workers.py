@@ -62,7 +62,8 @@ def models(family: str):
     return cp, ref
 
 
-HYBRID_FAMILIES = ("qwen3_next", "nemotron_h", "jamba", "lfm2", "falcon_h1")
+HYBRID_FAMILIES = ("qwen3_next", "nemotron_h", "jamba", "lfm2", "falcon_h1",
+                   "deepseek_v32", "qwen4_exp_text")  # and the index-sparse families (sweep configs)
 
 
 def ground_truth(ref, docs_per_replica: list[list[torch.Tensor]]) -> tuple[list[float], dict]:
@@ -146,10 +147,10 @@ class _CheckpointWholeModel(torch.nn.Module):
 def _wrap(model, how: str, group, mesh=None):
     if how == "checkpoint-whole":
         return _CheckpointWholeModel(model, group)
-    if how == "ddp":
+    if how in ("ddp", "ddp-unused"):  # "ddp-unused": parameters without a gradient (a no_grad indexer's)
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, process_group=group)
+        return DistributedDataParallel(model, process_group=group, find_unused_parameters=how == "ddp-unused")
     if how == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
