@@ -105,7 +105,7 @@ def test_a_selection_no_adapted_indexer_made_is_refused(monkeypatch):
             model(**cp.shard_batch(input_ids=ids), use_cache=False)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_dsa_compiled(world_size, refs):
     """torch.compile'd in a block of one rank or two: the indexer and the selected-keys attention leave
     the graph, exact."""
