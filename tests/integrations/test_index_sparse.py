@@ -131,3 +131,14 @@ def test_dsa_training_stack_cp2():
         for name, e in per_setup.items():
             assert e["loss_err"] <= tw.REL_TOL, f"rank {rank} {name}: loss relative error {e['loss_err']:.2e}"
             assert e["grad_err"] <= tw.REL_TOL, f"rank {rank} {name}: gradient error {e['grad_err']:.2e}"
+
+
+def test_dsa_padded_rows_cp2():
+    """Left and right padding: the indexer's rows and the selected keys leave the padding out, as eager
+    does (logits of the real tokens against eager on the padded batch, with the tie rule)."""
+    eager, _ = hybrid_cases.models("deepseek_v32")
+    ids, mask = sc.padded_inputs()
+    with torch.no_grad(), single_thread(), sc.earliest_of_ties(eager):
+        ref = eager(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    out = run_ranks(2, sc.run_padded, "deepseek_v32", timeout=600)[0]
+    assert float((out - ref)[mask.bool()].abs().max()) <= 1e-5

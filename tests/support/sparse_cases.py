@@ -237,3 +237,23 @@ def run_training(rank: int, world_size: int, setups=TRAINING_SETUPS) -> dict:
         return tw.run_setups(rank, world_size, setups, 1)
     finally:
         tw.ground_truth = plain
+
+
+def padded_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids (2, 32), attention_mask (2, 32)): row 0 left-padded by 7, row 1 right-padded by 3."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 96, (2, 32), generator=g)
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[0, :7] = 0
+    mask[1, 29:] = 0
+    return ids, mask
+
+
+def run_padded(rank: int, world_size: int, family: str) -> torch.Tensor:
+    """Rank worker: the padded batch's logits under cp_flash in a block (gathered)."""
+    torch.set_num_threads(1)
+    _, model = hybrid_cases.models(family)
+    ids, mask = padded_inputs()
+    with torch.no_grad(), cp_attention.context_parallel() as cp:
+        out = model(**cp.shard_batch(input_ids=ids, attention_mask=mask), use_cache=False).logits
+        return cp.gather(out, dim=1)
