@@ -44,11 +44,16 @@ def selected_call_spec(spec: MaskSpec) -> MaskSpec:
     return MaskSpec(causal=False, softcap=spec.softcap, scale=spec.scale)
 
 
-def kept_selection(key_select_BLS: torch.Tensor, lo_BL: torch.Tensor, hi_BL: torch.Tensor) -> torch.Tensor:
+def kept_selection(key_select_BLS: torch.Tensor, lo_BL: torch.Tensor, hi_BL: torch.Tensor, *, seq_len: int = 0,
+                   extra: int = 0) -> torch.Tensor:
     """The selected keys each query keeps, (B, L, S) int64 sorted ascending with ``-1`` in the slots
-    dropped: outside ``[lo, hi]`` (causal, window, documents), empty (``-1``) or a repeat."""
+    dropped: outside ``[lo, hi]`` (causal, window, documents), empty (``-1``) or a repeat. With ``extra``
+    keys beyond the row's ``seq_len`` tokens (indices ``seq_len .. seq_len + extra - 1``), those are kept
+    as selected: the caller's selection is their visibility."""
     sel_BLS = key_select_BLS.to(torch.int64)
     inside = (sel_BLS >= lo_BL[..., None]) & (sel_BLS <= hi_BL[..., None])
+    if extra:
+        inside |= (sel_BLS >= seq_len) & (sel_BLS < seq_len + extra)
     sel_BLS = torch.where(inside, sel_BLS, torch.full_like(sel_BLS, -1)).sort(-1).values
     repeat = torch.zeros_like(inside)
     repeat[..., 1:] = (sel_BLS[..., 1:] == sel_BLS[..., :-1]) & (sel_BLS[..., 1:] >= 0)
@@ -171,17 +176,22 @@ def _gathered(pool_RKE, rows_N, bounds: list[int], a: int, b: int, D: int):
 
 
 def select_attention(q, k, v, key_select, sinks, plan: SelectPlan, comm: Comm, backend, *, scale: float,
-                     softcap: float | None):
+                     softcap: float | None, extra_kv=None):
     """Attention of this rank's queries over the keys they selected: q (B, L, H, D), k (B, L, K, D),
     v (B, L, K, Dv), key_select (B, L, S) integer global key indices (``-1``: none), sinks (H,) or None
     -> (out (B, L, H, Dv), the call's :class:`~cp_attention.plan.PlanStats` with the bytes it moved).
-    Differentiable w.r.t. q, k, v and sinks. Every rank of ``comm`` calls it together."""
+    ``extra_kv``: (k (B, E, K, D), v (B, E, K, Dv)) keys every rank holds whole, beyond the row's ``T``
+    tokens (DeepSeek-V4's compressed entries): index ``T + e`` selects entry ``e`` of the query's row;
+    they do not move. Differentiable w.r.t. q, k, v, sinks and the extra keys (each rank's part of
+    their gradient: the caller sums it over the ranks). Every rank of ``comm`` calls it together."""
     B, L, H, D = q.shape
     K, Dv = k.shape[2], v.shape[3]
-    P, rank, device = plan.world_size, plan.rank, q.device
-    sel_BLS = kept_selection(key_select.to(device), plan.lo.to(device), plan.hi.to(device))
-    ok_BLS = sel_BLS >= 0
-    key_BLS = sel_BLS.clamp(min=0)
+    P, rank, device, T = plan.world_size, plan.rank, q.device, plan.seq_len
+    E = 0 if extra_kv is None else extra_kv[0].shape[1]
+    sel_BLS = kept_selection(key_select.to(device), plan.lo.to(device), plan.hi.to(device), seq_len=T, extra=E)
+    beyond_BLS = sel_BLS >= T
+    ok_BLS = (sel_BLS >= 0) & ~beyond_BLS
+    key_BLS = sel_BLS.clamp(min=0, max=T - 1)
     owner_BLS = plan.owner.to(device)[key_BLS]
     row_BLS = plan.row.to(device)[key_BLS]
     b_BLS = torch.arange(B, device=device)[:, None, None].expand_as(key_BLS)
@@ -213,6 +223,11 @@ def select_attention(q, k, v, key_select, sinks, plan: SelectPlan, comm: Comm, b
         pool_RKE = torch.cat([kv_RKE, fetched_NKE])
     else:
         pool_RKE = kv_RKE
+    if E:  # every rank's whole copy of the extra keys, after the rows: index T + e of row b is row b * E + e
+        extra_base = pool_RKE.shape[0]
+        pool_BLS[beyond_BLS] = extra_base + (b_BLS * E + sel_BLS - T)[beyond_BLS]
+        pool_RKE = torch.cat([pool_RKE, torch.cat(extra_kv, dim=-1).reshape(B * E, K, D + Dv)])
+        ok_BLS = ok_BLS | beyond_BLS
     counts_T = ok_BLS.reshape(B * L, -1).sum(-1)
     rows_N = pool_BLS[ok_BLS]
     cu_k = torch.zeros(B * L + 1, dtype=torch.int64)
