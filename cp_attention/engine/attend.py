@@ -76,7 +76,8 @@ def resolve_call(group, layout, bound=None) -> Resolved:
 def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None, sinks=None, group=None,
            layout=None, backend: str | None = None, batch: BatchRecord | None = None,
            local_error: Exception | None = None, layer: int | None = None, model_crc: int = -1,
-           strategy: str | None = None, ulysses_size: int | None = None, run=None, key_select=None) -> torch.Tensor:
+           strategy: str | None = None, ulysses_size: int | None = None, run=None, key_select=None,
+           extra_kv=None) -> torch.Tensor:
     """The engine entry behind :func:`~cp_attention.attention` (same arguments and result).
 
     ``mask``: a MaskSpec or a dict of its keywords (checked on every rank together). ``batch``: the
@@ -91,7 +92,9 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
     differentiable ring or head-parallel call (the compiled op's passes without autograd,
     :func:`passes`); its result is returned. ``key_select`` (B, L, k) integer: the global key
     indices each query selected (``-1``: none), for a mask with ``selection`` (index-sparse
-    attention: :mod:`cp_attention.strategies.select`, whatever ``strategy`` says).
+    attention: :mod:`cp_attention.strategies.select`, whatever ``strategy`` says). ``extra_kv``: with
+    ``key_select``, (k (B, E, K, D), v (B, E, K, Dv)) keys every rank holds whole beyond the row's ``T``
+    tokens, selected as ``T + e`` (their gradient on each rank is its queries' part).
 
     Agreement (see :mod:`cp_attention.engine.agreement`): a call without ``batch`` all-gathers its header
     every time; with ``batch``, only the batch's first call with each signature does."""
@@ -120,6 +123,8 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
         spec = mask if isinstance(mask, MaskSpec) else MaskSpec(**mask)
         check_inputs(q, k, v, position_ids=position_ids, cu_seqlens=cu_seqlens, sinks=sinks, backend=backend,
                      key_select=key_select, selection=spec.selection)
+        if extra_kv is not None and not spec.selection:
+            raise ValueError("extra_kv (keys beyond the row's tokens) needs key_select: a selection names them")
         if spec.selection and run is not None:
             raise ValueError("a selected-keys layer runs eagerly (the compiled multi-rank op does not take a "
                              "selection)")
@@ -140,7 +145,8 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
         plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc, how)
     if spec.selection:
         out, call_stats = select_attention(q, k, v, key_select, sinks, plan, comm, impl,
-                                           scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap)
+                                           scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap,
+                                           extra_kv=extra_kv)
         stats.note_stats(call_stats, layer, in_model=layer is not None or batch is not None)
         return out
     stats.note_stats(plan.stats, layer, in_model=layer is not None or batch is not None)
