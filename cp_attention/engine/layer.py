@@ -89,7 +89,8 @@ def _layer_mask_batch_eager(attention_mask, batch_size: int, q_length: int):
 
 
 def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs = LayerDocs(), sinks=None,
-                 layer: int | None = None, model_crc=None, adjust_q=None, key_select=None) -> torch.Tensor:
+                 layer: int | None = None, model_crc=None, adjust_q=None, key_select=None,
+                 extra_kv=None) -> torch.Tensor:
     """One model attention layer: q (B, Lq, H, D), k (B, Lk, K, D), v (B, Lk, K, Dv) (GQA not repeated;
     Dv may differ from D: multi-head latent attention) -> (B, Lq, H, Dv).
 
@@ -105,7 +106,7 @@ def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs 
         raise refuse("torch_context_parallel")
     if spec.selection:  # eager: a graph break under torch.compile
         return _bound_attention(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q,
-                                key_select=key_select)
+                                key_select=key_select, extra_kv=extra_kv)
     if compiling_outside_cp():  # traced outside context parallelism: straight to the op
         batch = batch_of(position_ids) or (docs.batch if docs.mask else None)
         if batch is None:
@@ -165,7 +166,7 @@ def bound_layer(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, run)
 
 @torch.compiler.disable
 def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, model_crc, adjust_q, run=None,
-                     key_select=None):
+                     key_select=None, extra_kv=None):
     """Eager: torch.compile breaks the graph here (the context is a contextvar; the agreement
     collectives, the planner and the ring's point-to-point calls cannot be traced). Traced inside
     context parallelism, layers reach it through the multi-rank op instead (``run``: its passes)."""
@@ -196,7 +197,7 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
     if batch is None or batch.cp.world_size == 1:
         if run is not None:
             raise refuse("compiled_cp_on_one_rank")
-        return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, batch, layer, key_select)
+        return _layer_single_device(q, k, v, spec, sinks, docs, position_ids, batch, layer, key_select, extra_kv)
     model_crc = -1 if model_crc is None else model_crc()
     if Lq != Lk or docs.q_offset or docs.kv_offset:  # keys the model appended were refused above
         raise refuse("kv_cache_under_cp", queries=Lq, offset=docs.q_offset, keys=Lk)
@@ -212,11 +213,11 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
         cp = batch.cp
         q = adjust_q(q, global_index(batch.seq_len, cp.world_size, batch.layout, cp.rank))
     return attend(q, k, v, spec, sinks=sinks, batch=batch, local_error=local_error, layer=layer,
-                  model_crc=model_crc, run=run, key_select=key_select)
+                  model_crc=model_crc, run=run, key_select=key_select, extra_kv=extra_kv)
 
 
 def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, position_ids, batch, layer,
-                         key_select=None):
+                         key_select=None, extra_kv=None):
     """One device: the custom op with this layer's documents as tensors (those of ``batch``, a
     shard_batch record of a one-rank context, when it describes these tokens)."""
     B, Lq = q.shape[:2]
@@ -240,7 +241,7 @@ def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, positi
         backend = batch.cp.backend if batch is not None else None
         return local_selected_attention(q, k, v, spec, key_select, sinks=sinks, q_offset=docs.q_offset,
                                         kv_offset=docs.kv_offset, backend=backend, bound=batch is not None,
-                                        layer=layer, **found)
+                                        layer=layer, extra_kv=extra_kv, **found)
     return local_attention(q, k, v, spec, sinks=sinks, q_offset=docs.q_offset, kv_offset=docs.kv_offset,
                                     backend=batch.cp.backend if batch is not None else None, bound=batch is not None,
                                     layer=layer, **found)

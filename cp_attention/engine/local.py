@@ -291,7 +291,7 @@ def local_selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              position_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                              opens: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
                              q_offset: int = 0, kv_offset: int = 0, backend: str | None = None, bound: bool = False,
-                             layer: int | None = None) -> torch.Tensor:
+                             layer: int | None = None, extra_kv=None) -> torch.Tensor:
     """:func:`local_attention` of a layer whose keys are selected per query (``spec.selection``;
     ``key_select`` (B, Lq, k) integer global key indices, ``-1``: none): the same documents, run
     eagerly by :func:`cp_attention.strategies.select.select_attention` (torch.compile breaks the graph
@@ -305,7 +305,8 @@ def local_selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     plan = local_plan(B, Lq, k.shape[1], spec, q_offset=q_offset, kv_offset=kv_offset, position_ids=position_ids,
                       valid=valid, opens=opens, cu_seqlens=cu_seqlens, label="a selected-keys layer")
     out, call_stats = select_attention(q, k, v, key_select, sinks, plan, Comm(single=True), impl,
-                                       scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap)
+                                       scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap,
+                                       extra_kv=extra_kv)
     if layer == 0 and not in_backward():
         stats.begin_forward()
     stats.note_stats(call_stats, layer, in_model=layer is not None)

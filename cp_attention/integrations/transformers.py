@@ -56,6 +56,8 @@ from ..engine.layer import LayerDocs, attend_layer, compiling_outside_cp, layer_
 from ..masks import MaskSpec
 from ..refusals import refuse
 from .indexers import MaskRows, SelectingMask, global_selection
+from .compressed import adapt_module as adapt_compressed
+from .compressed import take_selection
 from .indexers import adapt_module as adapt_indexers
 from .losses import adapt_module as adapt_loss_functions
 from .mixers import adapt_module as adapt_mixer_functions
@@ -457,6 +459,13 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                          kv_offset=info.kv_offset, kv_length=info.kv_length, valid=info.valid, opens=info.opens,
                          cu_seqlens=kwargs.get("cu_seq_lens_q"), collator_documents=collator,
                          span_next=info.span_next if spec.spans else None)
+    extra_kv = None
+    recorded = take_selection(module) if getattr(module, "compressor", None) is not None else None
+    if recorded is not None:  # DeepSeek-V4: the window's tokens, then the compressed entries (.compressed)
+        kwargs["indices"], entries = recorded
+        S = key.shape[2] - entries
+        key, value, extra_kv = key[:, :, :S], value[:, :, :S], (key[:, :, S:].transpose(1, 2),
+                                                                value[:, :, S:].transpose(1, 2))
     key_select = kwargs.get("indices")  # DeepSeek Sparse Attention: the keys each query selected (.indexers)
     if info is not None and info.key_select is not None:  # Qwen4's block indexer: carried by the mask
         key_select = info.key_select
@@ -468,7 +477,7 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     out = attend_layer(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
                        position_ids=position_ids, docs=docs, sinks=s_aux,
                        layer=getattr(module, "layer_idx", None), model_crc=lambda: config_crc(module),
-                       adjust_q=_llama4_adjust(module), key_select=key_select)
+                       adjust_q=_llama4_adjust(module), key_select=key_select, extra_kv=extra_kv)
     return out, None
 
 
@@ -526,6 +535,7 @@ def adapt_modeling_module(mod) -> bool:
     adapted = adapt_mixer_functions(mod) or adapted
     adapted = adapt_loss_functions(mod) or adapted
     adapted = adapt_indexers(mod) or adapted
+    adapted = adapt_compressed(mod) or adapted
     for value in list(vars(mod).values()):
         if _is_class_table(value):
             value[NAME] = value["eager"]

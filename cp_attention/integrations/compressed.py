@@ -1,0 +1,179 @@
+"""DeepSeek-V4's compressed attention under ``cp_flash`` (work in progress, not registered yet).
+
+A compressed layer (CSA, HCA) attends over its sliding window of tokens and over compressed entries
+its compressor builds from windows of ``m`` tokens (HCA: all entries that closed before the query; CSA:
+overlapping windows, and its own indexer keeps the top ``k`` entries per query), in one softmax with the
+layer's sink. The family code anchors the windows at the row's first slot; "each document alone"
+anchors them at each document's first token.
+
+Here the compressor runs the family's code once per document, on the whole row's hidden states
+(all-gathered, differentiable), so every rank holds every entry of its rows; for this rank's queries it
+records the keys they may read: their window's tokens and their visible entries (index ``T + e``). The
+layer's ``cp_flash`` call then splits its keys into the token shard and the entries and hands both to
+the engine's selected-keys attention (``extra_kv``).
+
+Legend: ``B`` batch, ``S`` this rank's tokens, ``T`` the row's tokens, ``E`` entries per row.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+
+import torch
+
+from ..engine.batch import resolve
+from ..engine.context import active_context
+from ..engine.local import local_meta
+from ..layout import global_index, local_lengths, unshard
+from . import source
+from .indexers import _CanonicalTopk  # noqa: F401 - WIP: to be made public
+
+__all__ = ["COMPRESSOR_SIGNATURE", "adapt_module", "take_selection"]
+
+COMPRESSOR_SIGNATURE = ("hidden_states", "q_residual", "position_ids", "cache", "layer_idx")
+_ADAPTED = "_cp_attention_indexer"
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("cp_attention_compressed_layer", default=None)
+_SELECTIONS: dict = {}  # WIP: attention module id -> (key_select, E); to become a weak table in state.py
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's (B, S, ...) rows in the row's order (B, T, ...); backward: the sum over ranks of
+    the gradient of this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x_BS, batch):
+        cp = batch.cp
+        sizes = local_lengths(batch.seq_len, cp.world_size, batch.layout)
+        padded = x_BS.new_zeros((x_BS.shape[0], max(sizes)) + tuple(x_BS.shape[2:]))
+        padded[:, :x_BS.shape[1]] = x_BS
+        parts = cp.comm.all_gather(padded.contiguous(), "the compressed layer's rows")
+        ctx.batch = batch
+        return unshard([p[:, :n] for p, n in zip(parts, sizes)], 1, batch.layout)
+
+    @staticmethod
+    def backward(ctx, grad_BT):
+        batch = ctx.batch
+        cp = batch.cp
+        total = cp.comm.all_reduce(grad_BT.contiguous(), "the compressed layer's rows (backward)")
+        mine = global_index(batch.seq_len, cp.world_size, batch.layout, cp.rank).to(grad_BT.device)
+        return total[:, mine], None
+
+
+def _documents(meta, b: int) -> list[tuple[int, int]]:
+    T = meta.seq_len
+    starts = [0] if meta.starts is None else [int(x) for x in meta.starts[b]]
+    return list(zip(starts, starts[1:] + [T]))
+
+
+def _compressed(original, module, hidden, q_res, layer_idx, mask, attention):
+    B, S = hidden.shape[:2]
+    batch, error = resolve(None, active_context(), mask_batch=mask.batch)
+    if error is not None:
+        raise error
+    whole = batch is not None and batch.cp.world_size > 1
+    if whole:
+        meta = batch.meta
+        q_index = global_index(batch.seq_len, batch.cp.world_size, batch.layout, batch.cp.rank)
+        hidden, q_res = _GatherRows.apply(hidden, batch), _GatherRows.apply(q_res, batch)
+    else:
+        meta = batch.meta if batch is not None and batch.seq_len == S else \
+            local_meta(B, S, S, valid=mask.valid, opens=mask.opens)[0]
+        q_index = torch.arange(S)
+    T = meta.seq_len
+    entries, visible = [], []
+    with _CanonicalTopk():
+        for b in range(B):
+            row, vis = [], torch.zeros(S, 0, dtype=torch.bool)
+            for s, e in _documents(meta, b):
+                ckv, bias = original(module, hidden[b:b + 1, s:e], q_res[b:b + 1, s:e],
+                                     torch.arange(e - s, device=hidden.device)[None], None, layer_idx)
+                n = ckv.shape[2]
+                mine = (q_index >= s) & (q_index < e)
+                part = torch.zeros(S, n, dtype=torch.bool)
+                if bias is not None and n:
+                    part[mine] = (bias[0, 0, (q_index[mine] - s).to(bias.device)] == 0).cpu()
+                row.append(ckv[0, 0])
+                vis = torch.cat([vis, part], dim=1)
+            entries.append(torch.cat(row) if row else hidden.new_zeros(0, module.head_dim))
+            visible.append(vis)
+    width = max(x.shape[0] for x in entries)
+    ckv_B1ED = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[0])) for x in entries])[:, None]
+    # this rank's queries: their window's tokens (the engine intersects them with the mask), then entries
+    W = int(attention.sliding_window)
+    window_SW = q_index[:, None] - torch.arange(W)[None]
+    select = []
+    for b in range(B):
+        vis = torch.nn.functional.pad(visible[b], (0, width - visible[b].shape[1]))
+        ids = torch.where(vis, T + torch.arange(width)[None], torch.full_like(vis, -1, dtype=torch.int64))
+        select.append(torch.cat([window_SW.clamp(min=-1), ids], dim=1))
+    _SELECTIONS[id(attention)] = (torch.stack(select).to(hidden.device), width)
+    return ckv_B1ED, None
+
+
+def take_selection(attention):
+    """The selection the compressor of ``attention`` recorded for its layer's call (None: none), once."""
+    return _SELECTIONS.pop(id(attention), None)
+
+
+def _wrap_compressor(original):
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    @torch.compiler.disable
+    def forward(self, *args, **kwargs):
+        current = _CURRENT.get()
+        if current is None:
+            return original(self, *args, **kwargs)
+        bound = sig.bind(self, *args, **kwargs).arguments
+        mask, attention = current
+        return _compressed(original, self, bound["hidden_states"], bound["q_residual"], bound["layer_idx"], mask,
+                           attention)
+
+    setattr(forward, _ADAPTED, True)
+    return forward
+
+
+def _wrap_attention(original):
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    @torch.compiler.disable
+    def forward(self, *args, **kwargs):
+        mask = sig.bind(self, *args, **kwargs).arguments.get("attention_mask")
+        if getattr(type(mask), "selecting", None) is None or getattr(self, "compressor", None) is None:
+            return original(self, *args, **kwargs)
+        token = _CURRENT.set((mask, self))
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _CURRENT.reset(token)
+
+    setattr(forward, _ADAPTED, True)
+    return forward
+
+
+def _params(cls):
+    forward = vars(cls).get("forward")
+    try:
+        return tuple(inspect.signature(forward).parameters)[1:] if forward is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def adapt_module(mod) -> bool:
+    """Adapt DeepSeek-V4's compressor classes and the attention that calls them (idempotent)."""
+    found = False
+    classes = [v for v in list(vars(mod).values()) if isinstance(v, type) and v.__module__ == mod.__name__]
+    for cls in classes:
+        if getattr(vars(cls).get("forward"), _ADAPTED, False):
+            found = True
+        elif cls.__name__.endswith("Compressor") and _params(cls) == COMPRESSOR_SIGNATURE and \
+                "compress_rate" in source.class_source(cls):
+            cls.forward = _wrap_compressor(cls.forward)
+            found = True
+        elif cls.__name__.endswith("Attention") and "self.compressor(" in source.class_source(cls):
+            cls.forward = _wrap_attention(cls.forward)
+            found = True
+    return found
