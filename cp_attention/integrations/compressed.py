@@ -1,4 +1,4 @@
-"""DeepSeek-V4's compressed attention under ``cp_flash`` (work in progress, not registered yet).
+"""DeepSeek-V4's compressed attention under ``cp_flash``, exact on one device and across ranks.
 
 A compressed layer (CSA, HCA) attends over its sliding window of tokens and over compressed entries
 its compressor builds from windows of ``m`` tokens (HCA: all entries that closed before the query; CSA:
@@ -27,15 +27,16 @@ from ..engine.batch import resolve
 from ..engine.context import active_context
 from ..engine.local import local_meta
 from ..layout import global_index, local_lengths, unshard
-from . import source
-from .indexers import _CanonicalTopk  # noqa: F401 - WIP: to be made public
+from . import source, state
+from .indexers import CanonicalTopk
 
-__all__ = ["COMPRESSOR_SIGNATURE", "adapt_module", "take_selection"]
+__all__ = ["COMPRESSOR_SIGNATURE", "adapt_module", "take_selection", "per_token_streams"]
 
 COMPRESSOR_SIGNATURE = ("hidden_states", "q_residual", "position_ids", "cache", "layer_idx")
 _ADAPTED = "_cp_attention_indexer"
+_PER_TOKEN = "_cp_attention_per_token_streams"
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("cp_attention_compressed_layer", default=None)
-_SELECTIONS: dict = {}  # WIP: attention module id -> (key_select, E); to become a weak table in state.py
+"""(cp_flash mask, attention module) of the compressed layer whose forward is running (its compressor reads it)."""
 
 
 class _GatherRows(torch.autograd.Function):
@@ -83,7 +84,7 @@ def _compressed(original, module, hidden, q_res, layer_idx, mask, attention):
         q_index = torch.arange(S)
     T = meta.seq_len
     entries, visible = [], []
-    with _CanonicalTopk():
+    with CanonicalTopk():
         for b in range(B):
             row, vis = [], torch.zeros(S, 0, dtype=torch.bool)
             for s, e in _documents(meta, b):
@@ -108,13 +109,13 @@ def _compressed(original, module, hidden, q_res, layer_idx, mask, attention):
         vis = torch.nn.functional.pad(visible[b], (0, width - visible[b].shape[1]))
         ids = torch.where(vis, T + torch.arange(width)[None], torch.full_like(vis, -1, dtype=torch.int64))
         select.append(torch.cat([window_SW.clamp(min=-1), ids], dim=1))
-    _SELECTIONS[id(attention)] = (torch.stack(select).to(hidden.device), width)
+    state.COMPRESSED_SELECTIONS[attention] = (torch.stack(select).to(hidden.device), width)
     return ckv_B1ED, None
 
 
 def take_selection(attention):
     """The selection the compressor of ``attention`` recorded for its layer's call (None: none), once."""
-    return _SELECTIONS.pop(id(attention), None)
+    return state.COMPRESSED_SELECTIONS.pop(attention, None)
 
 
 def _wrap_compressor(original):
@@ -162,8 +163,16 @@ def _params(cls):
         return None
 
 
+def per_token_streams(cls: type) -> bool:
+    """Whether ``cls`` mixes each token's hyper-connection streams (DeepSeek-V4's mHC and the decoder
+    layer that applies it): products over a token's own ``hc_mult`` x ``hc_mult`` streams, none along the
+    sequence. Marked only in a modeling module whose compressed attention is adapted."""
+    return bool(vars(cls).get(_PER_TOKEN, False))
+
+
 def adapt_module(mod) -> bool:
-    """Adapt DeepSeek-V4's compressor classes and the attention that calls them (idempotent)."""
+    """Adapt DeepSeek-V4's compressor classes and the attention that calls them (idempotent); mark its
+    per-token hyper-connection classes (:func:`per_token_streams`)."""
     found = False
     classes = [v for v in list(vars(mod).values()) if isinstance(v, type) and v.__module__ == mod.__name__]
     for cls in classes:
@@ -176,4 +185,9 @@ def adapt_module(mod) -> bool:
         elif cls.__name__.endswith("Attention") and "self.compressor(" in source.class_source(cls):
             cls.forward = _wrap_attention(cls.forward)
             found = True
+    for cls in classes if found else ():
+        code = source.class_source(cls)
+        if (cls.__name__.endswith("HyperConnection") and _params(cls) == ("hidden_streams",)) or \
+                (cls.__name__.endswith("DecoderLayer") and "self.attn_hc(" in code and "self.ffn_hc(" in code):
+            setattr(cls, _PER_TOKEN, True)
     return found

@@ -66,7 +66,8 @@ from ..plan.select import visible_rows
 from ..refusals import refuse
 from . import source, state
 
-__all__ = ["MaskRows", "SelectingMask", "KeySelection", "adapt_module", "adapted_indexer", "canonical_topk",
+__all__ = ["MaskRows", "SelectingMask", "KeySelection", "CanonicalTopk", "adapt_module", "adapted_indexer",
+           "canonical_topk",
            "global_selection", "SIGNATURES", "BLOCK_SIGNATURE"]
 
 SIGNATURES = (("hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids", "cache"),
@@ -154,7 +155,7 @@ def canonical_topk(scores: torch.Tensor, k: int, dim: int = -1, largest: bool = 
     return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
 
 
-class _CanonicalTopk(TorchFunctionMode):
+class CanonicalTopk(TorchFunctionMode):
     """Inside an adapted indexer's forward: ``topk`` calls are :func:`canonical_topk`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -256,7 +257,7 @@ def _token_selection(original, bound, rows: MaskRows):
     batch, whole_row = _layer_batch(info, B, S, info.family or "this model")
     bound.arguments["attention_mask"] = _rows(info, batch, whole_row, B, S, hidden.device)
     bound.arguments["cache"] = _WholeRowKeys(_gather_keys(batch, whole_row), bound.arguments.get("cache"))
-    with _CanonicalTopk():
+    with CanonicalTopk():
         selection = original(*bound.args, **bound.kwargs)
     state.INDEXER_SELECTIONS[selection] = True
     return selection
@@ -275,7 +276,7 @@ def _block_selection(original, bound, mask: SelectingMask) -> KeySelection:
     bound.arguments["position_embeddings"] = (cos, sin)
     bound.arguments["attention_mask"] = rows_BST[:, None]
     bound.arguments["cache"] = _WholeRowKeys(gather, bound.arguments.get("cache"))
-    with _CanonicalTopk():
+    with CanonicalTopk():
         chosen_B1ST = original(*bound.args, **bound.kwargs)
     chosen_BST = chosen_B1ST[:, 0] & rows_BST
     T = chosen_BST.shape[-1]

@@ -74,6 +74,7 @@ from ..engine.context import active_context, register_context_guard
 from ..engine.stats import begin_mixers
 from ..refusals import refuse
 from .heads import call_kwargs, prepare_call
+from .compressed import per_token_streams
 from .indexers import adapted_indexer
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
 from .rope import rope_findings, tag_ropes
@@ -177,9 +178,14 @@ def model_findings(model) -> tuple[Finding, ...]:
     attention = 0
     convolving: dict[str, set] = {}  # mixer -> its convolutions whose weights go to the adapted function
     mixing = 0  # recurrent mixers computed across ranks
+    inside: list[str] = []  # adapted modules (their code runs on the whole row): their submodules are theirs
     for name, module in _modules(model):
         where = name or type(module).__name__
         cls = type(module)
+        if any(name.startswith(prefix + ".") for prefix in inside):
+            continue
+        if adapted_indexer(cls):
+            inside.append(name)
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1 and \
                 name.rpartition(".")[2] in convolving.get(name.rpartition(".")[0], ()):
             pass  # a mixer's short convolution, computed across ranks with its halo (integrations.mixers)
@@ -226,7 +232,7 @@ def model_findings(model) -> tuple[Finding, ...]:
         if state_args:
             findings.append(Finding(where, "a recurrent state", f"it carries a state along the sequence "
                                     f"({', '.join(state_args)}), from every earlier token, across the shards"))
-        elif _computes_scores(cls) and not adapted_indexer(cls):  # an adapted DSA indexer: whole-row keys
+        elif _computes_scores(cls) and not adapted_indexer(cls) and not per_token_streams(cls):
             bias = sorted(args.intersection(_BIAS_ARGS))
             findings.append(Finding(where, "attention outside the attention interface",
                                     "it computes its scores itself instead of calling transformers' attention "

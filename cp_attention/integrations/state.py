@@ -14,7 +14,7 @@ import threading
 from ..torch_compat import WeakIdKeyDictionary
 
 __all__ = ["CONFIG_CHECKSUMS", "CONFIG_LOCK", "INTEGRATIONS", "INTEGRATIONS_LOCK", "MODEL_CHECKS", "MODEL_LOCK",
-           "MODEL_GUARD", "MODEL_GUARD_HOOKS", "INDEXER_SELECTIONS"]
+           "MODEL_GUARD", "MODEL_GUARD_HOOKS", "INDEXER_SELECTIONS", "COMPRESSED_SELECTIONS"]
 
 CONFIG_CHECKSUMS = WeakIdKeyDictionary()
 """config -> its checksum (agreed across ranks), computed once per config object (weak: dies with the
@@ -41,3 +41,7 @@ MODEL_GUARD_HOOKS: list = []
 INDEXER_SELECTIONS = WeakIdKeyDictionary()
 """selection tensor -> True: the ``indices`` an adapted sparse-attention indexer returned, global key
 indices (:mod:`.indexers`); cp_flash reads only these (weak: dies with the tensor)."""
+
+COMPRESSED_SELECTIONS = WeakIdKeyDictionary()
+"""attention module -> (key_select, entries): what a compressed layer's compressor recorded for the layer's
+cp_flash call, taken by that call (:mod:`.compressed`; weak: dies with the module)."""

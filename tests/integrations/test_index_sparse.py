@@ -35,7 +35,7 @@ LAYOUTS = ("zigzag", "contiguous", "balanced")
 @pytest.fixture(scope="module")
 def refs() -> dict:
     with single_thread():
-        return {family: sc.ground_truth(hybrid_cases.models(family)[0]) for family in sc.SPARSE}
+        return {family: sc.ground_truth(hybrid_cases.models(family)[0]) for family in sc.SPARSE + sc.COMPRESSED}
 
 
 def _check(results: list[dict], expected: int) -> None:
@@ -51,7 +51,7 @@ def _check(results: list[dict], expected: int) -> None:
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dsa_families_match_docs_alone_eager(world_size, refs):
-    families = sc.SPARSE
+    families = sc.SPARSE + sc.COMPRESSED
     per_rank = run_ranks(world_size, sc.run_cases, families, {f: refs[f] for f in families}, LAYOUTS, timeout=900)
     _check([r for rank in per_rank for r in rank], world_size * len(families) * len(LAYOUTS))
 

@@ -23,6 +23,7 @@ import hf_cases
 import hybrid_cases
 
 SPARSE = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text", "qwen4_exp_text")
+COMPRESSED = ("deepseek_v4",)  # its indexer selects compressed entries, not tokens: logits and gradients compared
 
 # Two rows (L = 46): documents crossing every rank at world sizes 2 and 4 in every layout, one-token
 # documents, and a row that is one document (most queries see more than k = 8 keys).
@@ -38,6 +39,8 @@ class _Earliest(TorchFunctionMode):
             return func(*args, **kwargs)
         given = dict(zip(("input", "k", "dim", "largest", "sorted"), args), **kwargs)
         x, k, dim = given["input"], given["k"], given.get("dim", -1) % given["input"].dim()
+        if x.numel() == 0 or k == 0:  # nothing to order
+            return func(*args, **kwargs)
         rows = x.movedim(dim, -1)
         picks = [sorted(range(len(row)), key=lambda j, row=row: (-row[j], j))[:k]
                  for row in rows.reshape(-1, rows.shape[-1]).tolist()]
@@ -132,7 +135,8 @@ def ground_truth(eager, docs=DOCS) -> dict:
         for n in row:
             sl = slice(start, start + n)
             record: list = []
-            with earliest_of_ties(eager, record):
+            entries = type(eager).__name__.startswith("DeepseekV4")  # it selects entries, not tokens: not compared
+            with earliest_of_ties(eager, None if entries else record):
                 out = eager(input_ids=ids[b:b + 1, sl], position_ids=torch.arange(n)[None], use_cache=False)
             (out.logits * R[b:b + 1, sl]).sum().backward()
             pieces.append(out.logits.detach())
@@ -175,7 +179,8 @@ def run_cases(rank: int, world_size: int, families, refs: dict, layouts, docs=DO
                     stats = [s for _, s in cp_attention.forward_plan_stats() if s.strategy == "select"]
                     (out.logits * cp.shard(R, dim=1)).sum().backward()
                     logits = cp.gather(out.logits.detach(), dim=1)
-                    selections = [cp.gather(as_indices(idx, ids.shape[1]), dim=1) for idx in record]
+                    selections = [] if family in COMPRESSED else \
+                        [cp.gather(as_indices(idx, ids.shape[1]), dim=1) for idx in record]
                 grads = hf_cases.flat_grads(model)
                 dist.all_reduce(grads)
             except Exception as exc:  # noqa: BLE001 - reported by the test
@@ -183,7 +188,7 @@ def run_cases(rank: int, world_size: int, families, refs: dict, layouts, docs=DO
                 continue
             res = hybrid_cases.compare(family, logits, grads, refs[family], where)
             got = [[kept(sel[b:b + 1], starts[b:b + 1])[0] for b in range(len(docs))] for sel in selections]
-            res["selections_equal"] = got == refs[family]["kept"]
+            res["selections_equal"] = family in COMPRESSED or got == refs[family]["kept"]
             res["select_layers"] = len(stats)
             res["kv_bytes_recv"] = sum(s.kv_bytes_recv for s in stats)
             res["ring_kv_bytes"] = sum(s.ring_kv_bytes_recv for s in stats)

@@ -136,6 +136,14 @@ OVERRIDES: Mapping[str, tuple[str, object]] = MappingProxyType({
                            _set(num_hidden_layers=3, layer_types=["full_attention", "minimax_m3_sparse",
                                                                   "minimax_m3_sparse"],
                                 index_block_size=4, index_topk_blocks=2, index_local_blocks=1, index_n_heads=2)),
+    "deepseek_v4": ("one layer of each kind, with compression rates, a window and a rotary share that bind within "
+                    "44 tokens (the defaults compress 128 tokens and attend to a 128-token window)",
+                    lambda kw: (kw.pop("qk_rope_head_dim", None), kw.update(
+                        index_topk=2, head_dim=16, partial_rotary_factor=0.5, sliding_window=8, num_hidden_layers=3,
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                     "heavily_compressed_attention"],
+                        mlp_layer_types=["hash_moe", "moe", "moe"]))),
     "qwen4_exp": ("the sparse-attention indexer fields default to None but the model needs them", _set(**_QSA)),
     "qwen4_exp_text": ("the sparse-attention indexer fields default to None but the model needs them", _set(**_QSA)),
     "lfm2_moe": ("layer_types defaults to None, which the model indexes", _set(layer_types=["conv", "full_attention"])),
