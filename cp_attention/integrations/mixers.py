@@ -45,19 +45,20 @@ from ..refusals import refuse
 from ..torch_compat import assume_constant_result, in_backward
 
 __all__ = ["CONVOLUTIONS", "RECURRENCES", "SHORTCUTS", "DECODING", "adapt_module", "adapted", "handled_calls",
-           "tag_mixers", "MIXER_ATTR"]
+           "tag_mixers", "MIXER_ATTR", "CLASS_MIXER_ATTR", "batch_for", "compiled_wrapper", "refuse_cache"]
 
 CONVOLUTIONS = ("causal_conv1d_fn",)
-RECURRENCES = ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan")
+RECURRENCES = ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan", "chunk_kimi_delta_attention")
 SHORTCUTS = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")  # fused kernels: None sends to the unfused path
 DECODING = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule", "mamba2_selective_state_update",
-            "mamba_selective_state_update")
+            "mamba_selective_state_update", "recurrent_kimi_delta_attention")
 MIXER_ATTR = "_cp_attention_mixer"
+CLASS_MIXER_ATTR = "_cp_attention_class_mixer"  # on a class whose own mixing is adapted (.recurrent)
 _WRAPPED = "_cp_attention_mixer_function"
 _DOCS_KWARGS = ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def _batch_for(batch_size: int, length: int, compiled: bool = False):
+def batch_for(batch_size: int, length: int, compiled: bool = False):
     """The sharded batch a mixer call runs on, or None when it is not under context parallelism.
     ``compiled``: called from a graph torch.compile traced inside a multi-rank block (the module
     hooks that mark a running mixer do not run in compiled code): any call there of this shape."""
@@ -90,7 +91,7 @@ def _traced_in_block() -> bool:
     return active_context() is not None
 
 
-def _compiled(original, eager):
+def compiled_wrapper(original, eager):
     """The wrapper's entry: ``eager(compiled, *args, **kwargs)`` decides; under torch.compile, traced
     outside every block the original is traced as it is (a graph replayed inside a multi-rank block is
     stopped by the attention op, which checks the context when it runs), traced inside one (a one-rank
@@ -109,7 +110,7 @@ def _compiled(original, eager):
     return wrapper
 
 
-def _refuse_cache(name: str):
+def refuse_cache(name: str):
     raise refuse("mixer_cache", name=name)
 
 
@@ -124,7 +125,7 @@ def _convolution(original):
     def eager(compiled, *args, **kwargs):
         bound = sig.bind(*args, **kwargs).arguments
         x = bound[names[0]]  # (B, C, Lr)
-        record = _batch_for(x.shape[0], x.shape[-1], compiled)
+        record = batch_for(x.shape[0], x.shape[-1], compiled)
         if record is None:
             return original(*args, **kwargs)
         weight, bias = bound[names[1]], bound.get(names[2]) if len(names) > 2 else None
@@ -143,7 +144,7 @@ def _convolution(original):
         note_mixer(stats)
         return y.to(x.dtype)
 
-    return _compiled(original, eager)
+    return compiled_wrapper(original, eager)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,7 +307,7 @@ class _Mamba:
 
 
 _ADAPTERS = MappingProxyType({"torch_chunk_gated_delta_rule": _GatedDelta, "mamba2_chunk_scan": _Mamba2,
-                               "mamba_selective_scan": _Mamba})
+                               "mamba_selective_scan": _Mamba, "chunk_kimi_delta_attention": _GatedDelta})
 
 
 def _recurrence(name: str, original):
@@ -317,12 +318,12 @@ def _recurrence(name: str, original):
     def eager(compiled, *args, **kwargs):
         bound = sig.bind(*args, **kwargs).arguments
         x = bound[first]
-        record = _batch_for(x.shape[0], x.shape[seq_dim], compiled)
+        record = batch_for(x.shape[0], x.shape[seq_dim], compiled)
         if record is None:
             return original(*args, **kwargs)
         kw = _kwargs(bound, sig)
         if kw.get("initial_state") is not None or kw.get("initial_states") is not None:
-            _refuse_cache(name)
+            refuse_cache(name)
         final = bool(kw.get("output_final_state") or kw.get("return_final_states") or kw.get("return_last_state"))
         adapter = adapter_cls(original, kw)
         token_args = adapter.args(kw)
@@ -336,7 +337,7 @@ def _recurrence(name: str, original):
             return out, (last[0] if final else None)
         return (out, last[0]) if final else out
 
-    return _compiled(original, eager)
+    return compiled_wrapper(original, eager)
 
 
 def _shortcut(original):
@@ -346,16 +347,16 @@ def _shortcut(original):
             return None  # a fused kernel over the whole sequence: the mixer takes its unfused path
         return original(*args, **kwargs)
 
-    return _compiled(original, eager)
+    return compiled_wrapper(original, eager)
 
 
 def _decoding(name: str, original):
     def eager(compiled, *args, **kwargs):
         if (compiled or getattr(state.MODEL_GUARD, "mixers", 0)) and active_context() is not None:
-            _refuse_cache(name)
+            refuse_cache(name)
         return original(*args, **kwargs)
 
-    return _compiled(original, eager)
+    return compiled_wrapper(original, eager)
 
 
 # the parameters each adapted function must take (by name, in this order), or it is left alone: a
@@ -364,6 +365,7 @@ def _decoding(name: str, original):
 _SIGNATURES = MappingProxyType({
     "causal_conv1d_fn": 2,  # (input (B, C, L), weight, [bias], activation=...)
     "torch_chunk_gated_delta_rule": ("query", "key", "value", "g", "beta", "initial_state", "output_final_state"),
+    "chunk_kimi_delta_attention": ("query", "key", "value", "g", "beta", "initial_state", "output_final_state"),
     "mamba2_chunk_scan": ("hidden_states", "dt", "A", "B", "C", "chunk_size", "initial_states",
                           "return_final_states"),
     "mamba_selective_scan": ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
@@ -428,4 +430,5 @@ def tag_mixers(model, modules) -> None:
     for _, module in modules:
         cls = type(module)
         if cls.__module__.startswith("transformers.models.") and getattr(module, MIXER_ATTR, None) is None:
-            setattr(module, MIXER_ATTR, bool(handled_calls(cls, source.class_source(cls))))
+            setattr(module, MIXER_ATTR, bool(getattr(cls, CLASS_MIXER_ATTR, False) or
+                                             handled_calls(cls, source.class_source(cls))))

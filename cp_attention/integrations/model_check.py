@@ -26,8 +26,11 @@ family. What it refuses, each with the module that has it (:func:`model_findings
 * a length-dependent rope (``dynamic``, ``longrope``) in a rotary module whose forward takes no
   ``position_ids``: it cannot be given the whole sequence's length (:mod:`.rope`; those that take
   them are hooked on the first forward in a block and computed from the global largest position);
-* positions computed from the shard: the model's forward takes no ``position_ids``, so each rank
-  numbers its learned or sinusoidal positions from 0 (the BART-family decoders, XGLM, ...);
+* positions computed from the shard: the model's forward takes no ``position_ids`` and it uses
+  positions (a positional module, or attention layers: :func:`uses_positions`), so each rank would
+  number its learned or sinusoidal positions from 0 (the BART-family decoders, XGLM, ...). A model of
+  sequence mixers alone (Mamba, Mamba-2, Falcon-Mamba) is not refused for it: it reads no positions,
+  and its mixers take the documents from the batch record;
 * no attention layer at all that reaches cp_flash (and no handled mixer either).
 
 Handled mixers (issue 21): a module of a transformers modeling module whose class calls the
@@ -77,10 +80,11 @@ from .heads import call_kwargs, prepare_call
 from .compressed import per_token_streams
 from .indexers import adapted_indexer
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
+from .recurrent import adapted_class
 from .rope import rope_findings, tag_ropes
 
-__all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank",
-           "default_position_start", "unwrap_adapters", "install_guard", "note_cp_flash_call", "guard_sub_model",
+__all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank", "positional_modules",
+           "uses_positions", "default_position_start", "unwrap_adapters", "install_guard", "note_cp_flash_call", "guard_sub_model",
            "family_takes_positions", "layer_position_ids"]
 
 NAME = "cp_flash"
@@ -89,11 +93,17 @@ _INTERFACE = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
 _PRODUCT = re.compile(r"\b(?:matmul|einsum|bmm|baddbmm)\s*\(|[\w\)\]]\s@\s")
 _TRANSPOSED = re.compile(r"\.transpose\(\s*(?:-1\s*,\s*-2|-2\s*,\s*-1|2\s*,\s*3|3\s*,\s*2)\s*\)|\.mT\b")
 _FUSED = re.compile(r"scaled_dot_product_attention|flash_attn_(?:func|varlen_func|qkvpacked)")
+_PARAMETER = re.compile(r"self\.(\w+)\s*=\s*(?:nn\.|torch\.nn\.)?Parameter\(")  # a class's own weights
+_SELF_ATTR = re.compile(r"self\.(\w+)")
 _STATE_ARGS = ("cache_params", "state", "recurrent_state", "ssm_state", "conv_state")
 _STATE_PARAMS = ("A_log", "time_decay", "time_first")
 _BIAS_ARGS = ("alibi", "position_bias")
 _SHIFTED_PAD = re.compile(r"\bpad\(\s*[\w.]+\[:,\s*(?:1:|:-1)\]")  # F.pad(x[:, 1:], ...): x shifted a token
 _BIAS_KEYWORD = re.compile(r"\b(alibi|position_bias)\s*=(?!=)")
+# a module that turns positions into a signal: by its class (learned / sinusoidal / rotary / segment
+# position embeddings) or by the attribute it sits in (``embed_positions``, GPT-2's ``wpe``, ``rotary_emb``)
+_POSITIONAL_CLASS = re.compile(r"Positional|PositionEmbedding|Rotary|Sinusoidal|Rope", re.I)
+_POSITIONAL_ATTR = re.compile(r"^(?:embed_positions|position_embeddings?|pos_emb\w*|wpe|rotary_emb\w*|rope\w*)$")
 # sequence operations a mixer class might do itself besides the adapted functions
 _INLINE_SEQUENCE = re.compile(r"(?<!causal_)conv1d\(|\bcumsum\(|\btorch\.roll\(|\bsegment_sum\(|\.unfold\(|"
                               r"\bpad\(|\.flip\(")
@@ -135,8 +145,24 @@ def _computes_scores(cls: type) -> bool:
     source = model_source.class_source(cls)
     if _FUSED.search(source):
         return True
-    product = _PRODUCT.search(source) is not None
+    weights = set(_PARAMETER.findall(source))
+    product = any(not _weight_product(line, weights) for line in source.splitlines() if _PRODUCT.search(line))
     return product and (_TRANSPOSED.search(source) is not None or "softmax" in source)
+
+
+@functools.lru_cache(maxsize=None)
+def _per_token_part(cls: type) -> bool:
+    """Whether ``cls``'s own code computes each token alone: no sequence operation, no loop, no
+    recurrence function of its own (a gate that turns a decay parameter into per-token rates)."""
+    text = model_source.class_source(cls)
+    return not (_INLINE_SEQUENCE.search(text) or re.search(r"^\s*(?:for|while)\b|scan\(|recurren", text, re.M))
+
+
+def _weight_product(line: str, weights: set) -> bool:
+    """Whether a line's product has a weight as an operand (``self.x_proj_weight @ h``, Zamba's
+    per-head projections): a weight times an activation is a projection, not scores; scores are a
+    product of two activations."""
+    return any(name in weights or name.endswith("weight") for name in _SELF_ATTR.findall(line))
 
 
 def _is_model_class(cls: type) -> bool:
@@ -178,6 +204,7 @@ def model_findings(model) -> tuple[Finding, ...]:
     attention = 0
     convolving: dict[str, set] = {}  # mixer -> its convolutions whose weights go to the adapted function
     mixing = 0  # recurrent mixers computed across ranks
+    mixers: list[str] = []  # handled recurrent mixers: their per-token parts are theirs
     inside: list[str] = []  # adapted modules (their code runs on the whole row): their submodules are theirs
     for name, module in _modules(model):
         where = name or type(module).__name__
@@ -186,6 +213,10 @@ def model_findings(model) -> tuple[Finding, ...]:
             continue
         if adapted_indexer(cls):
             inside.append(name)
+        if adapted_class(cls):  # a mixer computed in its class, adapted (.recurrent): its parts are its own
+            inside.append(name)
+            mixing += 1
+            continue
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1 and \
                 name.rpartition(".")[2] in convolving.get(name.rpartition(".")[0], ()):
             pass  # a mixer's short convolution, computed across ranks with its halo (integrations.mixers)
@@ -226,9 +257,13 @@ def model_findings(model) -> tuple[Finding, ...]:
             continue
         if calls.intersection(CONVOLUTIONS):  # only the convolutions whose weight it hands over
             convolving[name] = set(re.findall(r"self\.(\w+)\.weight", model_source.class_source(cls)))
-        if state_args and calls.intersection(RECURRENCES) and not _computes_scores(cls):
+        if calls.intersection(RECURRENCES) and not _computes_scores(cls):
             mixing += 1
-            continue  # a Mamba / Mamba-2 / gated DeltaNet mixer: the scan over pieces (integrations.mixers)
+            mixers.append(name)
+            continue  # a Mamba / Mamba-2 / gated DeltaNet / KDA mixer: the scan over pieces (integrations.mixers)
+        if state_args and not args.intersection(_STATE_ARGS) and _per_token_part(cls) and \
+                any(name.startswith(prefix + ".") for prefix in mixers):
+            continue  # a handled mixer's gate (KDA's forget gate holds A_log): per token, its output feeds the scan
         if state_args:
             findings.append(Finding(where, "a recurrent state", f"it carries a state along the sequence "
                                     f"({', '.join(state_args)}), from every earlier token, across the shards"))
@@ -241,7 +276,7 @@ def model_findings(model) -> tuple[Finding, ...]:
     for where, why in rope_findings(_modules(model)):
         findings.append(Finding(where, "a rope computed from the shard's length", why))
     forward_args = _forward_args(type(model))
-    if "position_ids" not in forward_args:
+    if "position_ids" not in forward_args and uses_positions(model):
         findings.append(Finding(type(model).__name__, "positions computed from the shard",
                                 "its forward takes no position_ids, so every rank would number its positions "
                                 "from 0 instead of the tokens' places in the sequence"))
@@ -249,6 +284,25 @@ def model_findings(model) -> tuple[Finding, ...]:
         findings.append(Finding(type(model).__name__, "no attention layer through cp_flash",
                                 "none of its modules calls transformers' attention interface"))
     return tuple(dict.fromkeys(findings))
+
+
+def positional_modules(model) -> tuple[str, ...]:
+    """The modules of ``model`` over the text sequence that turn positions into a signal (learned,
+    sinusoidal, segment or rotary position embeddings), by class name or attribute name."""
+    return tuple(name for name, module in _modules(model)
+                 if _POSITIONAL_CLASS.search(type(module).__name__) or _POSITIONAL_ATTR.match(name.rpartition(".")[2]))
+
+
+def uses_positions(model) -> bool:
+    """Whether ``model`` reads its tokens' positions: it has a positional module, or an attention
+    layer (whose documents and positions come from ``position_ids``; a class that computes its own
+    scores may add a position bias such as ALiBi). A model of sequence mixers alone (Mamba, RWKV,
+    xLSTM) uses no positions: its documents reach its mixers through the batch ``cp.shard_batch``
+    recorded, so its forward needs no ``position_ids``."""
+    if positional_modules(model):
+        return True
+    return any(uses_attention_interface(type(m)) or _computes_scores(type(m)) for _, m in _modules(model)
+               if not type(m).__module__.startswith("torch."))
 
 
 def _family(model) -> str:
@@ -293,6 +347,8 @@ def check_positions_one_rank(model, record) -> None:
     family's own eager (which attends across them). Raises ``NotImplementedError``; nothing otherwise."""
     if "position_ids" in _forward_args(type(model)) or record is None or not hasattr(record, "meta"):
         return
+    if not uses_positions(model):
+        return  # mixers alone: they read the documents from the batch record
     if _packed(record.meta):
         raise refuse("packed_without_position_ids", family=_family(model), model=type(model).__name__)
 

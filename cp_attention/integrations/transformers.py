@@ -61,6 +61,7 @@ from .compressed import take_selection
 from .indexers import adapt_module as adapt_indexers
 from .losses import adapt_module as adapt_loss_functions
 from .mixers import adapt_module as adapt_mixer_functions
+from .recurrent import adapt_module as adapt_mixer_classes
 from .model_check import guard_position_start, guard_sub_model, install_guard, layer_position_ids, note_cp_flash_call
 from .models import config_crc, layer_mask, text_config
 from .overlays import check_spans, mask_pairs, overlay_structure, probe_adjacent, probe_whole_mask
@@ -533,6 +534,7 @@ def adapt_modeling_module(mod) -> bool:
     Returns whether anything was adapted."""
     adapted = _wrap_flash_name_check(mod) if hasattr(mod, "is_flash_attention_requested") else False
     adapted = adapt_mixer_functions(mod) or adapted
+    adapted = adapt_mixer_classes(mod) or adapted
     adapted = adapt_loss_functions(mod) or adapted
     adapted = adapt_indexers(mod) or adapted
     adapted = adapt_compressed(mod) or adapted

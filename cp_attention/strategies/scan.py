@@ -51,7 +51,7 @@ from typing import Protocol
 import torch
 
 from .. import layout as layout_mod
-__all__ = ["Geometry", "geometry_of", "make_geometry", "plan_for", "agree", "HaloPlan", "halo_plan", "causal_conv",
+__all__ = ["Geometry", "geometry_of", "make_geometry", "plan_for", "agree", "HaloPlan", "halo_plan", "causal_conv", "token_windows",
            "ScanPlan", "scan_plan", "RecurrenceAdapter", "scan", "MixerStats"]
 
 _CACHE_LOCK = threading.Lock()
@@ -308,6 +308,26 @@ def causal_conv(x_BLC: torch.Tensor, weight_Ck: torch.Tensor, bias_C: torch.Tens
                        tokens_recv=sum(plan.recv), bytes_recv=sum(plan.recv) * size,
                        bytes_sent=sum(int(s.numel()) for s in plan.send) * size)
     return y.reshape(B, Lr, C), stats
+
+
+def token_windows(x_BLC: torch.Tensor, plan: HaloPlan, comm) -> tuple[torch.Tensor, MixerStats]:
+    """Each token's window of the ``plan.kernel`` inputs ending at it, inside its document.
+
+    x_BLC (B, Lr, C) this rank's inputs. Returns ((B, Lr, k, C), stats): ``[:, :, j]`` holds the input
+    at g - (k-1-j), zero before the token's document starts (as a causal convolution padded with
+    zeros reads it). For a stack of causal convolutions of receptive field k (Zaya's), run on each
+    window as a sequence of k with no padding.
+    """
+    B, Lr, C = x_BLC.shape
+    flat = x_BLC.reshape(B * Lr, C)
+    got = exchange(flat, comm, plan.send, plan.recv, "a convolution halo exchange")
+    ext = torch.cat([flat, got, flat.new_zeros(1, C)])
+    windows = ext.index_select(0, plan.taps.to(x_BLC.device).T.reshape(-1)).reshape(B, Lr, plan.kernel, C)
+    size = flat.element_size() * C
+    stats = MixerStats(kind="convolution", rank=getattr(comm, "rank", 0), world_size=getattr(comm, "world_size", 1),
+                       tokens_recv=sum(plan.recv), bytes_recv=sum(plan.recv) * size,
+                       bytes_sent=sum(int(s.numel()) for s in plan.send) * size)
+    return windows, stats
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,340 @@
+"""Sequence mixers computed inside their own classes, under context parallelism: MiniMax's lightning
+attention, RecurrentGemma's RG-LRU and its convolution, Zaya's convolved attention inputs.
+
+:mod:`.mixers` adapts the module-level functions most hybrid families call. These families compute
+their mixing in their classes instead, so the class is adapted when its modeling module loads,
+found by its structure (the methods and attributes its code reads), never by the family's name.
+The adapted forward (or method) calls the original unchanged, except for a tagged mixer of a
+``cp_flash`` model inside a ``context_parallel`` block (the rule of :func:`.mixers.batch_for`):
+
+=====================================  ==================================================  ===================
+class                                  sequence mixing                                     here
+=====================================  ==================================================  ===================
+``*LightningAttention`` (MiniMax)      ``kv_t = l kv_{t-1} + k_t^T v_t``, ``o_t = q_t kv_t``  scan over pieces
+                                       per head (``l = exp(-slope)``), in blocks
+``*Rglru._rnn_scan`` (RecurrentGemma)  ``h_t = a_t h_{t-1} + x_t`` per channel, reset at   scan over pieces
+                                       position 0; its ``recurrent_states`` argument
+``*RecurrentBlock`` (RecurrentGemma)   a depthwise ``nn.Conv1d`` padded by k-1             halo convolution
+``*CCAProjection`` (Zaya)              two stacked convolutions over q/k (receptive        token windows
+                                       field k0 + k1 - 1), the value's delayed half (the
+                                       previous token's projection)                        a one-token halo
+=====================================  ==================================================  ===================
+
+The lightning attention's segments run through :func:`decayed_linear_attention`, written here from
+the recurrence above (the family's forward has no function to call with an initial state); the
+RG-LRU's through the family's own ``_rnn_scan``. A decoding step under context parallelism (a
+cache that holds a state) raises, as for the other mixers; a prefill into an empty cache keeps each
+rank's own part.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+
+from . import source
+from ..engine.stats import note_mixer
+from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan, token_windows
+from .mixers import CLASS_MIXER_ATTR, batch_for, compiled_wrapper, refuse_cache
+
+__all__ = ["adapt_module", "adapted_class", "decayed_linear_attention"]
+
+_ADAPTED = "_cp_attention_class_mixer"
+_KINDS = {"lightning": 11, "rglru": 12, "zaya": 13}  # the agreement's mixer kinds (after .mixers' 1-4)
+
+
+def decayed_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                             initial: torch.Tensor | None = None, block: int = 256):
+    """Linear attention with a per-head decay, from a state: ``kv_t = l kv_{t-1} + k_t^T v_t`` and
+    ``o_t = q_t kv_t`` (``kv_{-1}``: ``initial``, zero when None), computed in blocks of ``block``.
+
+    q/k (N, n, H, D), v (N, n, H, Dv), log_decay (H,) (``log l <= 0``), initial (N, H, D, Dv).
+    Returns (o (N, n, H, Dv) in v's dtype, the final state (N, H, D, Dv) float32 at least).
+    """
+    N, n, H, D = q.shape
+    dtype, acc = v.dtype, torch.promote_types(v.dtype, torch.float32)
+    q, k, v = q.to(acc), k.to(acc), v.to(acc)
+    ld = log_decay.to(acc).reshape(H)
+    S = q.new_zeros(N, H, D, v.shape[-1]) if initial is None else initial.to(acc)
+    outs = []
+    for a in range(0, n, block):
+        qb, kb, vb = q[:, a:a + block], k[:, a:a + block], v[:, a:a + block]
+        b = qb.shape[1]
+        i = torch.arange(b, device=q.device, dtype=acc)
+        diff = i[:, None] - i[None, :]  # query i, key j: l^(i-j) for j <= i
+        decay = torch.where(diff >= 0, torch.exp(ld[:, None, None] * diff.clamp(min=0)), diff.new_zeros(()))
+        scores = torch.einsum("nihd,njhd->nhij", qb, kb) * decay
+        intra = torch.einsum("nhij,njhe->nihe", scores, vb)
+        inter = torch.einsum("nihd,nhde->nihe", qb * torch.exp(ld[None, None, :, None] * (i[None, :, None, None] + 1)),
+                             S)
+        outs.append(intra + inter)
+        kd = kb * torch.exp(ld[None, None, :, None] * (b - 1 - i)[None, :, None, None])
+        S = S * torch.exp(ld * b)[None, :, None, None] + torch.einsum("njhd,njhe->nhde", kd, vb)
+    return torch.cat(outs, 1).to(dtype), S
+
+
+class _Lightning:
+    """The scan's adapter for :func:`decayed_linear_attention`: state (H, D, Dv), transition (H, 1, 1)
+    ``l^n`` (closed form)."""
+
+    token_dims = {"q": 1, "k": 1, "v": 1}
+    out_dim = 1
+
+    def __init__(self, log_decay, dtype):
+        self.log_decay, self.dtype = log_decay, dtype
+
+    def shapes(self, a):
+        H, D = a["q"].shape[2:]
+        return (H, D, a["v"].shape[3]), (H, 1, 1), torch.promote_types(self.dtype, torch.float32)
+
+    def run(self, a):
+        out, S = decayed_linear_attention(a["q"], a["k"], a["v"], self.log_decay)
+        return out.to(self.dtype), S
+
+    def transition(self, a):
+        n = a["q"].shape[1]
+        T = torch.exp(self.log_decay.float() * n).reshape(1, -1, 1, 1)
+        return T.expand(a["q"].shape[0], -1, 1, 1)
+
+    def apply(self, T, S):
+        return T * S
+
+    def correct(self, a, S):
+        return decayed_linear_attention(a["q"], a["k"], a["v"], self.log_decay, S)[0].to(self.dtype)
+
+
+def _lightning_forward(original):
+    mod = sys.modules[original.__module__]
+    sig = inspect.signature(original)
+
+    def eager(compiled, self, *args, **kwargs):
+        kwargs = dict(kwargs)
+        if "past_key_values" in kwargs:
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        bound = sig.bind(self, *args, **kwargs).arguments
+        h = bound["hidden_states"]
+        B, L = h.shape[:2]
+        record = batch_for(B, L, compiled)
+        if record is None:
+            return original(self, *args, **kwargs)
+        cache = bound.get("cache")
+        if cache is not None and cache.get_linear_cache(self.layer_idx) is not None:
+            refuse_cache(type(self).__name__)
+        H, D = self.num_attention_heads, self.head_dim
+        qkv = mod.apply_mask_to_padding_states(self.act_fn(self.qkv_proj(h)), bound.get("attention_mask"))
+        q, k, v = torch.split(qkv.reshape(B, L, H, 3 * D), D, dim=3)
+        adapter = _Lightning(-self.slope_rate.reshape(H), v.dtype)
+        comm = record.cp.comm
+        agree(record, comm, (_KINDS["lightning"], B, H, D, cache is not None))
+        plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
+        out, stats, last = scan(adapter, {"q": q, "k": k, "v": v}, plan, comm, B, L, final=True)
+        note_mixer(stats)
+        out = self.norm(out.reshape(B, L, H * D))
+        out = self.out_proj(torch.sigmoid(self.output_gate(h)) * out)
+        if cache is not None:
+            cache.set_linear_cache(self.layer_idx, last.to(v.dtype))
+        return out, last
+
+    return compiled_wrapper(original, eager)
+
+
+class _Rglru:
+    """The scan's adapter for RG-LRU's ``_rnn_scan(hidden_states, recurrent_gate, reset,
+    recurrent_states)``: (N, n, W) inputs, gates and (N, n, 1) resets; state (W,) float32; transition
+    (W,): the product of ``a_t`` over the piece (closed form; ``a_t`` is zero at a reset)."""
+
+    token_dims = {"hidden_states": 1, "recurrent_gate": 1, "reset": 1}
+    out_dim = 1
+
+    def __init__(self, module, original):
+        self.module, self.original = module, original
+
+    def shapes(self, a):
+        return (a["hidden_states"].shape[-1],), (a["hidden_states"].shape[-1],), torch.float32
+
+    def _call(self, a, S):
+        return self.original(self.module, hidden_states=a["hidden_states"], recurrent_gate=a["recurrent_gate"],
+                             reset=a["reset"], recurrent_states=S)
+
+    def run(self, a):
+        return self._call(a, None)
+
+    def transition(self, a):
+        return (a["recurrent_gate"].float() * ~a["reset"]).prod(1)
+
+    def apply(self, T, S):
+        return T * S
+
+    def correct(self, a, S):
+        return self._call(a, S)[0]
+
+
+def _rnn_scan(original):
+    sig = inspect.signature(original)
+
+    def eager(compiled, self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs).arguments
+        x = bound["hidden_states"]
+        record = batch_for(x.shape[0], x.shape[1], compiled)
+        if record is None:
+            return original(self, *args, **kwargs)
+        initial = bound.get("recurrent_states")
+        if initial is not None and bool(initial.ne(0).any()):
+            refuse_cache(type(self).__name__)  # a decoding step: the state of earlier tokens
+        comm, (B, L, W) = record.cp.comm, x.shape
+        agree(record, comm, (_KINDS["rglru"], B, W))
+        plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
+        reset = bound["reset"].expand(B, L, 1)
+        out, stats, last = scan(_Rglru(self, original), {"hidden_states": x, "recurrent_gate": bound["recurrent_gate"],
+                                                         "reset": reset}, plan, comm, B, L, final=True)
+        note_mixer(stats)
+        return out, last
+
+    return compiled_wrapper(original, eager)
+
+
+def _halo_conv(record, x_BCL, conv):
+    """``conv`` (a depthwise ``nn.Conv1d``, padded by k-1 and cut to the first L) on this rank's
+    tokens (B, C, L) across ranks and documents."""
+    kernel = conv.kernel_size[0]
+    agree(record, record.cp.comm, (0, x_BCL.shape[0], x_BCL.shape[1], kernel))
+    plan = plan_for(record, "halo", kernel, lambda: halo_plan(geometry_of(record), kernel))
+    y, stats = causal_conv(x_BCL.transpose(1, 2), conv.weight.squeeze(1), conv.bias, plan, record.cp.comm)
+    note_mixer(stats)
+    return y.transpose(1, 2).to(x_BCL.dtype)
+
+
+def _recurrent_block_forward(original):
+    sig = inspect.signature(original)
+
+    def eager(compiled, self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs).arguments
+        x = bound["input_states"]
+        record = batch_for(x.shape[0], x.shape[1], compiled)
+        if record is None:
+            return original(self, *args, **kwargs)
+        position_ids = bound["position_ids"]
+        if position_ids.shape[1] == 1 and x.shape[1] == 1 and self.conv1d_state is not None:
+            refuse_cache(type(self).__name__)
+        y_branch = self.act_fn(self.linear_y(x))
+        x_branch = self.linear_x(x).transpose(1, 2)
+        use_cache = bound.get("use_cache", sig.parameters["use_cache"].default)
+        k = self.conv1d_width
+        self.conv1d_state = torch.nn.functional.pad(x_branch, (k - x_branch.shape[-1] - 1, 0)) if use_cache else None
+        self.rg_lru.recurrent_states = None
+        x_branch = _halo_conv(record, x_branch, self.conv_1d)
+        x_branch = self.rg_lru(x_branch.transpose(1, 2), position_ids)
+        if not use_cache:
+            self.rg_lru.recurrent_states = None
+        return self.linear_out(x_branch * y_branch), None
+
+    return compiled_wrapper(original, eager)
+
+
+def _cca_forward(original):
+    sig = inspect.signature(original)
+    mod = sys.modules[original.__module__]
+
+    def eager(compiled, self, *args, **kwargs):
+        kwargs = dict(kwargs)
+        if "past_key_values" in kwargs:
+            kwargs["cache"] = kwargs.pop("past_key_values")
+        bound = sig.bind(self, *args, **kwargs).arguments
+        h = bound["hidden_states"]
+        B, L = h.shape[:2]
+        record = batch_for(B, L, compiled)
+        if record is None:
+            return original(self, *args, **kwargs)
+        if bound.get("cache") is not None:
+            refuse_cache(type(self).__name__)
+        conv_mask = bound.get("conv_mask")
+        if conv_mask is not None:
+            h = h * conv_mask[:, :, None].to(h.dtype)
+        shape = (B, L, -1, self.head_dim)
+        queries, keys = self.q_proj(h), self.k_proj(h)
+        q_res = queries.view(*shape)
+        k_res = mod.repeat_kv(keys.view(*shape).transpose(1, 2), self.num_key_value_groups).transpose(1, 2)
+        q_res = (q_res + k_res) * 0.5
+        k_res = q_res.view(B, L, -1, self.num_key_value_groups, self.head_dim).mean(dim=-2)
+        # the stacked convolutions: each token's window of K + 1 inputs (zeros before its document)
+        qk = torch.cat([queries, keys], dim=-1)
+        K = self.conv_kernel_size
+        comm = record.cp.comm
+        agree(record, comm, (_KINDS["zaya"], B, qk.shape[-1], K))
+        plan = plan_for(record, "halo", K + 1, lambda: halo_plan(geometry_of(record), K + 1))
+        windows, stats = token_windows(qk, plan, comm)  # (B, L, K + 1, C)
+        note_mixer(stats)
+        conv = windows.reshape(B * L, K + 1, -1).transpose(1, 2)
+        qk = self.conv_qk_grouped(self.conv_qk_depthwise(conv)).reshape(B, L, -1)
+        n_q = q_res.shape[-2] * q_res.shape[-1]
+        query = qk[..., :n_q].reshape(*shape) + q_res
+        key = qk[..., n_q:].reshape(*shape) + k_res
+        # the value's delayed half: the previous token's projection, the projection of zeros at a document start
+        delayed = self.v_proj_delayed(h)
+        start = self.v_proj_delayed(h.new_zeros(1, 1, h.shape[-1]))[0, 0]
+        shift_plan = plan_for(record, "halo", 2, lambda: halo_plan(geometry_of(record), 2))
+        shifted, stats = token_windows(delayed - start, shift_plan, comm)
+        note_mixer(stats)
+        value = torch.cat([self.v_proj_current(h), shifted[:, :, 0] + start], dim=-1).view(*shape)
+        return query, key, value
+
+    return compiled_wrapper(original, eager)
+
+
+def _has(cls: type, *names: str) -> bool:
+    code = source.class_source(cls)
+    return all(name in code for name in names)
+
+
+def _params(fn) -> tuple:
+    try:
+        return tuple(inspect.signature(fn).parameters)[1:]
+    except (TypeError, ValueError):
+        return ()
+
+
+def _match(cls: type):
+    """(attribute, wrapper factory) for an adaptable class, or None."""
+    forward = vars(cls).get("forward")
+    if cls.__name__.endswith("LightningAttention") and forward is not None and \
+            _params(forward)[:3] == ("hidden_states", "position_embeddings", "attention_mask") and \
+            _has(cls, "self.qkv_proj(", "self.output_gate(", "self.slope_rate", "get_linear_cache"):
+        return "forward", _lightning_forward
+    scan_method = vars(cls).get("_rnn_scan")
+    if scan_method is not None and _params(scan_method)[:4] == ("hidden_states", "recurrent_gate", "reset",
+                                                                "recurrent_states"):
+        return "_rnn_scan", _rnn_scan
+    if cls.__name__.endswith("RecurrentBlock") and forward is not None and \
+            _params(forward)[:3] == ("input_states", "position_ids", "attention_mask") and \
+            _has(cls, "self.conv_1d(", "self.rg_lru(", "self.linear_y(", "self.linear_out("):
+        return "forward", _recurrent_block_forward
+    if cls.__name__.endswith("CCAProjection") and forward is not None and \
+            _params(forward)[:3] == ("hidden_states", "cache", "conv_mask") and \
+            _has(cls, "self.conv_qk_depthwise(", "self.conv_qk_grouped(", "self.v_proj_delayed(", "[:, :-1]"):
+        return "forward", _cca_forward
+    return None
+
+
+def adapt_module(mod) -> bool:
+    """Adapt the mixer classes of one modeling module (idempotent); whether any is adapted."""
+    found = False
+    for cls in [v for v in list(vars(mod).values()) if isinstance(v, type) and v.__module__ == mod.__name__]:
+        match = _match(cls)
+        if match is None:
+            continue
+        name, factory = match
+        if not getattr(vars(cls)[name], _ADAPTED, False):
+            wrapper = factory(vars(cls)[name])
+            setattr(wrapper, _ADAPTED, True)
+            setattr(cls, name, wrapper)
+            setattr(cls, CLASS_MIXER_ATTR, True)  # tagged as a mixer (.mixers.tag_mixers)
+        found = True
+    return found
+
+
+def adapted_class(cls: type) -> bool:
+    """Whether ``cls`` (or a class it derives from) is a mixer class :func:`adapt_module` adapted: its
+    sequence mixing runs across ranks; its submodules are its own."""
+    return bool(getattr(cls, CLASS_MIXER_ATTR, False))
