@@ -146,7 +146,7 @@ def _computes_scores(cls: type) -> bool:
     if _FUSED.search(source):
         return True
     weights = set(_PARAMETER.findall(source))
-    product = any(not _weight_product(line, weights) for line in source.splitlines() if _PRODUCT.search(line))
+    product = any(not _weight_product(line, weights) for line in re.split(r"[\n;]", source) if _PRODUCT.search(line))
     return product and (_TRANSPOSED.search(source) is not None or "softmax" in source)
 
 

@@ -82,27 +82,27 @@ class _Lightning:
     token_dims = {"q": 1, "k": 1, "v": 1}
     out_dim = 1
 
-    def __init__(self, log_decay, dtype):
-        self.log_decay, self.dtype = log_decay, dtype
+    def __init__(self, log_decay, dtype, block):
+        self.log_decay, self.dtype, self.block = log_decay, dtype, block
 
     def shapes(self, a):
         H, D = a["q"].shape[2:]
         return (H, D, a["v"].shape[3]), (H, 1, 1), torch.promote_types(self.dtype, torch.float32)
 
     def run(self, a):
-        out, S = decayed_linear_attention(a["q"], a["k"], a["v"], self.log_decay)
+        out, S = decayed_linear_attention(a["q"], a["k"], a["v"], self.log_decay, block=self.block)
         return out.to(self.dtype), S
 
     def transition(self, a):
         n = a["q"].shape[1]
-        T = torch.exp(self.log_decay.float() * n).reshape(1, -1, 1, 1)
+        T = torch.exp(self.log_decay.to(torch.promote_types(self.dtype, torch.float32)) * n).reshape(1, -1, 1, 1)
         return T.expand(a["q"].shape[0], -1, 1, 1)
 
     def apply(self, T, S):
         return T * S
 
     def correct(self, a, S):
-        return decayed_linear_attention(a["q"], a["k"], a["v"], self.log_decay, S)[0].to(self.dtype)
+        return decayed_linear_attention(a["q"], a["k"], a["v"], self.log_decay, S, self.block)[0].to(self.dtype)
 
 
 def _lightning_forward(original):
@@ -125,7 +125,7 @@ def _lightning_forward(original):
         H, D = self.num_attention_heads, self.head_dim
         qkv = mod.apply_mask_to_padding_states(self.act_fn(self.qkv_proj(h)), bound.get("attention_mask"))
         q, k, v = torch.split(qkv.reshape(B, L, H, 3 * D), D, dim=3)
-        adapter = _Lightning(-self.slope_rate.reshape(H), v.dtype)
+        adapter = _Lightning(-self.slope_rate.reshape(H), v.dtype, self.block_size)
         comm = record.cp.comm
         agree(record, comm, (_KINDS["lightning"], B, H, D, cache is not None))
         plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))

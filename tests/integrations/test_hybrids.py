@@ -32,16 +32,18 @@ def refs() -> dict:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {family: hc.ground_truth(hc.models(family)[0]) for family in hc.HYBRIDS}
+        return {family: hc.ground_truth(hc.models(family)[0]) for family in hc.HYBRIDS + hc.MORE_MIXERS}
     finally:
         torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_hybrid_families_match_docs_alone_eager(world_size, refs):
-    per_rank = run_ranks(world_size, hc.run_cases, hc.HYBRIDS, refs, LAYOUTS, timeout=900)
+@pytest.mark.parametrize("families", ["HYBRIDS", "MORE_MIXERS"])
+def test_hybrid_families_match_docs_alone_eager(world_size, families, refs):
+    families = getattr(hc, families)
+    per_rank = run_ranks(world_size, hc.run_cases, families, refs, LAYOUTS, timeout=900)
     results = [r for rank in per_rank for r in rank]
-    assert len(results) == world_size * len(hc.HYBRIDS) * len(LAYOUTS)
+    assert len(results) == world_size * len(families) * len(LAYOUTS)
     fails = hf_cases.failures(results)
     assert not fails, f"{len(fails)} failures:\n" + "\n".join(fails[:40])
     for r in results:  # every family has a mixer that ran across ranks

@@ -6,6 +6,8 @@ documents, documents crossing ranks) and zigzag, contiguous and random layouts.
   over the inputs of g's own document (earlier ones are zeros);
 * gated DeltaNet (transformers' ``torch_chunk_gated_delta_rule``, FLA's definition): q and k
   L2-normalised, q scaled by Dk^-1/2, ``S <- e^g S; S <- S + k (b (v - S^T k))^T; o = S^T q``;
+* Kimi Delta Attention (``chunk_kimi_delta_attention``, Kimi Linear's and Bailing's): gated DeltaNet
+  with a decay per key channel, ``S <- diag(e^{g}) S`` (g: (B, L, H, Dk)), the rest as above;
 * Mamba-2 SSD (``mamba2_chunk_scan``): ``dt' = softplus(dt + bias)``, ``h <- e^{dt' A} h +
   dt' x B^T`` (B, C shared by the heads of a group), ``y = h C + D x``;
 * Mamba's selective scan (``mamba_selective_scan``): per channel d and state n,
@@ -62,7 +64,8 @@ def conv_oracle(x, w, b, starts):
 
 
 def delta_oracle(q, k, v, g, beta, starts):
-    """q, k (B, L, Hk, Dk), v (B, L, Hv, Dv), g, beta (B, L, Hv) -> o (B, L, Hv, Dv)."""
+    """q, k (B, L, Hk, Dk), v (B, L, Hv, Dv), g, beta (B, L, Hv) -> o (B, L, Hv, Dv); g (B, L, Hv, Dk):
+    a decay per key channel (KDA)."""
     B, L, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
     rep = Hv // Hk
@@ -78,7 +81,8 @@ def delta_oracle(q, k, v, g, beta, starts):
                 if int(starts[bi, t]) == t:
                     S = torch.zeros(Dk, Dv, dtype=v.dtype)
                 kt, qt = k[bi, t, h // rep], q[bi, t, h // rep] * Dk ** -0.5
-                S = torch.exp(g[bi, t, h]) * S
+                decay = torch.exp(g[bi, t, h])
+                S = (decay[:, None] if decay.dim() else decay) * S  # row i of S: key channel i
                 S = S + torch.outer(kt, beta[bi, t, h] * (v[bi, t, h] - S.T @ kt))
                 col.append(S.T @ qt)
             rows.append(torch.stack(col))
@@ -136,6 +140,10 @@ def _case(mixer: str, B: int, L: int):
         tokens = {"q": (rnd(B, L, 2, 4), 1), "k": (rnd(B, L, 2, 4), 1), "v": (rnd(B, L, 4, 3), 1),
                   "g": (-F.softplus(rnd(B, L, 4)), 1), "beta": (torch.sigmoid(rnd(B, L, 4)), 1)}
         params = {}
+    elif mixer == "kda":
+        tokens = {"q": (rnd(B, L, 3, 4), 1), "k": (rnd(B, L, 3, 4), 1), "v": (rnd(B, L, 3, 5), 1),
+                  "g": (-F.softplus(rnd(B, L, 3, 4)), 1), "beta": (torch.sigmoid(rnd(B, L, 3)), 1)}
+        params = {}
     elif mixer == "mamba2":
         tokens = {"x": (rnd(B, L, 4, 3), 1), "dt": (rnd(B, L, 4) * 0.5, 1), "B": (rnd(B, L, 2, 3), 1),
                   "C": (rnd(B, L, 2, 3), 1)}
@@ -152,14 +160,15 @@ def _function(mixer: str):
     """The adapted transformers function (its modeling module imported: cp_attention wrapped it;
     imported before any block opens, as a model's would be)."""
     module, name = {"conv": ("lfm2", "causal_conv1d_fn"), "delta": ("qwen3_next", "torch_chunk_gated_delta_rule"),
-                    "mamba2": ("nemotron_h", "mamba2_chunk_scan"), "mamba": ("jamba", "mamba_selective_scan")}[mixer]
+                    "mamba2": ("nemotron_h", "mamba2_chunk_scan"), "mamba": ("jamba", "mamba_selective_scan"),
+                    "kda": ("kimi_linear", "chunk_kimi_delta_attention")}[mixer]
     return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
 
 
 def _call(mixer: str, fn, t: dict, p: dict):
     if mixer == "conv":
         return fn(t["x"], p["w"], p["b"], activation="silu")
-    if mixer == "delta":
+    if mixer in ("delta", "kda"):
         return fn(t["q"], t["k"], t["v"], g=t["g"], beta=t["beta"], chunk_size=4, initial_state=None,
                   output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
     if mixer == "mamba2":
@@ -171,7 +180,7 @@ def _call(mixer: str, fn, t: dict, p: dict):
 def _oracle(mixer: str, t: dict, p: dict, starts):
     if mixer == "conv":
         return conv_oracle(t["x"], p["w"], p["b"], starts)
-    if mixer == "delta":
+    if mixer in ("delta", "kda"):
         return delta_oracle(t["q"], t["k"], t["v"], t["g"], t["beta"], starts)
     if mixer == "mamba2":
         return mamba2_oracle(t["x"], t["dt"], p["A"], t["B"], t["C"], p["D"], p["dt_bias"], starts)
@@ -245,7 +254,7 @@ def _run(mixer: str, layout, docs=DOCS):
     return out, grads, mixers
 
 
-MIXERS = ("conv", "delta", "mamba2", "mamba")
+MIXERS = ("conv", "delta", "kda", "mamba2", "mamba")
 for _mixer in MIXERS:  # the modeling modules load (and are adapted) before any block, as with a model
     _function(_mixer)
 

@@ -19,6 +19,10 @@ import hf_cases
 
 HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "nemotron_h", "falcon_h1", "granitemoehybrid",
            "bamba", "zamba2", "jamba", "lfm2", "lfm2_moe")
+# issue 39: KDA (Kimi Linear, Bailing), lightning attention (MiniMax), RG-LRU and its convolution
+# (RecurrentGemma), Zaya's convolved attention inputs, Zamba (Mamba), and the pure state-space models
+MORE_MIXERS = ("kimi_linear", "bailing_hybrid", "minimax", "recurrent_gemma", "zaya", "zamba", "mamba", "mamba2",
+               "falcon_mamba")
 
 # Two rows (L = 46): documents crossing every rank at world sizes 2 and 4 in every layout, one-token
 # documents (at a piece's first token, inside, and at the end of a row), a row that is one document.
@@ -57,6 +61,11 @@ def _kwargs(model) -> dict:
     return dict(use_cache=False) if sweep.forward_kwargs(model)["use_cache"] else {}
 
 
+def _positions(model, pos) -> dict:
+    """``position_ids`` for a model whose forward takes them (the pure state-space models do not)."""
+    return dict(position_ids=pos) if sweep.forward_kwargs(model)["position_ids"] else {}
+
+
 def ground_truth(eager, docs=DOCS) -> dict:
     """Each document alone under eager: logits (B, L, V) and the flat gradients of sum(logits * R)."""
     ids, pos, R = inputs(eager.config.get_text_config().vocab_size, docs)
@@ -66,7 +75,7 @@ def ground_truth(eager, docs=DOCS) -> dict:
         pieces, start = [], 0
         for n in row:
             sl = slice(start, start + n)
-            out = eager(input_ids=ids[b:b + 1, sl], position_ids=torch.arange(n)[None], **_kwargs(eager))
+            out = eager(input_ids=ids[b:b + 1, sl], **_positions(eager, torch.arange(n)[None]), **_kwargs(eager))
             (out.logits * R[b:b + 1, sl]).sum().backward()
             pieces.append(out.logits.detach())
             start += n
@@ -98,6 +107,8 @@ def run_cases(rank: int, world_size: int, families, refs: dict, layouts, docs=DO
             try:
                 with cp_attention.context_parallel(layout=layout) as cp:
                     batch = cp.shard_batch(input_ids=ids, position_ids=pos)
+                    if not _positions(model, pos):
+                        batch.pop("position_ids")  # the documents reach the mixers through the batch record
                     out = model(**batch, **_kwargs(model))
                     mixers = cp_attention.forward_mixer_stats()
                     (out.logits * cp.shard(R, dim=1)).sum().backward()
