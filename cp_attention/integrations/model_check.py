@@ -261,6 +261,8 @@ def model_findings(model) -> tuple[Finding, ...]:
             mixing += 1
             mixers.append(name)
             continue  # a Mamba / Mamba-2 / gated DeltaNet / KDA mixer: the scan over pieces (integrations.mixers)
+        if state_args and _per_token_part(cls) and any(adapted_class(type(m)) for m in module.modules()):
+            continue  # a block that hands a state (a cache) to adapted mixers inside it (RWKV's, xLSTM's)
         if state_args and not args.intersection(_STATE_ARGS) and _per_token_part(cls) and \
                 any(name.startswith(prefix + ".") for prefix in mixers):
             continue  # a handled mixer's gate (KDA's forget gate holds A_log): per token, its output feeds the scan

@@ -42,7 +42,7 @@ from .mixers import CLASS_MIXER_ATTR, batch_for, compiled_wrapper, refuse_cache
 __all__ = ["adapt_module", "adapted_class", "decayed_linear_attention"]
 
 _ADAPTED = "_cp_attention_class_mixer"
-_KINDS = {"lightning": 11, "rglru": 12, "zaya": 13}  # the agreement's mixer kinds (after .mixers' 1-4)
+_KINDS = {"lightning": 11, "rglru": 12, "zaya": 13, "rwkv": 14, "shift": 15, "mlstm": 16}  # the agreement's mixer kinds (after .mixers' 1-4)
 
 
 def decayed_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
@@ -283,6 +283,224 @@ def _cca_forward(original):
     return compiled_wrapper(original, eager)
 
 
+class _Wkv:
+    """The scan's adapter for RWKV's ``rwkv_linear_attention(time_decay, time_first, key, value, state,
+    return_state)``: key/value (N, n, C). The family keeps ``(num, den, max)``, ``num * e^max`` and ``den *
+    e^max`` being the linear state ``a_t = w a_{t-1} + e^{k_t} v_t``, ``b_t = w b_{t-1} + e^{k_t}`` (``w =
+    exp(-exp(time_decay))``); the scan composes that linear state (2, C) in float64 (``e^max`` overflows
+    float32 long before float64), transition (1, C) ``w^n``; an incoming state goes back to the family's
+    form with ``max = log b``. The output ``(a_{t-1} + e^{u+k_t} v_t) / (b_{t-1} + e^{u+k_t})`` does not
+    depend on the stabiliser."""
+
+    token_dims = {"key": 1, "value": 1}
+    out_dim = 1
+
+    def __init__(self, fn, time_decay, time_first):
+        self.fn, self.time_decay, self.time_first = fn, time_decay, time_first
+
+    def shapes(self, a):
+        C = a["key"].shape[-1]
+        return (2, C), (1, C), torch.float64
+
+    def run(self, a):
+        out, (num, den, top) = self.fn(self.time_decay, self.time_first, a["key"], a["value"], state=None,
+                                       return_state=True)
+        scale = torch.exp(top.double())
+        return out, torch.stack([num.double() * scale, den.double() * scale], 1)
+
+    def transition(self, a):
+        N, n, C = a["key"].shape
+        return torch.exp(-torch.exp(self.time_decay.double()) * n).expand(N, 1, C)
+
+    def apply(self, T, S):
+        return T * S
+
+    def correct(self, a, S):
+        top = torch.log(S[:, 1].clamp_min(torch.finfo(torch.float64).tiny))
+        state = [S[:, 0] * torch.exp(-top), S[:, 1] * torch.exp(-top), top]
+        return self.fn(self.time_decay, self.time_first, a["key"], a["value"], state=state)[0]
+
+
+def _previous(record, x, comm):
+    """Each token's previous token's ``x`` (B, L, C) inside its document, zero at a document start: the
+    time shift (``nn.ZeroPad2d((0, 0, 1, -1))``) across ranks and documents."""
+    plan = plan_for(record, "halo", 2, lambda: halo_plan(geometry_of(record), 2))
+    windows, stats = token_windows(x, plan, comm)
+    note_mixer(stats)
+    return windows[:, :, 0]
+
+
+def _empty_state(self, state, slots) -> bool:
+    """Whether RWKV's ``state`` (a list of (B, C, layers) tensors, or None) holds nothing yet for this
+    layer (the model's fresh one: zeros, ``-1e30`` for the stabiliser): a prefill, filled with this
+    rank's own part; a state with something in it continues a sequence (decoding): refused."""
+    if state is None:
+        return False
+    fresh = all(bool((state[i][:, :, self.layer_id] == 0).all()) for i in slots if i < 4)
+    if 4 in slots:
+        fresh = fresh and bool((state[4][:, :, self.layer_id] <= -1e29).all())
+    if not fresh:
+        refuse_cache(type(self).__name__)
+    return True
+
+
+def _last_token(record, x):
+    """``x`` (B, L, C) at this rank's last token in global order (each row)."""
+    return x[:, int(geometry_of(record).index[record.cp.rank].argmax())]
+
+
+def _wkv_forward(original):
+    mod = sys.modules[original.__module__]
+    sig = inspect.signature(original)
+
+    def eager(compiled, self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs).arguments
+        hidden = bound["hidden"]
+        B, L, _ = hidden.shape
+        record = batch_for(B, L, compiled)
+        if record is None:
+            return original(self, *args, **kwargs)
+        state = bound.get("state")
+        fill = _empty_state(self, state, (1, 2, 3, 4))
+        comm = record.cp.comm
+        agree(record, comm, (_KINDS["rwkv"], B, hidden.shape[-1], self.attention_hidden_size, fill))
+        shifted = _previous(record, hidden, comm)
+        key = self.key(hidden * self.time_mix_key + shifted * (1 - self.time_mix_key))
+        value = self.value(hidden * self.time_mix_value + shifted * (1 - self.time_mix_value))
+        receptance = torch.sigmoid(self.receptance(hidden * self.time_mix_receptance +
+                                                   shifted * (1 - self.time_mix_receptance)))
+        plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
+        adapter = _Wkv(mod.rwkv_linear_attention, self.time_decay, self.time_first)
+        rwkv, stats, *last = scan(adapter, {"key": key, "value": value}, plan, comm, B, L, final=fill)
+        note_mixer(stats)
+        if fill:  # a prefill's cache: this rank's own part (its last token's shift, the state after it)
+            with torch.no_grad():
+                top = torch.log(last[0][:, 1].clamp_min(torch.finfo(torch.float64).tiny))
+                state[1][:, :, self.layer_id] = _last_token(record, hidden)
+                state[2][:, :, self.layer_id] = last[0][:, 0] * torch.exp(-top)
+                state[3][:, :, self.layer_id] = last[0][:, 1] * torch.exp(-top)
+                state[4][:, :, self.layer_id] = top
+        return self.output(receptance * rwkv), state
+
+    return compiled_wrapper(original, eager)
+
+
+def _shift_forward(original):
+    sig = inspect.signature(original)
+
+    def eager(compiled, self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs).arguments
+        hidden = bound["hidden"]
+        record = batch_for(hidden.shape[0], hidden.shape[1], compiled)
+        if record is None:
+            return original(self, *args, **kwargs)
+        state = bound.get("state")
+        fill = _empty_state(self, state, (0,))
+        agree(record, record.cp.comm, (_KINDS["shift"], hidden.shape[0], hidden.shape[-1], fill))
+        shifted = _previous(record, hidden, record.cp.comm)
+        key = torch.square(torch.relu(self.key(hidden * self.time_mix_key + shifted * (1 - self.time_mix_key))))
+        receptance = torch.sigmoid(self.receptance(hidden * self.time_mix_receptance +
+                                                   shifted * (1 - self.time_mix_receptance)))
+        if fill:
+            with torch.no_grad():
+                state[0][:, :, self.layer_id] = _last_token(record, hidden)
+        return receptance * self.value(key), state
+
+    return compiled_wrapper(original, eager)
+
+
+class _MLstm:
+    """The scan's adapter for xLSTM's mLSTM backend (``forward(query, key, value, igate, fgate, c_initial,
+    n_initial, m_initial, ...)``; q/k/v (N, NH, n, D), gates (N, NH, n)), its segments through the
+    backend's own any-length path (``_inference_fn``). The family keeps ``(C, n, m)``: ``C e^m`` and ``n
+    e^m`` are the linear state ``C_t = f_t C_{t-1} + i_t k_t v_t^T`` (``f = sigmoid``, ``i = exp`` of the
+    preactivations), and ``m_t = max(log f_t + m_{t-1}, i_t)`` (from 0) is a max-plus recurrence the
+    output reads (its ``exp(-m)`` floor and ``eps``). The scan carries ``[C e^m | n e^m]`` (NH, Dk, Dv + 1)
+    and ``m`` in one float64 state (NH, Dk + 1, Dv + 1); the transition (NH, 3) holds the piece's ``G =
+    sum log f``, ``M = max_t(i_t + sum_{s>t} log f_s)`` and its own final ``m_F = max(G, M)``, so that
+    ``apply`` + the piece's final state give ``e^G S`` for the linear part and ``max(G + m_S, M)`` for
+    ``m``."""
+
+    token_dims = {"query": 2, "key": 2, "value": 2, "igate": 2, "fgate": 2}
+    out_dim = 2
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def shapes(self, a):
+        NH, _, Dk = a["key"].shape[1:]
+        return (NH, Dk + 1, a["value"].shape[-1] + 1), (NH, 3), torch.float64
+
+    def _call(self, a, initial):
+        c, n, m = initial if initial is not None else (None, None, None)
+        h, (c, n, m) = self.backend._inference_fn(query=a["query"], key=a["key"], value=a["value"], igate=a["igate"],
+                                                  fgate=a["fgate"], c_initial=c, n_initial=n, m_initial=m)
+        return h, (c, n, m)
+
+    @staticmethod
+    def pack(c, n, m):
+        """(C, n, m) of the family (N, NH, Dk, Dv), (N, NH, Dk), (N, NH, 1) -> the scan's state."""
+        scale = torch.exp(m.double())[..., None]
+        top = torch.cat([c.double() * scale, n.double()[..., None] * scale], -1)
+        bottom = torch.nn.functional.pad(m.double()[..., None], (0, top.shape[-1] - 1))
+        return torch.cat([top, bottom], -2)
+
+    @staticmethod
+    def unpack(S, dtype):
+        m = S[..., -1, :1]
+        scale = torch.exp(-m)[..., None]
+        return ((S[..., :-1, :-1] * scale).to(dtype), (S[..., :-1, -1] * scale[..., 0]).to(dtype), m.to(dtype))
+
+    def run(self, a):
+        h, state = self._call(a, None)
+        return h, self.pack(*state)
+
+    def transition(self, a):
+        logf = torch.nn.functional.logsigmoid(a["fgate"].double())  # (N, NH, n)
+        G = logf.sum(-1)
+        M = (a["igate"].double() + G[..., None] - logf.cumsum(-1)).max(-1).values
+        return torch.stack([G, M, torch.maximum(G, M)], -1)
+
+    def apply(self, T, S):
+        G, M, m_F = T.unbind(-1)
+        linear = torch.exp(G)[..., None, None] * S[..., :-1, :]
+        m = torch.maximum(G + S[..., -1, 0], M) - m_F
+        bottom = torch.nn.functional.pad(m[..., None, None], (0, S.shape[-1] - 1))
+        return torch.cat([linear, bottom], -2)
+
+    def correct(self, a, S):
+        return self._call(a, self.unpack(S, torch.float32))[0]
+
+
+def _mlstm_forward(original):
+    sig = inspect.signature(original)
+
+    def eager(compiled, self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs).arguments
+        q = bound["query"]
+        B, NH, L, _ = q.shape
+        record = batch_for(B, L, compiled)
+        if record is None:
+            return original(self, *args, **kwargs)
+        initial = [bound.get(name) for name in ("c_initial", "n_initial", "m_initial")]
+        if any(t is not None and bool(t.ne(0).any()) for t in initial):
+            refuse_cache(type(self).__name__)  # a state from earlier tokens (decoding, or chunked inference)
+        comm = record.cp.comm
+        agree(record, comm, (_KINDS["mlstm"], B, NH, q.shape[-1], bound["value"].shape[-1]))
+        plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
+        token_args = {name: bound[name] for name in _MLstm.token_dims}
+        h, stats, last = scan(_MLstm(self), token_args, plan, comm, B, L, final=True)
+        note_mixer(stats)
+        state = _MLstm.unpack(last, torch.float32)
+        want_state = bound.get("return_last_states")
+        mode = bound.get("mode") or self.config.mode
+        if want_state is None:
+            want_state = self.config.return_last_states if "train" in mode else True
+        return (h, state) if want_state else h
+
+    return compiled_wrapper(original, eager)
+
+
 def _has(cls: type, *names: str) -> bool:
     code = source.class_source(cls)
     return all(name in code for name in names)
@@ -314,6 +532,15 @@ def _match(cls: type):
             _params(forward)[:3] == ("hidden_states", "cache", "conv_mask") and \
             _has(cls, "self.conv_qk_depthwise(", "self.conv_qk_grouped(", "self.v_proj_delayed(", "[:, :-1]"):
         return "forward", _cca_forward
+    if forward is not None and _params(forward)[:8] == ("query", "key", "value", "igate", "fgate", "c_initial",
+                                                        "n_initial", "m_initial") and _has(cls, "self._inference_fn"):
+        return "forward", _mlstm_forward  # xLSTM's mLSTM backend
+    if forward is not None and _params(forward)[:2] == ("hidden", "state") and \
+            _has(cls, "self.time_shift", "self.time_mix_key", "self.time_mix_receptance"):
+        if _has(cls, "rwkv_linear_attention(", "self.time_decay", "self.time_first", "extract_key_value"):
+            return "forward", _wkv_forward  # RWKV's time mixing: a token shift and the WKV recurrence
+        if _has(cls, "torch.square(torch.relu(self.key(") and "rwkv_linear_attention(" not in source.class_source(cls):
+            return "forward", _shift_forward  # RWKV's channel mixing: a token shift
     return None
 
 
