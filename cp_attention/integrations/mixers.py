@@ -48,7 +48,8 @@ __all__ = ["CONVOLUTIONS", "RECURRENCES", "SHORTCUTS", "DECODING", "adapt_module
            "tag_mixers", "MIXER_ATTR", "CLASS_MIXER_ATTR", "batch_for", "compiled_wrapper", "refuse_cache"]
 
 CONVOLUTIONS = ("causal_conv1d_fn",)
-RECURRENCES = ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan", "chunk_kimi_delta_attention")
+RECURRENCES = ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan",
+               "chunk_kimi_delta_attention")
 SHORTCUTS = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")  # fused kernels: None sends to the unfused path
 DECODING = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule", "mamba2_selective_state_update",
             "mamba_selective_state_update", "recurrent_kimi_delta_attention")

@@ -84,7 +84,8 @@ from .recurrent import adapted_class
 from .rope import rope_findings, tag_ropes
 
 __all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank", "positional_modules",
-           "uses_positions", "default_position_start", "unwrap_adapters", "install_guard", "note_cp_flash_call", "guard_sub_model",
+           "uses_positions", "default_position_start", "unwrap_adapters", "install_guard", "note_cp_flash_call",
+           "guard_sub_model",
            "family_takes_positions", "layer_position_ids"]
 
 NAME = "cp_flash"

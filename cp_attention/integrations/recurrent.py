@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from types import MappingProxyType
 
 import torch
 
@@ -42,7 +43,8 @@ from .mixers import CLASS_MIXER_ATTR, batch_for, compiled_wrapper, refuse_cache
 __all__ = ["adapt_module", "adapted_class", "decayed_linear_attention"]
 
 _ADAPTED = "_cp_attention_class_mixer"
-_KINDS = {"lightning": 11, "rglru": 12, "zaya": 13, "rwkv": 14, "shift": 15, "mlstm": 16}  # the agreement's mixer kinds (after .mixers' 1-4)
+# the agreement's mixer kinds (after .mixers' 1-4)
+_KINDS = MappingProxyType({"lightning": 11, "rglru": 12, "zaya": 13, "rwkv": 14, "shift": 15, "mlstm": 16})
 
 
 def decayed_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,

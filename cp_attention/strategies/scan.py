@@ -51,7 +51,8 @@ from typing import Protocol
 import torch
 
 from .. import layout as layout_mod
-__all__ = ["Geometry", "geometry_of", "make_geometry", "plan_for", "agree", "HaloPlan", "halo_plan", "causal_conv", "token_windows",
+__all__ = ["Geometry", "geometry_of", "make_geometry", "plan_for", "agree", "HaloPlan", "halo_plan", "causal_conv",
+           "token_windows",
            "ScanPlan", "scan_plan", "RecurrenceAdapter", "scan", "MixerStats"]
 
 _CACHE_LOCK = threading.Lock()

@@ -9,11 +9,15 @@ and random layouts, forward and backward:
   + b_a)``, ``a = exp(-8 r softplus(L))``, ``h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t x_t)`` (at a
   document's first token: ``h = i x``), output ``W_o (h * gelu(W_y h))``;
 * Zaya's convolved attention inputs (two stacked causal convolutions over q/k, the value's delayed half
-  from the previous token): each document run alone through the family's own forward (its definition).
+  from the previous token): each document run alone through the family's own forward (its definition);
+* RWKV-4's time mixing (the token shift and the WKV sums written out, unstabilised) and channel mixing;
+* xLSTM's mLSTM backend: the stabilised mLSTM recurrence of the xLSTM paper, stabiliser included (the
+  output reads it through its ``exp(-m)`` floor).
 
 Also the segment function :func:`decayed_linear_attention` against the loop, in blocks shorter than the
 sequence and from a given state. Outputs and the gradients of ``sum(y * R)`` (inputs, and parameters summed
-over ranks) within 1e-9 in float64 (2e-6 for the RG-LRU, whose scan accumulates in float32).
+over ranks) within 1e-9 in float64 (2e-6 relative for the RG-LRU, RWKV and xLSTM, whose functions keep
+their states in float32).
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from cp_attention.tools.launch import run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers modules
 
-TOL = {"lightning": 1e-9, "zaya": 1e-9, "rglru": 2e-6}  # RG-LRU's _rnn_scan accumulates its state in float32
+# RG-LRU's _rnn_scan, RWKV's WKV and xLSTM's backend keep their states in float32
+TOL = {"lightning": 1e-9, "zaya": 1e-9, "shift": 1e-9, "rglru": 2e-6, "rwkv": 2e-6, "mlstm": 2e-6}
 DOCS = ((7, 1, 12, 1, 7, 1), (29,))
 L = 29
-MIXERS = ("lightning", "rglru", "zaya")
+MIXERS = ("lightning", "rglru", "zaya", "rwkv", "shift", "mlstm")
 
 
 def _starts(docs=DOCS) -> torch.Tensor:
@@ -70,38 +75,64 @@ def _module(mixer: str):
         cfg = tf.RecurrentGemmaConfig(hidden_size=8, lru_width=8, num_attention_heads=2, conv1d_width=4,
                                       num_hidden_layers=1)
         module = m.RecurrentGemmaRecurrentBlock(cfg, 0)
-    else:
+    elif mixer == "zaya":
         from transformers.models.zaya import modeling_zaya as m
 
         cfg = tf.ZayaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, cca_time0=3,
                             cca_time1=2)
         module = m.ZayaCCAProjection(cfg, 0)
+    elif mixer in ("rwkv", "shift"):
+        from transformers.models.rwkv import modeling_rwkv as m
+
+        cfg = tf.RwkvConfig(hidden_size=8, attention_hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                            context_length=64)
+        module = (m.RwkvSelfAttention if mixer == "rwkv" else m.RwkvFeedForward)(cfg, 0)
+    else:
+        from transformers.models.xlstm import modeling_xlstm as m
+
+        cfg = tf.xLSTMConfig(hidden_size=16, num_heads=2, chunk_size=4, num_blocks=1)
+        module = m.xLSTMBackend(cfg)
     module = module.double()
     g = torch.Generator().manual_seed(11)
     with torch.no_grad():
-        for p in module.parameters():
+        for name, p in module.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.4)
+            if name.startswith("time_mix"):
+                p.copy_(torch.rand(p.shape, generator=g, dtype=p.dtype))
     setattr(module, MIXER_ATTR, True)  # as the model check tags a model's mixers
     return module
 
 
-def _inputs(module):
+def _inputs(mixer: str, module) -> dict:
+    """name -> (B, L, ...) inputs with their token dimension."""
+    g = torch.Generator().manual_seed(7)
+    B = len(DOCS)
+    if mixer == "mlstm":
+        rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+        return {"query": (rnd(B, 2, L, 4), 2), "key": (rnd(B, 2, L, 4), 2), "value": (rnd(B, 2, L, 3), 2),
+                "igate": (rnd(B, 2, L) * 2, 2), "fgate": (rnd(B, 2, L) * 2 + 1, 2)}
     hidden = next(p for p in module.parameters() if p.dim() == 2).shape[1]
     if hasattr(module, "linear_x"):
         hidden = module.linear_x.in_features
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(len(DOCS), L, hidden, generator=g, dtype=torch.float64)
+    if mixer in ("rwkv", "shift"):
+        hidden = module.time_mix_key.shape[-1]
+    return {"h": (torch.randn(B, L, hidden, generator=g, dtype=torch.float64), 1)}
 
 
-def _out(mixer: str, module, h, pos):
+def _out(mixer: str, module, t: dict, pos):
     if mixer == "lightning":
-        return module(hidden_states=h, position_embeddings=None, attention_mask=None)[0]
+        return module(hidden_states=t["h"], position_embeddings=None, attention_mask=None)[0]
     if mixer == "rglru":
-        return module(input_states=h, position_ids=pos, attention_mask=None, use_cache=False)[0]
-    return torch.cat([t.flatten(2) for t in module(h, cache=None)], dim=-1)
+        return module(input_states=t["h"], position_ids=pos, attention_mask=None, use_cache=False)[0]
+    if mixer in ("rwkv", "shift"):
+        return module(t["h"])[0]
+    if mixer == "mlstm":
+        return module(**t, return_last_states=False, mode="inference").transpose(1, 2)  # (B, L, NH, Dv)
+    return torch.cat([x.flatten(2) for x in module(t["h"], cache=None)], dim=-1)
 
 
-def lightning_oracle(module, h, starts):
+def lightning_oracle(module, t, starts):
+    h = t["h"]
     B, _, _ = h.shape
     H, D = module.num_attention_heads, module.head_dim
     q, k, v = torch.split(module.act_fn(module.qkv_proj(h)).reshape(B, L, H, 3 * D), D, dim=3)
@@ -119,7 +150,8 @@ def lightning_oracle(module, h, starts):
     return module.out_proj(torch.sigmoid(module.output_gate(h)) * o)
 
 
-def rglru_oracle(module, h, starts):
+def rglru_oracle(module, t, starts):
+    h = t["h"]
     B = h.shape[0]
     lru = module.rg_lru
     W = module.lru_width
@@ -155,18 +187,79 @@ def rglru_oracle(module, h, starts):
     return module.linear_out(out * y)
 
 
-def zaya_oracle(module, h, starts):
+def zaya_oracle(module, t, starts):
+    h = t["h"]
     rows = []
     for b, row in enumerate(DOCS):
         parts, a = [], 0
         for n in row:
-            parts.append(_out("zaya", module, h[b:b + 1, a:a + n], None))  # outside a block: the family's code
+            parts.append(_out("zaya", module, {"h": h[b:b + 1, a:a + n]}, None))  # outside a block: the family's code
             a += n
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows)
 
 
-ORACLES = {"lightning": lightning_oracle, "rglru": rglru_oracle, "zaya": zaya_oracle}
+def _shifted(h, starts):
+    """The previous token's h inside its document, zero at a document start."""
+    prev = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+    first = starts == torch.arange(h.shape[1])
+    return torch.where(first[..., None], torch.zeros_like(prev), prev)
+
+
+def rwkv_oracle(module, t, starts):
+    """RWKV-4's time mixing: ``wkv_t = (sum_{s<t} e^{-(t-1-s) w + k_s} v_s + e^{u + k_t} v_t) / (sum_{s<t}
+    e^{-(t-1-s) w + k_s} + e^{u + k_t})`` over the document's earlier tokens, ``w = exp(time_decay)``."""
+    h = t["h"]
+    sh = _shifted(h, starts)
+    mix = lambda mu: h * mu + sh * (1 - mu)  # noqa: E731
+    k, v = module.key(mix(module.time_mix_key)), module.value(mix(module.time_mix_value))
+    r = torch.sigmoid(module.receptance(mix(module.time_mix_receptance)))
+    w, u = torch.exp(module.time_decay), module.time_first
+    wkv = torch.zeros_like(v)
+    for b in range(h.shape[0]):
+        for tt in range(L):
+            num, den = torch.exp(u + k[b, tt]) * v[b, tt], torch.exp(u + k[b, tt])
+            for s_ in range(int(starts[b, tt]), tt):
+                e = torch.exp(-(tt - 1 - s_) * w + k[b, s_])
+                num, den = num + e * v[b, s_], den + e
+            wkv[b, tt] = num / den
+    return module.output(r * wkv)
+
+
+def shift_oracle(module, t, starts):
+    """RWKV's channel mixing: ``sigmoid(W_r x_r) * W_v relu(W_k x_k)^2`` with ``x = h mu + h_{t-1} (1 - mu)``."""
+    h = t["h"]
+    sh = _shifted(h, starts)
+    key = torch.relu(module.key(h * module.time_mix_key + sh * (1 - module.time_mix_key))) ** 2
+    r = torch.sigmoid(module.receptance(h * module.time_mix_receptance + sh * (1 - module.time_mix_receptance)))
+    return r * module.value(key)
+
+
+def mlstm_oracle(module, t, starts, eps=1e-6):
+    """The stabilised mLSTM (xLSTM, Beck et al. 2024): ``m_t = max(log f_t + m_{t-1}, i_t)`` from ``m = 0``,
+    ``C_t = e^{log f_t + m_{t-1} - m_t} C_{t-1} + e^{i_t - m_t} k_t v_t^T``, ``n_t`` likewise with ``k_t``,
+    ``h_t = q~ C_t / (max(|q~ n_t|, e^{-m_t}) + eps)``, ``q~ = q / sqrt(Dk)``; per head, reset per document."""
+    q, k, v, ig, fg = (t[n] for n in ("query", "key", "value", "igate", "fgate"))
+    B, NH, _, Dk = q.shape
+    out = torch.zeros(B, L, NH, v.shape[-1], dtype=q.dtype)
+    logf = F.logsigmoid(fg)
+    for b in range(B):
+        for hh in range(NH):
+            for tt in range(L):
+                if int(starts[b, tt]) == tt:
+                    C, n = torch.zeros(Dk, v.shape[-1], dtype=q.dtype), torch.zeros(Dk, dtype=q.dtype)
+                    m = q.new_zeros(())
+                m_new = torch.maximum(logf[b, hh, tt] + m, ig[b, hh, tt])
+                fa, ia = torch.exp(logf[b, hh, tt] + m - m_new), torch.exp(ig[b, hh, tt] - m_new)
+                C = fa * C + ia * torch.outer(k[b, hh, tt], v[b, hh, tt])
+                n, m = fa * n + ia * k[b, hh, tt], m_new
+                qs = q[b, hh, tt] * Dk ** -0.5
+                out[b, tt, hh] = (qs @ C) / (torch.maximum((qs @ n).abs(), torch.exp(-m)) + eps)
+    return out
+
+
+ORACLES = {"lightning": lightning_oracle, "rglru": rglru_oracle, "zaya": zaya_oracle, "rwkv": rwkv_oracle,
+           "shift": shift_oracle, "mlstm": mlstm_oracle}
 
 
 def _R(y):
@@ -175,40 +268,41 @@ def _R(y):
 
 def _want(mixer: str):
     module = _module(mixer)
-    h = _inputs(module).requires_grad_()
-    y = ORACLES[mixer](module, h, _starts())
+    t = {n: x.clone().requires_grad_() for n, (x, _) in _inputs(mixer, module).items()}
+    y = ORACLES[mixer](module, t, _starts())
     (y * _R(y)).sum().backward()
-    return y.detach(), h.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
+    grads = {f"d {n}": x.grad for n, x in t.items()}
+    grads.update({f"d {n}": p.grad.clone() for n, p in module.named_parameters()})
+    return y.detach(), grads
 
 
 def _run(mixer: str, layout):
     import torch.distributed as dist
 
     module = _module(mixer)
-    h_full = _inputs(module)
+    inputs = _inputs(mixer, module)
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])
     with cp_attention.context_parallel(layout=layout) as cp:
         batch = cp.shard_batch(input_ids=torch.zeros_like(pos), position_ids=pos)
-        h = cp.shard(h_full, dim=1).clone().requires_grad_()
-        y = _out(mixer, module, h, batch["position_ids"])
+        t = {n: cp.shard(x, dim=d).clone().requires_grad_() for n, (x, d) in inputs.items()}
+        y = _out(mixer, module, t, batch["position_ids"])
         stats = cp_attention.forward_mixer_stats()
-        R = _R(torch.empty(len(DOCS), L, y.shape[-1]))
+        R = _R(torch.empty(len(DOCS), L, *y.shape[2:]))
         (y * cp.shard(R, dim=1)).sum().backward()
         out = cp.gather(y.detach(), dim=1)
-        dh = cp.gather(h.grad, dim=1)
-    grads = {}
+        grads = {f"d {n}": cp.gather(x.grad, dim=inputs[n][1]) for n, x in t.items()}
     for n, p in module.named_parameters():
         g = p.grad.clone()
         if cp.world_size > 1:
             dist.all_reduce(g)
-        grads[n] = g
-    return out, dh, grads, stats
+        grads[f"d {n}"] = g
+    return out, grads, stats
 
 
 def _errors(mixer, name, got, want) -> list[str]:
-    (y, dh, grads, stats), (y_w, dh_w, g_w) = got, want
+    (y, grads, stats), (y_w, g_w) = got, want
     errors = []
-    for what, a, b in [("output", y, y_w), ("d hidden", dh, dh_w)] + [(f"d {n}", grads[n], g_w[n]) for n in g_w]:
+    for what, a, b in [("output", y, y_w)] + [(n, grads[n], g_w[n]) for n in g_w]:
         e = float((a - b).abs().max())
         if not e <= TOL[mixer] * max(1.0, float(b.abs().max())):
             errors.append(f"{mixer} {name}: {what} off by {e:.2e}")
@@ -221,7 +315,8 @@ def _worker(rank: int, world_size: int, wants: dict) -> list[str]:
     torch.set_num_threads(1)
     errors = []
     for mixer in MIXERS:
-        for name, layout in [("zigzag", "zigzag"), ("contiguous", "contiguous"), ("random", random_layout(world_size, 1))]:
+        layouts = [("zigzag", "zigzag"), ("contiguous", "contiguous"), ("random", random_layout(world_size, 1))]
+        for name, layout in layouts:
             errors += [f"rank {rank} " + e for e in _errors(mixer, name, _run(mixer, layout), wants[mixer])]
     return errors
 

@@ -62,10 +62,22 @@ def test_hybrid_training_ddp_fsdp2_checkpointing_cp2():
             assert e["grad_err"] <= tw.REL_TOL, f"rank {rank} {name}: gradient error {e['grad_err']:.2e}"
 
 
+def test_more_mixers_training_ddp_fsdp2_checkpointing_cp2():
+    """Issue 39's mixers through the training stack: lightning attention (DDP, reentrant checkpointing),
+    KDA (FSDP2, non-reentrant), RG-LRU (the whole model checkpointed), RWKV and a pure Mamba (forwards
+    without position_ids: the documents come from the batch record) and xLSTM."""
+    per_rank = run_ranks(2, tw.run_setups, tw.MORE_MIXER_SETUPS, 1, timeout=900)
+    for rank, per_setup in enumerate(per_rank):
+        assert set(per_setup) == {s[0] for s in tw.MORE_MIXER_SETUPS}
+        for name, e in per_setup.items():
+            assert e["loss_err"] <= tw.REL_TOL, f"rank {rank} {name}: loss relative error {e['loss_err']:.2e}"
+            assert e["grad_err"] <= tw.REL_TOL, f"rank {rank} {name}: gradient error {e['grad_err']:.2e}"
+
+
 def test_hybrids_compiled_under_cp2(refs):
     """torch.compile'd hybrids inside a block: the mixers' calls leave the graph (the context is a
     contextvar) and run across ranks, exact."""
-    families = ("qwen3_next", "nemotron_h")
+    families = ("qwen3_next", "nemotron_h", "minimax", "rwkv")  # function- and class-adapted mixers
     per_rank = run_ranks(2, hc.run_compiled, families, {f: refs[f] for f in families}, timeout=900)
     fails = hf_cases.failures([r for rank in per_rank for r in rank])
     assert not fails, "\n".join(fails)

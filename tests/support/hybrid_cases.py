@@ -20,9 +20,9 @@ import hf_cases
 HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "nemotron_h", "falcon_h1", "granitemoehybrid",
            "bamba", "zamba2", "jamba", "lfm2", "lfm2_moe")
 # issue 39: KDA (Kimi Linear, Bailing), lightning attention (MiniMax), RG-LRU and its convolution
-# (RecurrentGemma), Zaya's convolved attention inputs, Zamba (Mamba), and the pure state-space models
-MORE_MIXERS = ("kimi_linear", "bailing_hybrid", "minimax", "recurrent_gemma", "zaya", "zamba", "mamba", "mamba2",
-               "falcon_mamba")
+# (RecurrentGemma), Zaya's convolved attention inputs, Zamba (Mamba), RWKV, xLSTM, the pure state-space models
+MORE_MIXERS = ("kimi_linear", "bailing_hybrid", "minimax", "recurrent_gemma", "zaya", "zamba", "rwkv", "xlstm",
+               "mamba", "mamba2", "falcon_mamba")
 
 # Two rows (L = 46): documents crossing every rank at world sizes 2 and 4 in every layout, one-token
 # documents (at a piece's first token, inside, and at the end of a row), a row that is one document.
@@ -138,6 +138,8 @@ def run_compiled(rank: int, world_size: int, families, refs: dict) -> list[dict]
         ids, pos, R = inputs(model.config.get_text_config().vocab_size)
         with cp_attention.context_parallel(layout="zigzag") as cp:
             batch = cp.shard_batch(input_ids=ids, position_ids=pos)
+            if not _positions(model, pos):
+                batch.pop("position_ids")
             out = compiled(**batch, **_kwargs(model))
             (out.logits * cp.shard(R, dim=1)).sum().backward()
             logits = cp.gather(out.logits.detach(), dim=1)

@@ -63,7 +63,8 @@ def models(family: str):
 
 
 HYBRID_FAMILIES = ("qwen3_next", "nemotron_h", "jamba", "lfm2", "falcon_h1",
-                   "deepseek_v32", "qwen4_exp_text")  # and the index-sparse families (sweep configs)
+                   "deepseek_v32", "qwen4_exp_text",  # and the index-sparse families (sweep configs)
+                   "minimax", "kimi_linear", "recurrent_gemma", "rwkv", "xlstm", "mamba")  # issue 39's mixers
 
 
 def ground_truth(ref, docs_per_replica: list[list[torch.Tensor]]) -> tuple[list[float], dict]:
@@ -180,6 +181,14 @@ HYBRID_SETUPS = (  # gated DeltaNet, Mamba-2, Mamba and short convolutions throu
     ("checkpoint-whole/jamba/flatten/after", "jamba", "flatten", "checkpoint-whole", None, "after"),
     ("ddp/lfm2/rows/inside", "lfm2", "rows", "ddp", None, "inside"),
     ("fsdp2/falcon_h1/flatten/gc-nonreentrant/after", "falcon_h1", "flatten", "fsdp2", False, "after"),
+)
+MORE_MIXER_SETUPS = (  # issue 39: lightning attention, KDA, RG-LRU, RWKV, xLSTM, a pure Mamba
+    ("ddp/minimax/rows/gc-reentrant/inside", "minimax", "rows", "ddp", True, "inside"),
+    ("fsdp2/kimi_linear/flatten/gc-nonreentrant/after", "kimi_linear", "flatten", "fsdp2", False, "after"),
+    ("checkpoint-whole/recurrent_gemma/rows/after", "recurrent_gemma", "rows", "checkpoint-whole", None, "after"),
+    ("ddp/rwkv/flatten/after", "rwkv", "flatten", "ddp", None, "after"),
+    ("ddp/xlstm/rows/gc-nonreentrant/inside", "xlstm", "rows", "ddp", False, "inside"),
+    ("checkpoint-whole/mamba/flatten/after", "mamba", "flatten", "checkpoint-whole", None, "after"),
 )
 DPCP_SETUPS = (
     ("ddp/mistral/flatten/after", "mistral", "flatten", "ddp", None, "after"),
