@@ -37,13 +37,15 @@ import harness  # noqa: E402
 
 from cp_attention.tools.launch import run_ranks  # noqa: E402
 
-MODELS = ("qwen3_next", "nemotron_h", "jamba", "lfm2")
+MODELS = ("qwen3_next", "nemotron_h", "jamba", "lfm2",
+          # issue 39: KDA, lightning attention, RG-LRU + convolution, Zaya's convolutions, RWKV, xLSTM, pure Mamba-2
+          "kimi_linear", "minimax", "recurrent_gemma", "zaya", "rwkv", "xlstm", "mamba2")
 GRID = dict(seq_lens=(4096, 16384), world_sizes=(2, 4))
 # transformers' torch reference of Mamba's selective scan (what Jamba runs without mamba_ssm) steps
 # through the tokens in Python, slicing a (B, D, L, N) tensor per step; its backward grows as L^2
 # (0.07 s, 0.16 s, 0.59 s at L = 512, 1024, 2048, D = 32, N = 16, one thread). Longer Jamba runs
 # would measure that, not context parallelism.
-MAX_LEN = {"jamba": 4096}
+MAX_LEN = {"jamba": 4096, "recurrent_gemma": 4096, "rwkv": 4096}  # their torch paths step through tokens too
 SMOKE = dict(seq_lens=(96,), world_sizes=(2,))
 
 
@@ -64,7 +66,8 @@ def _mixer_channels(model) -> tuple[int, int]:
         out = getattr(module, "out_proj", None)
         if conv is not None:
             return conv.in_channels, out.in_features if isinstance(out, nn.Linear) else conv.in_channels
-    return 0, 0
+    hidden = model.config.get_text_config().hidden_size  # no convolution (lightning attention, RWKV, xLSTM):
+    return hidden, hidden                                  # the mixer's input and output at the hidden size
 
 
 def _inputs(family: str, L: int, vocab: int):
@@ -77,6 +80,7 @@ def _inputs(family: str, L: int, vocab: int):
 
 def _rank_main(rank: int, world_size: int, cfg: dict) -> dict:
     import cp_attention
+    import hybrid_cases
 
     torch.set_num_threads(cfg["threads"])
     torch.manual_seed(0)
@@ -89,6 +93,8 @@ def _rank_main(rank: int, world_size: int, cfg: dict) -> dict:
         t0, c0 = time.perf_counter(), time.thread_time()
         with cp_attention.context_parallel(layout="zigzag") as cp:
             batch = cp.shard_batch(input_ids=ids, position_ids=pos)
+            if not hybrid_cases.takes_positions(model):
+                batch.pop("position_ids")  # the pure state-space models, RWKV, xLSTM: documents from the batch
             out = model(**batch, use_cache=False)
             stats = cp_attention.forward_mixer_stats()
             out.logits.sum().backward()

@@ -249,8 +249,10 @@ def _cca_forward(original):
         record = batch_for(B, L, compiled)
         if record is None:
             return original(self, *args, **kwargs)
-        if bound.get("cache") is not None:
-            refuse_cache(type(self).__name__)
+        cache = bound.get("cache")
+        if cache is not None and (cache.get_conv_state(self.layer_idx, state_idx=0) is not None or
+                                  cache.get_recurrent_state(self.layer_idx, state_idx=0) is not None):
+            refuse_cache(type(self).__name__)  # decoding: the states of earlier tokens
         conv_mask = bound.get("conv_mask")
         if conv_mask is not None:
             h = h * conv_mask[:, :, None].to(h.dtype)
@@ -280,6 +282,10 @@ def _cca_forward(original):
         shifted, stats = token_windows(delayed - start, shift_plan, comm)
         note_mixer(stats)
         value = torch.cat([self.v_proj_current(h), shifted[:, :, 0] + start], dim=-1).view(*shape)
+        if cache is not None:  # a prefill's cache: this rank's own part (its last K inputs, its last delayed value)
+            tail = torch.cat([queries, keys], dim=-1).transpose(1, 2)[..., -K:]
+            cache.update_conv_state(torch.nn.functional.pad(tail, (K - tail.shape[-1], 0)), self.layer_idx)
+            cache.update_recurrent_state(delayed[:, -1, :], self.layer_idx)
         return query, key, value
 
     return compiled_wrapper(original, eager)

@@ -79,7 +79,7 @@ def _module(mixer: str):
         from transformers.models.zaya import modeling_zaya as m
 
         cfg = tf.ZayaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=4, cca_time0=3,
-                            cca_time1=2)
+                            cca_time1=2, attention_bias=True)  # biases: a document's first delayed value is one
         module = m.ZayaCCAProjection(cfg, 0)
     elif mixer in ("rwkv", "shift"):
         from transformers.models.rwkv import modeling_rwkv as m

@@ -61,9 +61,14 @@ def _kwargs(model) -> dict:
     return dict(use_cache=False) if sweep.forward_kwargs(model)["use_cache"] else {}
 
 
+def takes_positions(model) -> bool:
+    """Whether the model's forward takes ``position_ids`` (the pure state-space models, RWKV, xLSTM do not)."""
+    return bool(sweep.forward_kwargs(model)["position_ids"])
+
+
 def _positions(model, pos) -> dict:
-    """``position_ids`` for a model whose forward takes them (the pure state-space models do not)."""
-    return dict(position_ids=pos) if sweep.forward_kwargs(model)["position_ids"] else {}
+    """``position_ids`` for a model whose forward takes them."""
+    return dict(position_ids=pos) if takes_positions(model) else {}
 
 
 def ground_truth(eager, docs=DOCS) -> dict:

@@ -26,9 +26,10 @@ __all__ = ["PAGES", "VLM_SLOTS", "reason", "ws1_as_eager", "summary_markdown", "
 
 
 FAMILY_NOTES = MappingProxyType({  # family -> what its row alone does not say
-    "zamba": "refused at CP = 2 since the model check refuses a mixer that seems to compute scores itself: it reads "
-             "Zamba's per-head projections (`x_proj_weight[:, None] @ ... .transpose(...)`) as scores; a safe "
-             "refusal, not a wrong result (an earlier sweep had it exact at CP = 2).",
+    "zamba": "its per-head projections (`x_proj_weight[:, None] @ ... .transpose(...)`) are a weight times an "
+             "activation, not scores: the model check tells them apart (it refused Zamba at CP = 2 for them before).",
+    "mamba": "Mamba, Mamba-2, Falcon-Mamba, RWKV and xLSTM take no `position_ids` and read no positions: the sweep "
+             "passes them the packed row without them; their mixers take the documents from `shard_batch`'s record.",
     "hrm_text": "refused by transformers itself when the model is built (its prefix-LM mask overlay, for any "
                 "flash-named implementation).",
 })
