@@ -69,8 +69,11 @@ def model_masks(model) -> tuple[list[dict], float]:
     sliding windows, Llama 4 chunks, bidirectional layers; a hybrid's convolution, Mamba and
     linear-attention layers are not attention) and its token weight: the dense compute per token
     (2 x the parameters outside the embeddings, which include those mixers' projections) in units of
-    one visible pair of one layer (4 x heads x head_dim flops: the scores and the weighted values)."""
+    one visible pair of one layer (4 x heads x head_dim flops: the scores and the weighted values). A model
+    without attention (no ``num_attention_heads``) has no masks and a token weight of 1."""
     config = text_config(model)
+    if getattr(config, "num_attention_heads", None) is None:  # sequence mixers alone (Mamba, RWKV, xLSTM)
+        return [], 1.0  # every layer costs per token: the balanced layout spreads the tokens evenly
     kinds = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
     masks = [{name: value for name, value in (("causal", m.causal), ("window", m.window),
                                                ("chunk_size", m.chunk_size)) if value is not None}

@@ -107,20 +107,27 @@ class _Lightning:
         return decayed_linear_attention(a["q"], a["k"], a["v"], self.log_decay, S, self.block)[0].to(self.dtype)
 
 
+def _bound(sig, compiled, self, args, kwargs, tokens: str, dim: int = 1):
+    """The call's arguments by name (``past_key_values`` read as ``cache``) and the sharded batch it runs
+    on (None: not under context parallelism); ``tokens``: the argument whose dim ``dim`` is the sequence."""
+    if "past_key_values" in kwargs:
+        kwargs = dict(kwargs)
+        kwargs["cache"] = kwargs.pop("past_key_values")
+    bound = sig.bind(self, *args, **kwargs).arguments
+    x = bound[tokens]
+    return bound, batch_for(x.shape[0], x.shape[dim], compiled)
+
+
 def _lightning_forward(original):
     mod = sys.modules[original.__module__]
     sig = inspect.signature(original)
 
     def eager(compiled, self, *args, **kwargs):
-        kwargs = dict(kwargs)
-        if "past_key_values" in kwargs:
-            kwargs["cache"] = kwargs.pop("past_key_values")
-        bound = sig.bind(self, *args, **kwargs).arguments
-        h = bound["hidden_states"]
-        B, L = h.shape[:2]
-        record = batch_for(B, L, compiled)
+        bound, record = _bound(sig, compiled, self, args, kwargs, "hidden_states")
         if record is None:
             return original(self, *args, **kwargs)
+        h = bound["hidden_states"]
+        B, L = h.shape[:2]
         cache = bound.get("cache")
         if cache is not None and cache.get_linear_cache(self.layer_idx) is not None:
             refuse_cache(type(self).__name__)
@@ -177,11 +184,10 @@ def _rnn_scan(original):
     sig = inspect.signature(original)
 
     def eager(compiled, self, *args, **kwargs):
-        bound = sig.bind(self, *args, **kwargs).arguments
-        x = bound["hidden_states"]
-        record = batch_for(x.shape[0], x.shape[1], compiled)
+        bound, record = _bound(sig, compiled, self, args, kwargs, "hidden_states")
         if record is None:
             return original(self, *args, **kwargs)
+        x = bound["hidden_states"]
         initial = bound.get("recurrent_states")
         if initial is not None and bool(initial.ne(0).any()):
             refuse_cache(type(self).__name__)  # a decoding step: the state of earlier tokens
@@ -212,11 +218,10 @@ def _recurrent_block_forward(original):
     sig = inspect.signature(original)
 
     def eager(compiled, self, *args, **kwargs):
-        bound = sig.bind(self, *args, **kwargs).arguments
-        x = bound["input_states"]
-        record = batch_for(x.shape[0], x.shape[1], compiled)
+        bound, record = _bound(sig, compiled, self, args, kwargs, "input_states")
         if record is None:
             return original(self, *args, **kwargs)
+        x = bound["input_states"]
         position_ids = bound["position_ids"]
         if position_ids.shape[1] == 1 and x.shape[1] == 1 and self.conv1d_state is not None:
             refuse_cache(type(self).__name__)
@@ -240,15 +245,11 @@ def _cca_forward(original):
     mod = sys.modules[original.__module__]
 
     def eager(compiled, self, *args, **kwargs):
-        kwargs = dict(kwargs)
-        if "past_key_values" in kwargs:
-            kwargs["cache"] = kwargs.pop("past_key_values")
-        bound = sig.bind(self, *args, **kwargs).arguments
-        h = bound["hidden_states"]
-        B, L = h.shape[:2]
-        record = batch_for(B, L, compiled)
+        bound, record = _bound(sig, compiled, self, args, kwargs, "hidden_states")
         if record is None:
             return original(self, *args, **kwargs)
+        h = bound["hidden_states"]
+        B, L = h.shape[:2]
         cache = bound.get("cache")
         if cache is not None and (cache.get_conv_state(self.layer_idx, state_idx=0) is not None or
                                   cache.get_recurrent_state(self.layer_idx, state_idx=0) is not None):
@@ -362,12 +363,11 @@ def _wkv_forward(original):
     sig = inspect.signature(original)
 
     def eager(compiled, self, *args, **kwargs):
-        bound = sig.bind(self, *args, **kwargs).arguments
-        hidden = bound["hidden"]
-        B, L, _ = hidden.shape
-        record = batch_for(B, L, compiled)
+        bound, record = _bound(sig, compiled, self, args, kwargs, "hidden")
         if record is None:
             return original(self, *args, **kwargs)
+        hidden = bound["hidden"]
+        B, L, _ = hidden.shape
         state = bound.get("state")
         fill = _empty_state(self, state, (1, 2, 3, 4))
         comm = record.cp.comm
@@ -397,11 +397,10 @@ def _shift_forward(original):
     sig = inspect.signature(original)
 
     def eager(compiled, self, *args, **kwargs):
-        bound = sig.bind(self, *args, **kwargs).arguments
-        hidden = bound["hidden"]
-        record = batch_for(hidden.shape[0], hidden.shape[1], compiled)
+        bound, record = _bound(sig, compiled, self, args, kwargs, "hidden")
         if record is None:
             return original(self, *args, **kwargs)
+        hidden = bound["hidden"]
         state = bound.get("state")
         fill = _empty_state(self, state, (0,))
         agree(record, record.cp.comm, (_KINDS["shift"], hidden.shape[0], hidden.shape[-1], fill))
@@ -484,12 +483,11 @@ def _mlstm_forward(original):
     sig = inspect.signature(original)
 
     def eager(compiled, self, *args, **kwargs):
-        bound = sig.bind(self, *args, **kwargs).arguments
-        q = bound["query"]
-        B, NH, L, _ = q.shape
-        record = batch_for(B, L, compiled)
+        bound, record = _bound(sig, compiled, self, args, kwargs, "query", dim=2)
         if record is None:
             return original(self, *args, **kwargs)
+        q = bound["query"]
+        B, NH, L, _ = q.shape
         initial = [bound.get(name) for name in ("c_initial", "n_initial", "m_initial")]
         if any(t is not None and bool(t.ne(0).any()) for t in initial):
             refuse_cache(type(self).__name__)  # a state from earlier tokens (decoding, or chunked inference)

@@ -69,3 +69,19 @@ def test_balanced_cost_model_counts_a_hybrids_mixers_per_token():
         masks, weight = model_masks(model)
         assert masks == [dict(causal=True)] * attention, (family, masks)
         assert weight > 0
+
+
+def test_balanced_cost_model_of_mixers_alone():
+    """A model without attention (Mamba, RWKV, xLSTM: no num_attention_heads) has no attention masks and
+    costs per token: shard_batch(..., model=model) in a balanced layout splits its tokens evenly (it raised
+    AttributeError before)."""
+    import cp_attention
+    from cp_attention.tools.sweeps import family as sweep
+    from cp_attention.tools.sweeps.configs import build_model, tiny_config
+
+    for family in ("mamba", "rwkv", "xlstm"):
+        model = build_model(tiny_config(family), "cp_flash")
+        assert model_masks(model) == ([], 1.0), family
+        ids, pos = sweep.make_inputs()
+        with cp_attention.context_parallel(layout="balanced") as cp:
+            assert cp.shard_batch(input_ids=ids, position_ids=pos, model=model)["input_ids"].shape == ids.shape

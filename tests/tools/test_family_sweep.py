@@ -49,7 +49,7 @@ REFUSED_BY_TRANSFORMERS = {
 
 # one family per cause of refusal (the exact ones, MLA and mask-only windows included, are covered by
 # tests/integrations/test_mla.py and tests/integrations/test_transformers_families.py)
-FAST = ("mamba", "openai-gpt", "bart", "bloom", "git", "minimax_m3_vl_text",  # exact ones: test_mla, the family tests
+FAST = ("openai-gpt", "bart", "bloom", "git", "minimax_m3_vl_text",  # exact ones: test_mla, the family tests
         "inkling_text")  # a score bias handed to the interface (refused at world size 1 too)
 
 
