@@ -1,5 +1,6 @@
 """Sequence mixers computed inside their own classes, under context parallelism: MiniMax's lightning
-attention, RecurrentGemma's RG-LRU and its convolution, Zaya's convolved attention inputs.
+attention, RecurrentGemma's RG-LRU and its convolution, Zaya's convolved attention inputs, RWKV's time and
+channel mixing, xLSTM's mLSTM.
 
 :mod:`.mixers` adapts the module-level functions most hybrid families call. These families compute
 their mixing in their classes instead, so the class is adapted when its modeling module loads,
@@ -18,13 +19,20 @@ class                                  sequence mixing                          
 ``*CCAProjection`` (Zaya)              two stacked convolutions over q/k (receptive        token windows
                                        field k0 + k1 - 1), the value's delayed half (the
                                        previous token's projection)                        a one-token halo
+RWKV's time mixing (``forward(hidden,  a token shift, then ``wkv`` over the document's      a one-token halo,
+state)`` calling                       earlier tokens (a ratio of two decayed sums)        scan over pieces
+``rwkv_linear_attention``)
+RWKV's channel mixing                  a token shift                                       a one-token halo
+``*Backend`` (xLSTM's mLSTM)           ``C_t = f_t C_{t-1} + i_t k_t v_t^T`` with a max-   scan over pieces
+                                       plus stabiliser the output reads
 =====================================  ==================================================  ===================
 
 The lightning attention's segments run through :func:`decayed_linear_attention`, written here from
 the recurrence above (the family's forward has no function to call with an initial state); the
-RG-LRU's through the family's own ``_rnn_scan``. A decoding step under context parallelism (a
-cache that holds a state) raises, as for the other mixers; a prefill into an empty cache keeps each
-rank's own part.
+RG-LRU's through the family's own ``_rnn_scan``, RWKV's through its ``rwkv_linear_attention``, xLSTM's
+through its backend's any-length path; each adapter's docstring says how its state composes. A decoding
+step under context parallelism (a cache that holds a state) raises, as for the other mixers; a prefill into
+an empty cache keeps each rank's own part.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from .mixers import CLASS_MIXER_ATTR, batch_for, compiled_wrapper, refuse_cache
 
 __all__ = ["adapt_module", "adapted_class", "decayed_linear_attention"]
 
-_ADAPTED = "_cp_attention_class_mixer"
+_ADAPTED = "_cp_attention_adapted_method"  # on the wrappers this module installed
 # the agreement's mixer kinds (after .mixers' 1-4)
 _KINDS = MappingProxyType({"lightning": 11, "rglru": 12, "zaya": 13, "rwkv": 14, "shift": 15, "mlstm": 16})
 

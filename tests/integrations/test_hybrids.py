@@ -37,8 +37,9 @@ def refs() -> dict:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("families", ["HYBRIDS", "MORE_MIXERS"])
+@pytest.mark.parametrize("world_size, families", [
+    pytest.param(1, "HYBRIDS", marks=pytest.mark.slow), (1, "MORE_MIXERS"), (2, "HYBRIDS"), (2, "MORE_MIXERS"),
+    pytest.param(4, "HYBRIDS", marks=pytest.mark.slow), pytest.param(4, "MORE_MIXERS", marks=pytest.mark.slow)])
 def test_hybrid_families_match_docs_alone_eager(world_size, families, refs):
     """World size 1 (a one-rank block: the documents kept apart on one device), CP = 2 and 4."""
     families = getattr(hc, families)
