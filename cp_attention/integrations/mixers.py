@@ -45,7 +45,8 @@ from ..refusals import refuse
 from ..torch_compat import assume_constant_result, in_backward
 
 __all__ = ["CONVOLUTIONS", "RECURRENCES", "SHORTCUTS", "DECODING", "adapt_module", "adapted", "handled_calls",
-           "tag_mixers", "MIXER_ATTR", "CLASS_MIXER_ATTR", "batch_for", "compiled_wrapper", "refuse_cache"]
+           "tag_mixers", "MIXER_ATTR", "CLASS_MIXER_ATTR", "class_mixer", "batch_for", "compiled_wrapper",
+           "refuse_cache"]
 
 CONVOLUTIONS = ("causal_conv1d_fn",)
 RECURRENCES = ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan", "mamba_selective_scan",
@@ -54,7 +55,8 @@ SHORTCUTS = ("mamba2_split_conv1d_scan_combined", "mamba_inner_fn")  # fused ker
 DECODING = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule", "mamba2_selective_state_update",
             "mamba_selective_state_update", "recurrent_kimi_delta_attention")
 MIXER_ATTR = "_cp_attention_mixer"
-CLASS_MIXER_ATTR = "_cp_attention_class_mixer"  # on a class whose own mixing is adapted (.recurrent)
+CLASS_MIXER_ATTR = "_cp_attention_class_mixer"  # a class whose own mixing .recurrent adapted: the method's name
+# (and, on that method's wrapper, True: a subclass that overrides the method is not adapted)
 _WRAPPED = "_cp_attention_mixer_function"
 _DOCS_KWARGS = ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -425,11 +427,17 @@ def handled_calls(cls: type, source: str) -> frozenset:
                      if f"{name}(" in source and adapted(cls, name))
 
 
+def class_mixer(cls: type) -> bool:
+    """Whether ``cls`` computes its sequence mixing in a method :mod:`.recurrent` adapted, still the
+    adapted one (a subclass overriding it is not)."""
+    name = getattr(cls, CLASS_MIXER_ATTR, None)
+    return isinstance(name, str) and bool(getattr(getattr(cls, name, None), CLASS_MIXER_ATTR, False))
+
+
 def tag_mixers(model, modules) -> None:
     """Mark the mixer modules of ``model`` (``modules``: (name, module) pairs) whose calls of the
     adapted functions run under context parallelism (see the module docstring)."""
     for _, module in modules:
         cls = type(module)
         if cls.__module__.startswith("transformers.models.") and getattr(module, MIXER_ATTR, None) is None:
-            setattr(module, MIXER_ATTR, bool(getattr(cls, CLASS_MIXER_ATTR, False) or
-                                             handled_calls(cls, source.class_source(cls))))
+            setattr(module, MIXER_ATTR, class_mixer(cls) or bool(handled_calls(cls, source.class_source(cls))))

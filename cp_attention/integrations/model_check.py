@@ -96,6 +96,7 @@ _TRANSPOSED = re.compile(r"\.transpose\(\s*(?:-1\s*,\s*-2|-2\s*,\s*-1|2\s*,\s*3|
 _FUSED = re.compile(r"scaled_dot_product_attention|flash_attn_(?:func|varlen_func|qkvpacked)")
 _PARAMETER = re.compile(r"self\.(\w+)\s*=\s*(?:nn\.|torch\.nn\.)?Parameter\(")  # a class's own weights
 _SELF_ATTR = re.compile(r"self\.(\w+)")
+_SHIFTED_SLICE = re.compile(r"\[:,\s*(?:1:|:-1)\s*\]")  # x[:, 1:], x[:, :-1]: a token shift by slicing
 _STATE_ARGS = ("cache_params", "state", "recurrent_state", "ssm_state", "conv_state")
 _STATE_PARAMS = ("A_log", "time_decay", "time_first")
 _BIAS_ARGS = ("alibi", "position_bias")
@@ -147,6 +148,8 @@ def _computes_scores(cls: type) -> bool:
     if _FUSED.search(source):
         return True
     weights = set(_PARAMETER.findall(source))
+    if "softmax" in source:  # a softmax over any product: scores (a learnable temperature is a weight too)
+        return _PRODUCT.search(source) is not None
     product = any(not _weight_product(line, weights) for line in re.split(r"[\n;]", source) if _PRODUCT.search(line))
     return product and (_TRANSPOSED.search(source) is not None or "softmax" in source)
 
@@ -156,7 +159,8 @@ def _per_token_part(cls: type) -> bool:
     """Whether ``cls``'s own code computes each token alone: no sequence operation, no loop, no
     recurrence function of its own (a gate that turns a decay parameter into per-token rates)."""
     text = model_source.class_source(cls)
-    return not (_INLINE_SEQUENCE.search(text) or re.search(r"^\s*(?:for|while)\b|scan\(|recurren", text, re.M))
+    return not (_INLINE_SEQUENCE.search(text) or _SHIFTED_SLICE.search(text) or
+                re.search(r"^\s*(?:for|while)\b|scan\(|recurren", text, re.M))
 
 
 def _weight_product(line: str, weights: set) -> bool:

@@ -46,11 +46,10 @@ import torch
 from . import source
 from ..engine.stats import note_mixer
 from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan, token_windows
-from .mixers import CLASS_MIXER_ATTR, batch_for, compiled_wrapper, refuse_cache
+from .mixers import CLASS_MIXER_ATTR, batch_for, class_mixer, compiled_wrapper, refuse_cache
 
 __all__ = ["adapt_module", "adapted_class", "decayed_linear_attention"]
 
-_ADAPTED = "_cp_attention_adapted_method"  # on the wrappers this module installed
 # the agreement's mixer kinds (after .mixers' 1-4)
 _KINDS = MappingProxyType({"lightning": 11, "rglru": 12, "zaya": 13, "rwkv": 14, "shift": 15, "mlstm": 16})
 
@@ -211,6 +210,19 @@ def _rnn_scan(original):
     return compiled_wrapper(original, eager)
 
 
+def _positions_in_documents(record) -> torch.Tensor:
+    """(B, Lr) long: each of this rank's tokens' place in its document (0 at a document start)."""
+    geo = geometry_of(record)
+    g = geo.index[record.cp.rank]
+    return g[None, :] - geo.doc_start[:, g]
+
+
+def _last_tokens(record, n: int) -> torch.Tensor:
+    """The local places of this rank's ``n`` last tokens in global order, in that order."""
+    g = geometry_of(record).index[record.cp.rank]
+    return g.argsort()[-n:]
+
+
 def _halo_conv(record, x_BCL, conv):
     """``conv`` (a depthwise ``nn.Conv1d``, padded by k-1 and cut to the first L) on this rank's
     tokens (B, C, L) across ranks and documents."""
@@ -230,17 +242,24 @@ def _recurrent_block_forward(original):
         if record is None:
             return original(self, *args, **kwargs)
         x = bound["input_states"]
-        position_ids = bound["position_ids"]
-        if position_ids.shape[1] == 1 and x.shape[1] == 1 and self.conv1d_state is not None:
-            refuse_cache(type(self).__name__)
+        use_cache = bound.get("use_cache", sig.parameters["use_cache"].default)
+        live = self.rg_lru.recurrent_states
+        if use_cache and live is not None and bool(live.ne(0).any()):
+            refuse_cache(type(self).__name__)  # a cache carrying earlier tokens' state (decoding, a continued prefill)
         y_branch = self.act_fn(self.linear_y(x))
         x_branch = self.linear_x(x).transpose(1, 2)
-        use_cache = bound.get("use_cache", sig.parameters["use_cache"].default)
         k = self.conv1d_width
-        self.conv1d_state = torch.nn.functional.pad(x_branch, (k - x_branch.shape[-1] - 1, 0)) if use_cache else None
+        if use_cache:  # a prefill's cache: this rank's own part (its last k - 1 inputs in global order)
+            tail = x_branch[..., _last_tokens(record, k - 1).to(x.device)]
+            self.conv1d_state = torch.nn.functional.pad(tail, (k - 1 - tail.shape[-1], 0))
+        else:
+            self.conv1d_state = None
         self.rg_lru.recurrent_states = None
         x_branch = _halo_conv(record, x_branch, self.conv_1d)
-        x_branch = self.rg_lru(x_branch.transpose(1, 2), position_ids)
+        # the RG-LRU resets where a position is 0 (and scales its input there by 1): the places in the
+        # batch's documents, which the scan cuts at, whatever positions the caller numbered
+        positions = _positions_in_documents(record).to(bound["position_ids"])
+        x_branch = self.rg_lru(x_branch.transpose(1, 2), positions)
         if not use_cache:
             self.rg_lru.recurrent_states = None
         return self.linear_out(x_branch * y_branch), None
@@ -287,14 +306,13 @@ def _cca_forward(original):
         # the value's delayed half: the previous token's projection, the projection of zeros at a document start
         delayed = self.v_proj_delayed(h)
         start = self.v_proj_delayed(h.new_zeros(1, 1, h.shape[-1]))[0, 0]
-        shift_plan = plan_for(record, "halo", 2, lambda: halo_plan(geometry_of(record), 2))
-        shifted, stats = token_windows(delayed - start, shift_plan, comm)
-        note_mixer(stats)
-        value = torch.cat([self.v_proj_current(h), shifted[:, :, 0] + start], dim=-1).view(*shape)
-        if cache is not None:  # a prefill's cache: this rank's own part (its last K inputs, its last delayed value)
-            tail = torch.cat([queries, keys], dim=-1).transpose(1, 2)[..., -K:]
-            cache.update_conv_state(torch.nn.functional.pad(tail, (K - tail.shape[-1], 0)), self.layer_idx)
-            cache.update_recurrent_state(delayed[:, -1, :], self.layer_idx)
+        first = (_positions_in_documents(record) == 0).to(h.device)[..., None]  # (B, L, 1)
+        shifted = torch.where(first, start, _previous(record, delayed, comm))
+        value = torch.cat([self.v_proj_current(h), shifted], dim=-1).view(*shape)
+        if cache is not None:  # a prefill's cache: this rank's own part, after its last token in global order
+            last = int(_last_tokens(record, 1))
+            cache.update_conv_state(windows[:, last, 1:].transpose(1, 2), self.layer_idx)
+            cache.update_recurrent_state(delayed[:, last, :], self.layer_idx)
         return query, key, value
 
     return compiled_wrapper(original, eager)
@@ -386,7 +404,8 @@ def _wkv_forward(original):
         receptance = torch.sigmoid(self.receptance(hidden * self.time_mix_receptance +
                                                    shifted * (1 - self.time_mix_receptance)))
         plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
-        adapter = _Wkv(mod.rwkv_linear_attention, self.time_decay, self.time_first)
+        # transformers' torch path: differentiable through its state (the CUDA kernel's backward is not)
+        adapter = _Wkv(mod.rwkv_linear_attention_cpu, self.time_decay, self.time_first)
         rwkv, stats, *last = scan(adapter, {"key": key, "value": value}, plan, comm, B, L, final=fill)
         note_mixer(stats)
         if fill:  # a prefill's cache: this rank's own part (its last token's shift, the state after it)
@@ -551,7 +570,8 @@ def _match(cls: type):
         return "forward", _mlstm_forward  # xLSTM's mLSTM backend
     if forward is not None and _params(forward)[:2] == ("hidden", "state") and \
             _has(cls, "self.time_shift", "self.time_mix_key", "self.time_mix_receptance"):
-        if _has(cls, "rwkv_linear_attention(", "self.time_decay", "self.time_first", "extract_key_value"):
+        if _has(cls, "rwkv_linear_attention(", "self.time_decay", "self.time_first", "extract_key_value") and \
+                callable(getattr(sys.modules[cls.__module__], "rwkv_linear_attention_cpu", None)):
             return "forward", _wkv_forward  # RWKV's time mixing: a token shift and the WKV recurrence
         if _has(cls, "torch.square(torch.relu(self.key(") and "rwkv_linear_attention(" not in source.class_source(cls):
             return "forward", _shift_forward  # RWKV's channel mixing: a token shift
@@ -566,11 +586,11 @@ def adapt_module(mod) -> bool:
         if match is None:
             continue
         name, factory = match
-        if not getattr(vars(cls)[name], _ADAPTED, False):
+        if not getattr(vars(cls)[name], CLASS_MIXER_ATTR, False):
             wrapper = factory(vars(cls)[name])
-            setattr(wrapper, _ADAPTED, True)
+            setattr(wrapper, CLASS_MIXER_ATTR, True)
             setattr(cls, name, wrapper)
-            setattr(cls, CLASS_MIXER_ATTR, True)  # tagged as a mixer (.mixers.tag_mixers)
+            setattr(cls, CLASS_MIXER_ATTR, name)  # tagged as a mixer (.mixers.class_mixer)
         found = True
     return found
 
@@ -578,4 +598,4 @@ def adapt_module(mod) -> bool:
 def adapted_class(cls: type) -> bool:
     """Whether ``cls`` (or a class it derives from) is a mixer class :func:`adapt_module` adapted: its
     sequence mixing runs across ranks; its submodules are its own."""
-    return bool(getattr(cls, CLASS_MIXER_ATTR, False))
+    return class_mixer(cls)

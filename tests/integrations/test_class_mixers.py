@@ -382,3 +382,53 @@ def test_a_state_from_earlier_tokens_is_refused_under_context_parallelism():
         with pytest.raises(NotImplementedError, match="continue from a cache"):
             mlstm(**t, c_initial=torch.ones(len(DOCS), 2, 4, 3, dtype=torch.float64))
         del batch
+
+
+def test_rwkv_runs_its_torch_path_under_context_parallelism(monkeypatch, wants):
+    """RWKV's WKV goes through transformers' torch path, differentiable through its state: the CUDA kernel
+    ``rwkv_linear_attention`` dispatches to has a backward that ignores the state (a piece's gradient
+    would not reach the pieces before it). Made to raise here: the CP path must not call it."""
+    from transformers.models.rwkv import modeling_rwkv
+
+    def kernel(*args, **kwargs):
+        raise AssertionError("the CUDA kernel's entry was called under context parallelism")
+
+    monkeypatch.setattr(modeling_rwkv, "rwkv_linear_attention", kernel)
+    assert not _errors("rwkv", "one rank", _run("rwkv", "contiguous"), wants["rwkv"])
+
+
+def test_rglru_resets_at_the_batchs_documents_whatever_positions_it_is_given(wants):
+    """RecurrentGemma's RG-LRU resets (and scales its input by 1) where a position is 0: under context
+    parallelism the places in the batch's documents, the scan's cuts, even when the caller's positions run
+    along the whole row; and a cache carrying an earlier state is refused, not dropped."""
+    module = _module("rglru")
+    h_full = _inputs("rglru", module)["h"][0]
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])
+    with cp_attention.context_parallel() as cp:
+        batch = cp.shard_batch(input_ids=torch.zeros_like(pos), position_ids=pos)
+        along_row = torch.arange(L).expand(len(DOCS), L)  # not restarting at the documents
+        y = module(input_states=h_full, position_ids=along_row, attention_mask=None, use_cache=False)[0]
+        module.rg_lru.recurrent_states = torch.ones(len(DOCS), module.lru_width, dtype=torch.float32)
+        with pytest.raises(NotImplementedError, match="continue from a cache"):
+            module(input_states=h_full, position_ids=pos, attention_mask=None, use_cache=True)
+        del batch
+    y_want = wants["rglru"][0]
+    assert float((y - y_want).abs().max()) <= TOL["rglru"] * max(1.0, float(y_want.abs().max()))
+
+
+def test_a_subclass_overriding_the_adapted_method_is_not_adapted():
+    """The model check skips an adapted class's insides and its mixers are tagged: a subclass that replaces
+    the adapted method computes something of its own and is neither."""
+    from cp_attention.integrations.recurrent import adapted_class
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+
+    class Own(MiniMaxLightningAttention):
+        def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+            return hidden_states, None
+
+    class Inherits(RecurrentGemmaRglru):
+        pass
+
+    assert adapted_class(MiniMaxLightningAttention) and adapted_class(RecurrentGemmaRglru)
+    assert adapted_class(Inherits) and not adapted_class(Own)

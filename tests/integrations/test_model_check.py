@@ -193,6 +193,7 @@ class _Scores(nn.Module):
     ("w = torch.matmul(q, k.transpose(-1, -2))", True),
     ("w = q @ k.transpose(2, 3); y = self.x_proj_weight @ h", True),
     ("w = torch.softmax(torch.einsum('bhid,bhjd->bhij', q, k), -1)", True),
+    ("w = torch.softmax(q @ k.transpose(-1, -2) * self.temperature_weight, -1)", True),  # a learnable temperature
 ])
 def test_scores_are_a_product_of_two_activations(monkeypatch, source, scores):
     original = model_source.class_source
@@ -241,6 +242,7 @@ class _Gate(nn.Module):
     ("g = -torch.exp(self.A_log) * F.softplus(x)  # Softplus for large values", False),
     ("for t in range(n):\n    s = s * self.A_log + x[t]", True),  # a loop of its own: a recurrence
     ("s = x.cumsum(1) * self.A_log", True),
+    ("s = torch.cat([z, x[:, :-1]], 1) * self.A_log", True),  # a token shift by slicing
 ])
 def test_a_handled_mixers_per_token_gate(monkeypatch, gate_source, refused):
     """KDA's forget gate holds ``A_log`` but computes each token alone: inside a handled mixer it passes;
