@@ -121,7 +121,41 @@ def hybrids_section(folder: str) -> list[str]:
                   "Mamba's selective scan (no `mamba_ssm` here) has a backward that grows faster than linearly in "
                   "the segment length, so shorter shards are more than proportionally cheaper; Jamba runs only at "
                   f"L <= {payload['config']['max_len'].get('jamba', '-')} for that reason.")
+    out += _more_mixers(folder)
     return out + ["", "No absolute times: CPU ratios only.", ""]
+
+
+def _more_mixers(folder: str) -> list[str]:
+    """The mixers of issue 39 (``hybrids_issue39.json``): the same measurement, its own run."""
+    payload = load(folder, "hybrids_issue39.json")
+    if payload is None:
+        return []
+    import bench_hybrids
+
+    results = payload["results"]
+    out = ["", "### The mixers of issue 39 (KDA, lightning attention, RG-LRU, Zaya, RWKV, xLSTM, a pure Mamba-2)", ""]
+    out += code("python benchmarks/" + " ".join(payload["argv"]))
+    out += para("`hybrids_issue39.json`: the same measurement as above; where a mixer has no convolution (lightning "
+                "attention, RWKV, xLSTM) the head-parallel column models its input and output at the hidden size.")
+    out += bench_hybrids.tables(results) + [""]
+    share = [(100.0 * (r["conv_bytes_per_layer"] + r["state_bytes_per_layer"]) / r["head_parallel_bytes_per_layer"],
+              r) for r in results if r["head_parallel_bytes_per_layer"]]
+    lo, hi = min(share, key=lambda x: x[0]), max(share, key=lambda x: x[0])
+    out += bullet(f"Per layer the halos and states are {lo[0]:.2f}-{hi[0]:.1f} % of what head parallelism would move "
+                  f"(the most: {hi[1]['model']} at P = {hi[1]['world_size']}), and do not grow with L; the logits "
+                  f"equal the one-rank run's (at most {max(r['max_abs_diff_vs_one_rank'] for r in results):.1e} "
+                  "apart: xLSTM's float32 states scale with e^m, its stabiliser).")
+    for P in sorted({r["world_size"] for r in results}):
+        cpu = [r["cpu_over_one_rank"] for r in results if r["world_size"] == P]
+        out += bullet(f"Each rank's own work at P = {P} is {span(cpu)} of one rank's (ideal {1 / P:.2g}).")
+    kimi = [r for r in results if r["model"] == "kimi_linear"]
+    if kimi:
+        out += bullet(f"Kimi Linear is the costliest ({span([r['cpu_over_one_rank'] for r in kimi])} of one rank's "
+                      "work): each KDA piece that passes a state gets its Dk x Dk transition from a probe run of "
+                      "transformers' chunked torch path (a second pass, with Dk value columns), and that path pads "
+                      "every segment to its 64-token chunk, so a short segment costs a whole chunk. With FLA's kernel "
+                      "the same calls go to `chunk_kda`; not measured here.")
+    return out
 
 
 def layouts_section(folder: str, page_dir: str) -> list[str]:

@@ -84,7 +84,14 @@ def decayed_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.cat(outs, 1).to(dtype), S
 
 
-class _Lightning:
+class _Decay:
+    """An adapter whose transition scales the state elementwise (broadcast)."""
+
+    def apply(self, T, S):
+        return T * S
+
+
+class _Lightning(_Decay):
     """The scan's adapter for :func:`decayed_linear_attention`: state (H, D, Dv), transition (H, 1, 1)
     ``l^n`` (closed form)."""
 
@@ -106,9 +113,6 @@ class _Lightning:
         n = a["q"].shape[1]
         T = torch.exp(self.log_decay.to(torch.promote_types(self.dtype, torch.float32)) * n).reshape(1, -1, 1, 1)
         return T.expand(a["q"].shape[0], -1, 1, 1)
-
-    def apply(self, T, S):
-        return T * S
 
     def correct(self, a, S):
         return decayed_linear_attention(a["q"], a["k"], a["v"], self.log_decay, S, self.block)[0].to(self.dtype)
@@ -156,7 +160,7 @@ def _lightning_forward(original):
     return compiled_wrapper(original, eager)
 
 
-class _Rglru:
+class _Rglru(_Decay):
     """The scan's adapter for RG-LRU's ``_rnn_scan(hidden_states, recurrent_gate, reset,
     recurrent_states)``: (N, n, W) inputs, gates and (N, n, 1) resets; state (W,) float32; transition
     (W,): the product of ``a_t`` over the piece (closed form; ``a_t`` is zero at a reset)."""
@@ -179,9 +183,6 @@ class _Rglru:
 
     def transition(self, a):
         return (a["recurrent_gate"].float() * ~a["reset"]).prod(1)
-
-    def apply(self, T, S):
-        return T * S
 
     def correct(self, a, S):
         return self._call(a, S)[0]
@@ -318,7 +319,7 @@ def _cca_forward(original):
     return compiled_wrapper(original, eager)
 
 
-class _Wkv:
+class _Wkv(_Decay):
     """The scan's adapter for RWKV's ``rwkv_linear_attention(time_decay, time_first, key, value, state,
     return_state)``: key/value (N, n, C). The family keeps ``(num, den, max)``, ``num * e^max`` and ``den *
     e^max`` being the linear state ``a_t = w a_{t-1} + e^{k_t} v_t``, ``b_t = w b_{t-1} + e^{k_t}`` (``w =
@@ -346,9 +347,6 @@ class _Wkv:
     def transition(self, a):
         N, n, C = a["key"].shape
         return torch.exp(-torch.exp(self.time_decay.double()) * n).expand(N, 1, C)
-
-    def apply(self, T, S):
-        return T * S
 
     def correct(self, a, S):
         top = torch.log(S[:, 1].clamp_min(torch.finfo(torch.float64).tiny))
