@@ -317,15 +317,21 @@ def _family(model) -> str:
     return next((getattr(c, "model_type", "") for c in configs if getattr(c, "model_type", "")), type(model).__name__)
 
 
-def check_model(model) -> None:
-    """Raise ``NotImplementedError`` naming the family, the modules and why, if ``model`` cannot run
-    exactly under context parallelism (see the module docstring). Cached per model object."""
+def _cached_findings(model) -> tuple[Finding, ...]:
+    """:func:`model_findings`, once per model object (:data:`state.MODEL_CHECKS`)."""
     with state.MODEL_LOCK:
         findings = state.MODEL_CHECKS.get(model)
     if findings is None:
         findings = model_findings(model)
         with state.MODEL_LOCK:
             state.MODEL_CHECKS[model] = findings
+    return findings
+
+
+def check_model(model) -> None:
+    """Raise ``NotImplementedError`` naming the family, the modules and why, if ``model`` cannot run
+    exactly under context parallelism (see the module docstring). Cached per model object."""
+    findings = _cached_findings(model)
     if not findings:
         return
     lines = []
@@ -354,8 +360,8 @@ def check_positions_one_rank(model, record) -> None:
     family's own eager (which attends across them). Raises ``NotImplementedError``; nothing otherwise."""
     if "position_ids" in _forward_args(type(model)) or record is None or not hasattr(record, "meta"):
         return
-    if not uses_positions(model):
-        return  # mixers alone: they read the documents from the batch record
+    if not any(f.what == "positions computed from the shard" for f in _cached_findings(model)):
+        return  # it uses no positions (mixers alone): they read the documents from the batch record
     if _packed(record.meta):
         raise refuse("packed_without_position_ids", family=_family(model), model=type(model).__name__)
 

@@ -118,46 +118,55 @@ class _Lightning(_Decay):
         return decayed_linear_attention(a["q"], a["k"], a["v"], self.log_decay, S, self.block)[0].to(self.dtype)
 
 
-def _bound(sig, compiled, self, args, kwargs, tokens: str, dim: int = 1):
-    """The call's arguments by name (``past_key_values`` read as ``cache``) and the sharded batch it runs
-    on (None: not under context parallelism); ``tokens``: the argument whose dim ``dim`` is the sequence."""
-    if "past_key_values" in kwargs:
-        kwargs = dict(kwargs)
-        kwargs["cache"] = kwargs.pop("past_key_values")
-    bound = sig.bind(self, *args, **kwargs).arguments
-    x = bound[tokens]
-    return bound, batch_for(x.shape[0], x.shape[dim], compiled)
+def _under_cp(tokens: str, dim: int = 1):
+    """Make ``body(self, bound, record, original)`` the adapted form of a class's method ``original``: the
+    wrapper calls ``original`` unchanged unless the call runs under context parallelism (the rule of
+    :func:`.mixers.batch_for`, on the batch and length of argument ``tokens``, its dim ``dim``); then
+    ``body`` runs with the call's arguments by name (defaults applied; ``past_key_values`` read as
+    ``cache``) and the sharded batch ``record``."""
+    def factory(body):
+        def adapt(original):
+            sig = inspect.signature(original)
+
+            def eager(compiled, self, *args, **kwargs):
+                if "past_key_values" in kwargs:
+                    kwargs = dict(kwargs)
+                    kwargs["cache"] = kwargs.pop("past_key_values")
+                call = sig.bind(self, *args, **kwargs)
+                call.apply_defaults()
+                x = call.arguments[tokens]
+                record = batch_for(x.shape[0], x.shape[dim], compiled)
+                if record is None:
+                    return original(self, *args, **kwargs)
+                return body(self, call.arguments, record, original)
+
+            return compiled_wrapper(original, eager)
+        return adapt
+    return factory
 
 
-def _lightning_forward(original):
+@_under_cp("hidden_states")
+def _lightning_forward(self, bound, record, original):
     mod = sys.modules[original.__module__]
-    sig = inspect.signature(original)
-
-    def eager(compiled, self, *args, **kwargs):
-        bound, record = _bound(sig, compiled, self, args, kwargs, "hidden_states")
-        if record is None:
-            return original(self, *args, **kwargs)
-        h = bound["hidden_states"]
-        B, L = h.shape[:2]
-        cache = bound.get("cache")
-        if cache is not None and cache.get_linear_cache(self.layer_idx) is not None:
-            refuse_cache(type(self).__name__)
-        H, D = self.num_attention_heads, self.head_dim
-        qkv = mod.apply_mask_to_padding_states(self.act_fn(self.qkv_proj(h)), bound.get("attention_mask"))
-        q, k, v = torch.split(qkv.reshape(B, L, H, 3 * D), D, dim=3)
-        adapter = _Lightning(-self.slope_rate.reshape(H), v.dtype, self.block_size)
-        comm = record.cp.comm
-        agree(record, comm, (_KINDS["lightning"], B, H, D, cache is not None))
-        plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
-        out, stats, last = scan(adapter, {"q": q, "k": k, "v": v}, plan, comm, B, L, final=True)
-        note_mixer(stats)
-        out = self.norm(out.reshape(B, L, H * D))
-        out = self.out_proj(torch.sigmoid(self.output_gate(h)) * out)
-        if cache is not None:
-            cache.set_linear_cache(self.layer_idx, last.to(v.dtype))
-        return out, last
-
-    return compiled_wrapper(original, eager)
+    h = bound["hidden_states"]
+    B, L = h.shape[:2]
+    cache = bound.get("cache")
+    if cache is not None and cache.get_linear_cache(self.layer_idx) is not None:
+        refuse_cache(type(self).__name__)
+    H, D = self.num_attention_heads, self.head_dim
+    qkv = mod.apply_mask_to_padding_states(self.act_fn(self.qkv_proj(h)), bound.get("attention_mask"))
+    q, k, v = torch.split(qkv.reshape(B, L, H, 3 * D), D, dim=3)
+    adapter = _Lightning(-self.slope_rate.reshape(H), v.dtype, self.block_size)
+    comm = record.cp.comm
+    agree(record, comm, (_KINDS["lightning"], B, H, D, cache is not None))
+    plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
+    out, stats, last = scan(adapter, {"q": q, "k": k, "v": v}, plan, comm, B, L, final=True)
+    note_mixer(stats)
+    out = self.norm(out.reshape(B, L, H * D))
+    out = self.out_proj(torch.sigmoid(self.output_gate(h)) * out)
+    if cache is not None:
+        cache.set_linear_cache(self.layer_idx, last.to(v.dtype))
+    return out, last
 
 
 class _Rglru(_Decay):
@@ -188,40 +197,35 @@ class _Rglru(_Decay):
         return self._call(a, S)[0]
 
 
-def _rnn_scan(original):
-    sig = inspect.signature(original)
-
-    def eager(compiled, self, *args, **kwargs):
-        bound, record = _bound(sig, compiled, self, args, kwargs, "hidden_states")
-        if record is None:
-            return original(self, *args, **kwargs)
-        x = bound["hidden_states"]
-        initial = bound.get("recurrent_states")
-        if initial is not None and bool(initial.ne(0).any()):
-            refuse_cache(type(self).__name__)  # a decoding step: the state of earlier tokens
-        comm, (B, L, W) = record.cp.comm, x.shape
-        agree(record, comm, (_KINDS["rglru"], B, W))
-        plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
-        reset = bound["reset"].expand(B, L, 1)
-        out, stats, last = scan(_Rglru(self, original), {"hidden_states": x, "recurrent_gate": bound["recurrent_gate"],
-                                                         "reset": reset}, plan, comm, B, L, final=True)
-        note_mixer(stats)
-        return out, last
-
-    return compiled_wrapper(original, eager)
+@_under_cp("hidden_states")
+def _rnn_scan(self, bound, record, original):
+    x = bound["hidden_states"]
+    initial = bound.get("recurrent_states")
+    if initial is not None and bool(initial.ne(0).any()):
+        refuse_cache(type(self).__name__)  # a decoding step: the state of earlier tokens
+    comm, (B, L, W) = record.cp.comm, x.shape
+    agree(record, comm, (_KINDS["rglru"], B, W))
+    plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
+    reset = bound["reset"].expand(B, L, 1)
+    out, stats, last = scan(_Rglru(self, original), {"hidden_states": x, "recurrent_gate": bound["recurrent_gate"],
+                                                     "reset": reset}, plan, comm, B, L, final=True)
+    note_mixer(stats)
+    return out, last
 
 
 def _positions_in_documents(record) -> torch.Tensor:
-    """(B, Lr) long: each of this rank's tokens' place in its document (0 at a document start)."""
-    geo = geometry_of(record)
-    g = geo.index[record.cp.rank]
-    return g[None, :] - geo.doc_start[:, g]
+    """(B, Lr) long: each of this rank's tokens' place in its document (0 at a document start); once per
+    batch."""
+    def build():
+        geo = geometry_of(record)
+        g = geo.index[record.cp.rank]
+        return g[None, :] - geo.doc_start[:, g]
+    return plan_for(record, "positions in documents", None, build)
 
 
 def _last_tokens(record, n: int) -> torch.Tensor:
     """The local places of this rank's ``n`` last tokens in global order, in that order."""
-    g = geometry_of(record).index[record.cp.rank]
-    return g.argsort()[-n:]
+    return plan_for(record, "global order", None, lambda: geometry_of(record).index[record.cp.rank].argsort())[-n:]
 
 
 def _halo_conv(record, x_BCL, conv):
@@ -235,88 +239,74 @@ def _halo_conv(record, x_BCL, conv):
     return y.transpose(1, 2).to(x_BCL.dtype)
 
 
-def _recurrent_block_forward(original):
-    sig = inspect.signature(original)
-
-    def eager(compiled, self, *args, **kwargs):
-        bound, record = _bound(sig, compiled, self, args, kwargs, "input_states")
-        if record is None:
-            return original(self, *args, **kwargs)
-        x = bound["input_states"]
-        use_cache = bound.get("use_cache", sig.parameters["use_cache"].default)
-        live = self.rg_lru.recurrent_states
-        if use_cache and live is not None and bool(live.ne(0).any()):
-            refuse_cache(type(self).__name__)  # a cache carrying earlier tokens' state (decoding, a continued prefill)
-        y_branch = self.act_fn(self.linear_y(x))
-        x_branch = self.linear_x(x).transpose(1, 2)
-        k = self.conv1d_width
-        if use_cache:  # a prefill's cache: this rank's own part (its last k - 1 inputs in global order)
-            tail = x_branch[..., _last_tokens(record, k - 1).to(x.device)]
-            self.conv1d_state = torch.nn.functional.pad(tail, (k - 1 - tail.shape[-1], 0))
-        else:
-            self.conv1d_state = None
+@_under_cp("input_states")
+def _recurrent_block_forward(self, bound, record, original):
+    x = bound["input_states"]
+    use_cache = bound["use_cache"]
+    live = self.rg_lru.recurrent_states
+    if use_cache and live is not None and bool(live.ne(0).any()):
+        refuse_cache(type(self).__name__)  # a cache carrying earlier tokens' state (decoding, a continued prefill)
+    y_branch = self.act_fn(self.linear_y(x))
+    x_branch = self.linear_x(x).transpose(1, 2)
+    k = self.conv1d_width
+    if use_cache:  # a prefill's cache: this rank's own part (its last k - 1 inputs in global order)
+        tail = x_branch[..., _last_tokens(record, k - 1).to(x.device)]
+        self.conv1d_state = torch.nn.functional.pad(tail, (k - 1 - tail.shape[-1], 0))
+    else:
+        self.conv1d_state = None
+    self.rg_lru.recurrent_states = None
+    x_branch = _halo_conv(record, x_branch, self.conv_1d)
+    # the RG-LRU resets where a position is 0 (and scales its input there by 1): the places in the
+    # batch's documents, which the scan cuts at, whatever positions the caller numbered
+    positions = _positions_in_documents(record).to(bound["position_ids"])
+    x_branch = self.rg_lru(x_branch.transpose(1, 2), positions)
+    if not use_cache:
         self.rg_lru.recurrent_states = None
-        x_branch = _halo_conv(record, x_branch, self.conv_1d)
-        # the RG-LRU resets where a position is 0 (and scales its input there by 1): the places in the
-        # batch's documents, which the scan cuts at, whatever positions the caller numbered
-        positions = _positions_in_documents(record).to(bound["position_ids"])
-        x_branch = self.rg_lru(x_branch.transpose(1, 2), positions)
-        if not use_cache:
-            self.rg_lru.recurrent_states = None
-        return self.linear_out(x_branch * y_branch), None
-
-    return compiled_wrapper(original, eager)
+    return self.linear_out(x_branch * y_branch), None
 
 
-def _cca_forward(original):
-    sig = inspect.signature(original)
+@_under_cp("hidden_states")
+def _cca_forward(self, bound, record, original):
     mod = sys.modules[original.__module__]
-
-    def eager(compiled, self, *args, **kwargs):
-        bound, record = _bound(sig, compiled, self, args, kwargs, "hidden_states")
-        if record is None:
-            return original(self, *args, **kwargs)
-        h = bound["hidden_states"]
-        B, L = h.shape[:2]
-        cache = bound.get("cache")
-        if cache is not None and (cache.get_conv_state(self.layer_idx, state_idx=0) is not None or
-                                  cache.get_recurrent_state(self.layer_idx, state_idx=0) is not None):
-            refuse_cache(type(self).__name__)  # decoding: the states of earlier tokens
-        conv_mask = bound.get("conv_mask")
-        if conv_mask is not None:
-            h = h * conv_mask[:, :, None].to(h.dtype)
-        shape = (B, L, -1, self.head_dim)
-        queries, keys = self.q_proj(h), self.k_proj(h)
-        q_res = queries.view(*shape)
-        k_res = mod.repeat_kv(keys.view(*shape).transpose(1, 2), self.num_key_value_groups).transpose(1, 2)
-        q_res = (q_res + k_res) * 0.5
-        k_res = q_res.view(B, L, -1, self.num_key_value_groups, self.head_dim).mean(dim=-2)
-        # the stacked convolutions: each token's window of K + 1 inputs (zeros before its document)
-        qk = torch.cat([queries, keys], dim=-1)
-        K = self.conv_kernel_size
-        comm = record.cp.comm
-        agree(record, comm, (_KINDS["zaya"], B, qk.shape[-1], K))
-        plan = plan_for(record, "halo", K + 1, lambda: halo_plan(geometry_of(record), K + 1))
-        windows, stats = token_windows(qk, plan, comm)  # (B, L, K + 1, C)
-        note_mixer(stats)
-        conv = windows.reshape(B * L, K + 1, -1).transpose(1, 2)
-        qk = self.conv_qk_grouped(self.conv_qk_depthwise(conv)).reshape(B, L, -1)
-        n_q = q_res.shape[-2] * q_res.shape[-1]
-        query = qk[..., :n_q].reshape(*shape) + q_res
-        key = qk[..., n_q:].reshape(*shape) + k_res
-        # the value's delayed half: the previous token's projection, the projection of zeros at a document start
-        delayed = self.v_proj_delayed(h)
-        start = self.v_proj_delayed(h.new_zeros(1, 1, h.shape[-1]))[0, 0]
-        first = (_positions_in_documents(record) == 0).to(h.device)[..., None]  # (B, L, 1)
-        shifted = torch.where(first, start, _previous(record, delayed, comm))
-        value = torch.cat([self.v_proj_current(h), shifted], dim=-1).view(*shape)
-        if cache is not None:  # a prefill's cache: this rank's own part, after its last token in global order
-            last = int(_last_tokens(record, 1))
-            cache.update_conv_state(windows[:, last, 1:].transpose(1, 2), self.layer_idx)
-            cache.update_recurrent_state(delayed[:, last, :], self.layer_idx)
-        return query, key, value
-
-    return compiled_wrapper(original, eager)
+    h = bound["hidden_states"]
+    B, L = h.shape[:2]
+    cache = bound.get("cache")
+    if cache is not None and (cache.get_conv_state(self.layer_idx, state_idx=0) is not None or
+                              cache.get_recurrent_state(self.layer_idx, state_idx=0) is not None):
+        refuse_cache(type(self).__name__)  # decoding: the states of earlier tokens
+    conv_mask = bound.get("conv_mask")
+    if conv_mask is not None:
+        h = h * conv_mask[:, :, None].to(h.dtype)
+    shape = (B, L, -1, self.head_dim)
+    queries, keys = self.q_proj(h), self.k_proj(h)
+    q_res = queries.view(*shape)
+    k_res = mod.repeat_kv(keys.view(*shape).transpose(1, 2), self.num_key_value_groups).transpose(1, 2)
+    q_res = (q_res + k_res) * 0.5
+    k_res = q_res.view(B, L, -1, self.num_key_value_groups, self.head_dim).mean(dim=-2)
+    # the stacked convolutions: each token's window of K + 1 inputs (zeros before its document)
+    qk = torch.cat([queries, keys], dim=-1)
+    K = self.conv_kernel_size
+    comm = record.cp.comm
+    agree(record, comm, (_KINDS["zaya"], B, qk.shape[-1], K))
+    plan = plan_for(record, "halo", K + 1, lambda: halo_plan(geometry_of(record), K + 1))
+    windows, stats = token_windows(qk, plan, comm)  # (B, L, K + 1, C)
+    note_mixer(stats)
+    conv = windows.reshape(B * L, K + 1, -1).transpose(1, 2)
+    qk = self.conv_qk_grouped(self.conv_qk_depthwise(conv)).reshape(B, L, -1)
+    n_q = q_res.shape[-2] * q_res.shape[-1]
+    query = qk[..., :n_q].reshape(*shape) + q_res
+    key = qk[..., n_q:].reshape(*shape) + k_res
+    # the value's delayed half: the previous token's projection, the projection of zeros at a document start
+    delayed = self.v_proj_delayed(h)
+    start = self.v_proj_delayed(h.new_zeros(1, 1, h.shape[-1]))[0, 0]
+    first = (_positions_in_documents(record) == 0).to(h.device)[..., None]  # (B, L, 1)
+    shifted = torch.where(first, start, _previous(record, delayed, comm))
+    value = torch.cat([self.v_proj_current(h), shifted], dim=-1).view(*shape)
+    if cache is not None:  # a prefill's cache: this rank's own part, after its last token in global order
+        last = int(_last_tokens(record, 1))
+        cache.update_conv_state(windows[:, last, 1:].transpose(1, 2), self.layer_idx)
+        cache.update_recurrent_state(delayed[:, last, :], self.layer_idx)
+    return query, key, value
 
 
 class _Wkv(_Decay):
@@ -379,66 +369,52 @@ def _empty_state(self, state, slots) -> bool:
 
 def _last_token(record, x):
     """``x`` (B, L, C) at this rank's last token in global order (each row)."""
-    return x[:, int(geometry_of(record).index[record.cp.rank].argmax())]
+    return x[:, int(_last_tokens(record, 1))]
 
 
-def _wkv_forward(original):
+@_under_cp("hidden")
+def _wkv_forward(self, bound, record, original):
     mod = sys.modules[original.__module__]
-    sig = inspect.signature(original)
-
-    def eager(compiled, self, *args, **kwargs):
-        bound, record = _bound(sig, compiled, self, args, kwargs, "hidden")
-        if record is None:
-            return original(self, *args, **kwargs)
-        hidden = bound["hidden"]
-        B, L, _ = hidden.shape
-        state = bound.get("state")
-        fill = _empty_state(self, state, (1, 2, 3, 4))
-        comm = record.cp.comm
-        agree(record, comm, (_KINDS["rwkv"], B, hidden.shape[-1], self.attention_hidden_size, fill))
-        shifted = _previous(record, hidden, comm)
-        key = self.key(hidden * self.time_mix_key + shifted * (1 - self.time_mix_key))
-        value = self.value(hidden * self.time_mix_value + shifted * (1 - self.time_mix_value))
-        receptance = torch.sigmoid(self.receptance(hidden * self.time_mix_receptance +
-                                                   shifted * (1 - self.time_mix_receptance)))
-        plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
-        # transformers' torch path: differentiable through its state (the CUDA kernel's backward is not)
-        adapter = _Wkv(mod.rwkv_linear_attention_cpu, self.time_decay, self.time_first)
-        rwkv, stats, *last = scan(adapter, {"key": key, "value": value}, plan, comm, B, L, final=fill)
-        note_mixer(stats)
-        if fill:  # a prefill's cache: this rank's own part (its last token's shift, the state after it)
-            with torch.no_grad():
-                top = torch.log(last[0][:, 1].clamp_min(torch.finfo(torch.float64).tiny))
-                state[1][:, :, self.layer_id] = _last_token(record, hidden)
-                state[2][:, :, self.layer_id] = last[0][:, 0] * torch.exp(-top)
-                state[3][:, :, self.layer_id] = last[0][:, 1] * torch.exp(-top)
-                state[4][:, :, self.layer_id] = top
-        return self.output(receptance * rwkv), state
-
-    return compiled_wrapper(original, eager)
+    hidden = bound["hidden"]
+    B, L, _ = hidden.shape
+    state = bound.get("state")
+    fill = _empty_state(self, state, (1, 2, 3, 4))
+    comm = record.cp.comm
+    agree(record, comm, (_KINDS["rwkv"], B, hidden.shape[-1], self.attention_hidden_size, fill))
+    shifted = _previous(record, hidden, comm)
+    key = self.key(hidden * self.time_mix_key + shifted * (1 - self.time_mix_key))
+    value = self.value(hidden * self.time_mix_value + shifted * (1 - self.time_mix_value))
+    receptance = torch.sigmoid(self.receptance(hidden * self.time_mix_receptance +
+                                               shifted * (1 - self.time_mix_receptance)))
+    plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
+    # transformers' torch path: differentiable through its state (the CUDA kernel's backward is not)
+    adapter = _Wkv(mod.rwkv_linear_attention_cpu, self.time_decay, self.time_first)
+    rwkv, stats, *last = scan(adapter, {"key": key, "value": value}, plan, comm, B, L, final=fill)
+    note_mixer(stats)
+    if fill:  # a prefill's cache: this rank's own part (its last token's shift, the state after it)
+        with torch.no_grad():
+            top = torch.log(last[0][:, 1].clamp_min(torch.finfo(torch.float64).tiny))
+            state[1][:, :, self.layer_id] = _last_token(record, hidden)
+            state[2][:, :, self.layer_id] = last[0][:, 0] * torch.exp(-top)
+            state[3][:, :, self.layer_id] = last[0][:, 1] * torch.exp(-top)
+            state[4][:, :, self.layer_id] = top
+    return self.output(receptance * rwkv), state
 
 
-def _shift_forward(original):
-    sig = inspect.signature(original)
-
-    def eager(compiled, self, *args, **kwargs):
-        bound, record = _bound(sig, compiled, self, args, kwargs, "hidden")
-        if record is None:
-            return original(self, *args, **kwargs)
-        hidden = bound["hidden"]
-        state = bound.get("state")
-        fill = _empty_state(self, state, (0,))
-        agree(record, record.cp.comm, (_KINDS["shift"], hidden.shape[0], hidden.shape[-1], fill))
-        shifted = _previous(record, hidden, record.cp.comm)
-        key = torch.square(torch.relu(self.key(hidden * self.time_mix_key + shifted * (1 - self.time_mix_key))))
-        receptance = torch.sigmoid(self.receptance(hidden * self.time_mix_receptance +
-                                                   shifted * (1 - self.time_mix_receptance)))
-        if fill:
-            with torch.no_grad():
-                state[0][:, :, self.layer_id] = _last_token(record, hidden)
-        return receptance * self.value(key), state
-
-    return compiled_wrapper(original, eager)
+@_under_cp("hidden")
+def _shift_forward(self, bound, record, original):
+    hidden = bound["hidden"]
+    state = bound.get("state")
+    fill = _empty_state(self, state, (0,))
+    agree(record, record.cp.comm, (_KINDS["shift"], hidden.shape[0], hidden.shape[-1], fill))
+    shifted = _previous(record, hidden, record.cp.comm)
+    key = torch.square(torch.relu(self.key(hidden * self.time_mix_key + shifted * (1 - self.time_mix_key))))
+    receptance = torch.sigmoid(self.receptance(hidden * self.time_mix_receptance +
+                                               shifted * (1 - self.time_mix_receptance)))
+    if fill:
+        with torch.no_grad():
+            state[0][:, :, self.layer_id] = _last_token(record, hidden)
+    return receptance * self.value(key), state
 
 
 class _MLstm:
@@ -504,32 +480,25 @@ class _MLstm:
         return self._call(a, self.unpack(S, torch.float32))[0]
 
 
-def _mlstm_forward(original):
-    sig = inspect.signature(original)
-
-    def eager(compiled, self, *args, **kwargs):
-        bound, record = _bound(sig, compiled, self, args, kwargs, "query", dim=2)
-        if record is None:
-            return original(self, *args, **kwargs)
-        q = bound["query"]
-        B, NH, L, _ = q.shape
-        initial = [bound.get(name) for name in ("c_initial", "n_initial", "m_initial")]
-        if any(t is not None and bool(t.ne(0).any()) for t in initial):
-            refuse_cache(type(self).__name__)  # a state from earlier tokens (decoding, or chunked inference)
-        comm = record.cp.comm
-        agree(record, comm, (_KINDS["mlstm"], B, NH, q.shape[-1], bound["value"].shape[-1]))
-        plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
-        token_args = {name: bound[name] for name in _MLstm.token_dims}
-        h, stats, last = scan(_MLstm(self), token_args, plan, comm, B, L, final=True)
-        note_mixer(stats)
-        state = _MLstm.unpack(last, torch.float32)
-        want_state = bound.get("return_last_states")
-        mode = bound.get("mode") or self.config.mode
-        if want_state is None:
-            want_state = self.config.return_last_states if "train" in mode else True
-        return (h, state) if want_state else h
-
-    return compiled_wrapper(original, eager)
+@_under_cp("query", dim=2)
+def _mlstm_forward(self, bound, record, original):
+    q = bound["query"]
+    B, NH, L, _ = q.shape
+    initial = [bound.get(name) for name in ("c_initial", "n_initial", "m_initial")]
+    if any(t is not None and bool(t.ne(0).any()) for t in initial):
+        refuse_cache(type(self).__name__)  # a state from earlier tokens (decoding, or chunked inference)
+    comm = record.cp.comm
+    agree(record, comm, (_KINDS["mlstm"], B, NH, q.shape[-1], bound["value"].shape[-1]))
+    plan = plan_for(record, "scan", None, lambda: scan_plan(geometry_of(record)))
+    token_args = {name: bound[name] for name in _MLstm.token_dims}
+    h, stats, last = scan(_MLstm(self), token_args, plan, comm, B, L, final=True)
+    note_mixer(stats)
+    state = _MLstm.unpack(last, torch.float32)
+    want_state = bound.get("return_last_states")
+    mode = bound.get("mode") or self.config.mode
+    if want_state is None:
+        want_state = self.config.return_last_states if "train" in mode else True
+    return (h, state) if want_state else h
 
 
 def _has(cls: type, *names: str) -> bool:

@@ -32,6 +32,7 @@ import cp_attention
 from cp_attention.integrations.mixers import MIXER_ATTR
 from cp_attention.integrations.recurrent import decayed_linear_attention
 from cp_attention.tools.launch import run_ranks
+from plan_cases import random_layout
 
 pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers modules
 
@@ -45,15 +46,6 @@ MIXERS = ("lightning", "rglru", "zaya", "rwkv", "shift", "mlstm")
 
 def _starts(docs=DOCS) -> torch.Tensor:
     return torch.stack([torch.cat([torch.full((n,), sum(row[:i])) for i, n in enumerate(row)]) for row in docs])
-
-
-def random_layout(P: int, seed: int) -> cp_attention.Layout:
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, L), 3 * P - 1))
-    runs = list(zip([0] + cuts, cuts + [L]))
-    owners = list(range(P)) + [rng.randrange(P) for _ in range(len(runs) - P)]
-    rng.shuffle(owners)
-    return cp_attention.Layout(L, tuple(tuple(r for r, o in zip(runs, owners) if o == rank) for rank in range(P)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,7 +311,7 @@ def _worker(rank: int, world_size: int, wants: dict) -> list[str]:
     torch.set_num_threads(1)
     errors = []
     for mixer in MIXERS:
-        layouts = [("zigzag", "zigzag"), ("contiguous", "contiguous"), ("random", random_layout(world_size, 1))]
+        layouts = [("zigzag", "zigzag"), ("contiguous", "contiguous"), ("random", random_layout(random.Random(1), L, world_size))]
         for name, layout in layouts:
             errors += [f"rank {rank} " + e for e in _errors(mixer, name, _run(mixer, layout), wants[mixer])]
     return errors
