@@ -311,7 +311,8 @@ def _worker(rank: int, world_size: int, wants: dict) -> list[str]:
     torch.set_num_threads(1)
     errors = []
     for mixer in MIXERS:
-        layouts = [("zigzag", "zigzag"), ("contiguous", "contiguous"), ("random", random_layout(random.Random(1), L, world_size))]
+        layouts = [("zigzag", "zigzag"), ("contiguous", "contiguous")] + [
+            (f"random{seed}", random_layout(random.Random(seed), L, world_size)) for seed in (1, 2, 3)]
         for name, layout in layouts:
             errors += [f"rank {rank} " + e for e in _errors(mixer, name, _run(mixer, layout), wants[mixer])]
     return errors
