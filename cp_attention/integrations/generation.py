@@ -1,0 +1,109 @@
+"""Generation under context parallelism: a KV cache sharded by sequence (issue 40; work in progress).
+
+:class:`ShardedCacheLayer` stands in for one attention layer's ``DynamicLayer`` of transformers' cache: it
+keeps only this rank's K/V, with the global position of each cached key, and reports the one-device lengths
+(``get_seq_length``, ``get_mask_sizes``) so that transformers builds its masks and positions as on one
+device:
+
+* the prefill stores this rank's shard of the prompt (its positions: the layout's ``global_index``);
+* a decode step's new tokens are stored on one rank each, chosen by :func:`decode_owner` (blocks of
+  ``block`` tokens dealt round-robin, so the caches stay balanced);
+* keys no later query can see are dropped (a sliding window's ``W``, a chunk's start), by position;
+* after each ``update`` the layer's :attr:`positions` are those of the keys it returned, which the decode
+  step's attention (:func:`cp_attention.engine.decode.attend_sharded_cache`) reads.
+
+Legend: ``B`` rows, ``K`` K/V heads, ``n`` this rank's cached keys, ``D`` head dim, ``P`` ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ShardedCacheLayer", "decode_owner"]
+
+
+def decode_owner(position: int, world_size: int, block: int) -> int:
+    """The rank that stores the K/V of the decoded token at global ``position``: blocks of ``block``
+    positions dealt to the ranks in turn."""
+    return (position // block) % world_size
+
+
+def _layer_base():
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
+
+
+class ShardedCacheLayer(_layer_base()):
+    """One attention layer's cache of this rank's tokens (module docstring). ``prefill_positions``: the
+    global positions of this rank's prompt tokens (increasing); ``window`` / ``chunk``: the layer's mask
+    (keys outside every later query's view are dropped); ``block``: :func:`decode_owner`'s."""
+
+    is_sliding = False
+
+    def __init__(self, *, rank: int, world_size: int, prefill_positions: torch.Tensor, prompt_length: int,
+                 window: int | None = None, chunk: int | None = None, block: int = 16):
+        super().__init__()
+        self.rank, self.world_size, self.block = rank, world_size, block
+        self.prefill_positions = prefill_positions.to("cpu", torch.long)
+        self.prompt_length, self.window, self.chunk = int(prompt_length), window, chunk
+        self.cumulative_length = 0
+        self.positions = torch.zeros(0, dtype=torch.long)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store this rank's part of the new keys (B, K, Ln, D) and return its cached keys and values
+        (B, K, n, D), at :attr:`positions`."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        Ln = key_states.shape[-2]
+        if self.cumulative_length == 0:  # the prefill: this rank's shard of the prompt
+            if Ln != self.prefill_positions.numel():
+                raise ValueError(f"cp_flash: the prefill handed this rank's cache {Ln} keys, but it holds "
+                                 f"{self.prefill_positions.numel()} prompt tokens")
+            new = self.prefill_positions
+            keep = torch.ones(Ln, dtype=torch.bool)
+            self.cumulative_length = self.prompt_length
+        else:  # a decode step: the same new tokens on every rank, stored on their owner only
+            new = torch.arange(self.cumulative_length, self.cumulative_length + Ln)
+            keep = torch.tensor([decode_owner(int(p), self.world_size, self.block) == self.rank for p in new])
+            self.cumulative_length += Ln
+        idx = torch.nonzero(keep).flatten().to(key_states.device)
+        self.keys = torch.cat([self.keys, key_states.index_select(-2, idx)], dim=-2)
+        self.values = torch.cat([self.values, value_states.index_select(-2, idx)], dim=-2)
+        self.positions = torch.cat([self.positions, new[keep]])
+        first_query = int(new[0]) if new.numel() else self.cumulative_length
+        self._drop_before(self._visible_from(first_query))
+        return self.keys, self.values
+
+    def _visible_from(self, query: int) -> int:
+        """The first position a query at ``query`` or later may see (window, chunk); 0 without either."""
+        start = 0
+        if self.window is not None:
+            start = max(start, query - self.window + 1)
+        if self.chunk is not None:
+            start = max(start, (query // self.chunk) * self.chunk)
+        return start
+
+    def _drop_before(self, start: int) -> None:
+        if start <= 0 or self.positions.numel() == 0:
+            return
+        keep = torch.nonzero(self.positions >= start).flatten()
+        if keep.numel() == self.positions.numel():
+            return
+        self.positions = self.positions[keep]
+        dev = keep.to(self.keys.device)
+        self.keys, self.values = self.keys.index_select(-2, dev), self.values.index_select(-2, dev)
+
+    def get_seq_length(self) -> int:
+        """The one-device length: every token so far, on any rank."""
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The one-device mask sizes (``DynamicLayer``'s): every position so far and the new ones."""
+        return self.cumulative_length + query_length, 0
+
+    def local_bytes(self) -> int:
+        """Bytes of the K/V this rank holds."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()

@@ -1,0 +1,54 @@
+"""The sharded KV cache layer (cp_attention.integrations.generation), simulated for P ranks in one process: the
+union of the ranks' keys is every position exactly once (or, with a window or chunks, every position a later
+query may see), each key equal to one device's at its position; the one-device lengths reported; balance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_attention import layout
+from cp_attention.integrations.generation import ShardedCacheLayer, decode_owner
+
+
+def _run(P: int, N: int, steps: int, layout_name: str, **mask):
+    g = torch.Generator().manual_seed(P)
+    B, K, D = 2, 2, 3
+    full_k = torch.randn(B, K, N + steps, D, generator=g)
+    full_v = torch.randn(B, K, N + steps, D, generator=g)
+    layers = []
+    for r in range(P):
+        pos = layout.global_index(N, P, layout_name, r)
+        layer = ShardedCacheLayer(rank=r, world_size=P, prefill_positions=pos, prompt_length=N, block=4, **mask)
+        layer.update(full_k[:, :, pos], full_v[:, :, pos])
+        layers.append(layer)
+    for t in range(N, N + steps):
+        for layer in layers:
+            k, _ = layer.update(full_k[:, :, t:t + 1], full_v[:, :, t:t + 1])
+            assert k.shape[-2] == layer.positions.numel()
+            assert layer.get_seq_length() == t + 1 and layer.get_mask_sizes(1) == (t + 2, 0)
+    return layers, full_k, full_v
+
+
+@pytest.mark.parametrize("P, layout_name", [(1, "contiguous"), (2, "zigzag"), (4, "zigzag"), (3, "contiguous")])
+def test_every_position_on_exactly_one_rank(P, layout_name):
+    N, steps = 40, 9
+    layers, full_k, full_v = _run(P, N, steps, layout_name)
+    allpos = torch.cat([layer.positions for layer in layers])
+    assert sorted(allpos.tolist()) == list(range(N + steps))
+    for layer in layers:
+        assert torch.equal(layer.keys, full_k[:, :, layer.positions])
+        assert torch.equal(layer.values, full_v[:, :, layer.positions])
+        assert bool((layer.positions[1:] > layer.positions[:-1]).all())
+    decoded = [int(((layer.positions >= N)).sum()) for layer in layers]
+    assert max(decoded) - min(decoded) <= 4  # blocks of 4 dealt in turn
+    assert decode_owner(N, P, 4) == decode_owner(N + 1, P, 4)
+
+
+@pytest.mark.parametrize("mask, first", [(dict(window=6), lambda q: q - 5), (dict(chunk=8), lambda q: q // 8 * 8)])
+def test_keys_no_later_query_sees_are_dropped(mask, first):
+    N, steps = 40, 9
+    layers, _, _ = _run(2, N, steps, "zigzag", **mask)
+    last_query = N + steps - 1
+    held = sorted(torch.cat([layer.positions for layer in layers]).tolist())
+    assert held == list(range(first(last_query), N + steps))
