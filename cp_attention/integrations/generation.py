@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ShardedCacheLayer", "decode_owner"]
+__all__ = ["ShardedCacheLayer", "GenState", "decode_owner", "generation_call", "generation_state", "start_prefill"]
 
 
 def decode_owner(position: int, world_size: int, block: int) -> int:
@@ -107,3 +107,80 @@ class ShardedCacheLayer(_layer_base()):
         if not self.is_initialized:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+class GenState:
+    """A generation under context parallelism, kept on its cache (``cache._cp_generation``): the context,
+    the sharded layers by layer index, the prompt's length."""
+
+    def __init__(self, cp, layers: dict, prompt_length: int):
+        self.cp, self.layers, self.prompt_length = cp, layers, prompt_length
+
+
+def generation_state(cache) -> GenState | None:
+    """The :class:`GenState` of a cache that :func:`start_prefill` sharded, else None."""
+    return getattr(cache, "_cp_generation", None)
+
+
+def _cache_of(kwargs: dict):
+    from transformers.cache_utils import Cache
+
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    return cache if isinstance(cache, Cache) else None
+
+
+def generation_call(kwargs: dict | None):
+    """What a top-level model forward inside a multi-rank block is with respect to generation: ("prefill",
+    cache) for a call with an empty transformers cache and unsharded ``input_ids`` (generate's first
+    forward), ("decode", state) for a call continuing a cache :func:`start_prefill` sharded, else None."""
+    from ..engine.batch import batch_of
+
+    if not kwargs:
+        return None
+    cache = _cache_of(kwargs)
+    if cache is None:
+        return None
+    state = generation_state(cache)
+    if state is not None:
+        return "decode", state
+    ids = kwargs.get("input_ids")
+    if cache.get_seq_length() == 0 and isinstance(ids, torch.Tensor) and batch_of(ids) is None:
+        return "prefill", cache
+    return None
+
+
+def start_prefill(model, kwargs: dict, cache, cp) -> None:
+    """Shard generate's first forward: its ``input_ids`` / ``position_ids`` / ``attention_mask`` become
+    this rank's shard (``cp.shard_batch``, in the call's own dict), and each attention layer of ``cache``
+    a :class:`ShardedCacheLayer` of this rank's tokens."""
+    from transformers.cache_utils import DynamicLayer
+
+    from .. import layout as layout_mod
+    from .models import layer_mask, text_config
+
+    ids = kwargs["input_ids"]
+    N = int(ids.shape[1])
+    given = {name: kwargs[name] for name in ("input_ids", "position_ids", "attention_mask")
+             if isinstance(kwargs.get(name), torch.Tensor)}
+    batch = cp.shard_batch(**given)
+    kwargs.update({name: batch[name] for name in given if name in batch})
+    record = batch_record(batch["input_ids"])
+    config = text_config(model)
+    positions = layout_mod.global_index(N, cp.world_size, record.layout, cp.rank)
+    layers = {}
+    for i, layer in enumerate(cache.layers):
+        if type(layer) not in (DynamicLayer,) and type(layer).__name__ != "DynamicSlidingWindowLayer":
+            raise NotImplementedError(f"cp_flash: generation under context parallelism shards dynamic caches only; "
+                                      f"layer {i} of this cache is a {type(layer).__name__}")
+        spec = layer_mask(config, i)
+        sharded = ShardedCacheLayer(rank=cp.rank, world_size=cp.world_size, prefill_positions=positions,
+                                    prompt_length=N, window=spec.window, chunk=spec.chunk_size)
+        cache.layers[i] = sharded
+        layers[i] = sharded
+    cache._cp_generation = GenState(cp, layers, N)
+
+
+def batch_record(tensor):
+    from ..engine.batch import batch_of
+
+    return batch_of(tensor)

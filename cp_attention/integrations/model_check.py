@@ -80,6 +80,7 @@ from .heads import call_kwargs, prepare_call
 from .compressed import per_token_streams
 from .indexers import adapted_indexer
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
+from .generation import generation_call, start_prefill
 from .recurrent import adapted_class
 from .rope import rope_findings, tag_ropes
 
@@ -474,6 +475,13 @@ def _before(module, args):
             return None
         if inner is not module:
             unwrap_adapters(module)  # prompt learning: refused, naming its PEFT type
+        gen = generation_call(call_kwargs())
+        if gen is not None and gen[0] == "decode":  # a decode step over the sharded cache: replicated but attention
+            guard.model, guard.ran, guard.reached, guard.counting, guard.decode = module, set(), set(), False, gen[1]
+            guard.record, guard.position_start = None, 0
+            return None
+        if gen is not None:  # generate's first forward: sharded here, the cache too
+            start_prefill(inner, call_kwargs(), gen[1], active)
         check_model(inner)
         # what its head does with the shard (.heads): refused, or the substitutions of this forward
         guard.head, new_args = prepare_call(inner, args, call_kwargs(), active, compiled=compiled)
@@ -510,7 +518,7 @@ def _after(module, args, output):
         return head.gathered(output)  # a head module's per-token output, in sequence order on every rank
     if getattr(guard, "model", None) is not module:
         return None
-    guard.model, guard.head, guard.record = None, None, None
+    guard.model, guard.head, guard.record, guard.decode = None, None, None, None
     # every attention module that ran must have reached cp_flash (some call it more than once: DiffLlama's
     # two softmaxes); a module that hands the interface another module object counts as that one
     missing, foreign = guard.ran - guard.reached, guard.reached - guard.ran

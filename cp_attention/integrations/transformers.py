@@ -279,6 +279,8 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
                   mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
                   **kwargs) -> CPMask:
     """The mask function registered for "cp_flash": returns a :class:`CPMask`, never (L x L) data."""
+    if getattr(state.MODEL_GUARD, "decode", None) is not None:
+        return None  # a decode step over a sharded cache: its attention reads the cache's positions
     if isinstance(attention_mask, CPMask):  # prepared by generate for this forward: keep its padding
         attention_mask = attention_mask.valid
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -433,6 +435,9 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     """
     if dropout and getattr(module, "training", False):
         raise refuse("attention_dropout", dropout=dropout)
+    decoding = getattr(state.MODEL_GUARD, "decode", None)
+    if decoding is not None:
+        return _decode_step(decoding, module, query, key, value, sliding_window, softcap, scaling, s_aux), None
     if isinstance(attention_mask, torch.Tensor):
         family = str(getattr(getattr(module, "config", None), "model_type", "") or "this model")
         raise refuse("dense_mask", shape=tuple(attention_mask.shape), family=family)
@@ -480,6 +485,20 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                        layer=getattr(module, "layer_idx", None), model_crc=lambda: config_crc(module),
                        adjust_q=_llama4_adjust(module), key_select=key_select, extra_kv=extra_kv)
     return out, None
+
+
+def _decode_step(decoding, module, query, key, value, sliding_window, softcap, scaling, s_aux):
+    """A decode step's attention over the cache sharded by :mod:`.generation`: this rank's cached keys at
+    their global positions, merged over the ranks (:func:`cp_attention.engine.decode.attend_sharded_cache`)."""
+    from ..engine.decode import attend_sharded_cache
+
+    layer = decoding.layers[module.layer_idx]
+    spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling)
+    Lq, end = query.shape[2], layer.cumulative_length
+    query, key, value = _autocast(query, key, value)
+    out = attend_sharded_cache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
+                               decoding.cp.comm, q_pos=torch.arange(end - Lq, end), k_pos=layer.positions, sinks=s_aux)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
