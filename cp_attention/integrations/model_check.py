@@ -518,7 +518,7 @@ def _after(module, args, output):
         return head.gathered(output)  # a head module's per-token output, in sequence order on every rank
     if getattr(guard, "model", None) is not module:
         return None
-    guard.model, guard.head, guard.record, guard.decode = None, None, None, None
+    guard.model, guard.head, guard.record, guard.decode, guard.decode_valid = None, None, None, None, None
     # every attention module that ran must have reached cp_flash (some call it more than once: DiffLlama's
     # two softmaxes); a module that hands the interface another module object counts as that one
     missing, foreign = guard.ran - guard.reached, guard.reached - guard.ran

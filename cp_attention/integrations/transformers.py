@@ -279,8 +279,10 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
                   mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
                   **kwargs) -> CPMask:
     """The mask function registered for "cp_flash": returns a :class:`CPMask`, never (L x L) data."""
-    if getattr(state.MODEL_GUARD, "decode", None) is not None:
-        return None  # a decode step over a sharded cache: its attention reads the cache's positions
+    if getattr(state.MODEL_GUARD, "decode", None) is not None:  # a decode step over a sharded cache: its
+        if isinstance(attention_mask, torch.Tensor):              # attention reads the cache's positions and
+            state.MODEL_GUARD.decode_valid = attention_mask.detach().to(torch.bool)  # this padding mask
+        return None
     if isinstance(attention_mask, CPMask):  # prepared by generate for this forward: keep its padding
         attention_mask = attention_mask.valid
     if attention_mask is not None and attention_mask.dim() != 2:
@@ -497,7 +499,8 @@ def _decode_step(decoding, module, query, key, value, sliding_window, softcap, s
     Lq, end = query.shape[2], layer.cumulative_length
     query, key, value = _autocast(query, key, value)
     out = attend_sharded_cache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
-                               decoding.cp.comm, q_pos=torch.arange(end - Lq, end), k_pos=layer.positions, sinks=s_aux)
+                               decoding.cp.comm, q_pos=torch.arange(end - Lq, end), k_pos=layer.positions, sinks=s_aux,
+                               valid=getattr(state.MODEL_GUARD, "decode_valid", None))
     return out
 
 
