@@ -167,8 +167,11 @@ def start_prefill(model, kwargs: dict, cache, cp) -> None:
     record = batch_record(batch["input_ids"])
     config = text_config(model)
     positions = layout_mod.global_index(N, cp.world_size, record.layout, cp.rank)
-    layers = {}
+    layers, linear = {}, []
     for i, layer in enumerate(cache.layers):
+        if type(layer).__name__ == "LinearAttentionLayer":  # a mixer's states: each rank's own after the
+            linear.append(i)                                  # prefill, then the last token's owner's
+            continue
         if type(layer) not in (DynamicLayer,) and type(layer).__name__ != "DynamicSlidingWindowLayer":
             raise NotImplementedError(f"cp_flash: generation under context parallelism shards dynamic caches only; "
                                       f"layer {i} of this cache is a {type(layer).__name__}")
@@ -177,7 +180,26 @@ def start_prefill(model, kwargs: dict, cache, cp) -> None:
                                     prompt_length=N, window=spec.window, chunk=spec.chunk_size)
         cache.layers[i] = sharded
         layers[i] = sharded
-    cache._cp_generation = GenState(cp, layers, N)
+    state = GenState(cp, layers, N)
+    state.cache, state.linear = cache, linear
+    state.last_owner = next(r for r in range(cp.world_size)
+                            if bool((layout_mod.global_index(N, cp.world_size, record.layout, r) == N - 1).any()))
+    cache._cp_generation = state
+    return state
+
+
+def finish_prefill(state: GenState) -> None:
+    """After the prefill forward: every rank's mixer states (convolution inputs, recurrent state) become
+    those of the rank holding the prompt's last token (the state after it, its last inputs), so that the
+    decode steps run the mixers replicated, as on one device."""
+    comm = state.cp.comm
+    for i in state.linear:
+        layer = state.cache.layers[i]
+        for name in ("conv_states", "recurrent_states"):
+            held = getattr(layer, name, None)
+            for j, t in (enumerate(held) if isinstance(held, list) else (held or {}).items()):
+                if isinstance(t, torch.Tensor):
+                    t.copy_(comm.all_gather(t, "a mixer's state after the prefill")[state.last_owner])
 
 
 def batch_record(tensor):

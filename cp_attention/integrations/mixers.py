@@ -67,6 +67,8 @@ def batch_for(batch_size: int, length: int, compiled: bool = False):
     hooks that mark a running mixer do not run in compiled code): any call there of this shape."""
     if not compiled and not getattr(state.MODEL_GUARD, "mixers", 0):
         return None
+    if getattr(state.MODEL_GUARD, "decode", None) is not None:
+        return None  # a decode step of generation: the mixers run replicated, from the prefill's last state
     active = active_context()
     if active is not None:
         record = getattr(state.MODEL_GUARD, "record", None)  # the running model forward's own batch
@@ -355,7 +357,8 @@ def _shortcut(original):
 
 def _decoding(name: str, original):
     def eager(compiled, *args, **kwargs):
-        if (compiled or getattr(state.MODEL_GUARD, "mixers", 0)) and active_context() is not None:
+        if (compiled or getattr(state.MODEL_GUARD, "mixers", 0)) and active_context() is not None and \
+                getattr(state.MODEL_GUARD, "decode", None) is None:
             refuse_cache(name)
         return original(*args, **kwargs)
 

@@ -80,7 +80,7 @@ from .heads import call_kwargs, prepare_call
 from .compressed import per_token_streams
 from .indexers import adapted_indexer
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
-from .generation import generation_call, start_prefill
+from .generation import finish_prefill, generation_call, start_prefill
 from .recurrent import adapted_class
 from .rope import rope_findings, tag_ropes
 
@@ -481,7 +481,7 @@ def _before(module, args):
             guard.record, guard.position_start = None, 0
             return None
         if gen is not None:  # generate's first forward: sharded here, the cache too
-            start_prefill(inner, call_kwargs(), gen[1], active)
+            guard.prefill = start_prefill(inner, call_kwargs(), gen[1], active)
         check_model(inner)
         # what its head does with the shard (.heads): refused, or the substitutions of this forward
         guard.head, new_args = prepare_call(inner, args, call_kwargs(), active, compiled=compiled)
@@ -519,6 +519,9 @@ def _after(module, args, output):
     if getattr(guard, "model", None) is not module:
         return None
     guard.model, guard.head, guard.record, guard.decode, guard.decode_valid = None, None, None, None, None
+    prefill, guard.prefill = getattr(guard, "prefill", None), None
+    if prefill is not None:
+        finish_prefill(prefill)
     # every attention module that ran must have reached cp_flash (some call it more than once: DiffLlama's
     # two softmaxes); a module that hands the interface another module object counts as that one
     missing, foreign = guard.ran - guard.reached, guard.reached - guard.ran
