@@ -37,13 +37,32 @@ def _inputs(padded: bool):
     return ids, mask
 
 
-def _generate(model, padded: bool, sample: bool):
+def _windowed(layer) -> bool:
+    return bool(getattr(layer, "is_sliding", False) or getattr(layer, "window", None) or getattr(layer, "chunk", None))
+
+
+def _cache_bytes(cache, windowed: bool = False) -> int:
+    """Bytes of the K/V an attention cache holds in its full layers (``windowed``: its sliding-window and
+    chunked layers instead); its mixers' states left out."""
+    total = 0
+    for layer in cache.layers:
+        if _windowed(layer) != windowed:
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _generate_cache(model, padded: bool, sample: bool, prompt: int = N):
     ids, mask = _inputs(padded)
+    ids, mask = ids[:, -prompt:], mask[:, -prompt:]
     torch.manual_seed(7)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=sample, pad_token_id=0,
                              output_logits=True, return_dict_in_generate=True)
-    return out.sequences[:, N:], torch.stack(out.logits)
+    return out
 
 
 def _worker(rank, world_size, cases):
@@ -52,9 +71,18 @@ def _worker(rank, world_size, cases):
     for family, padded, sample in cases:
         model = _model(family, "cp_flash")
         with cp_attention.context_parallel(layout="zigzag") as cp:
-            tokens, logits = _generate(model, padded, sample)
-            cache_bytes = None
-        results.append((tokens.tolist(), logits.numpy(), cache_bytes))
+            calls = []
+            gather = cp.comm.all_gather
+            cp.comm.all_gather = lambda t, what="": (calls.append(what), gather(t, what))[1]
+            out = _generate_cache(model, padded, sample)  # decode forwards: every new token but the first
+            per_token = sum(1 for c in calls if "decode step" in c) / (out.sequences.shape[1] - N - 1)
+            calls.clear()
+            half = _generate_cache(model, padded, sample, prompt=N // 2)  # a prompt half as long
+            per_token_half = sum(1 for c in calls if "decode step" in c) / (half.sequences.shape[1] - N // 2 - 1)
+            cp.comm.all_gather = gather
+        results.append((out.sequences[:, N:].tolist(), torch.stack(out.logits).numpy(),
+                        (_cache_bytes(out.past_key_values), _cache_bytes(out.past_key_values, True)), per_token,
+                        per_token_half))
     return results
 
 
@@ -63,13 +91,27 @@ CASES = [(f, False, False) for f in FAMILIES] + [("qwen3", True, False), ("gpt_o
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_generate_equals_one_device(world_size):
+    """Tokens and step logits; each rank's K/V bytes in full-attention layers at most 1/P of one device's plus
+    one decode block of 16 tokens (in windowed layers at most one device's); the decode step's collectives
+    per token the same for a prompt half as long (one all-gather per attention layer)."""
     wants = []
     for family, padded, sample in CASES:
-        tokens, logits = _generate(_model(family, "eager"), padded, sample)
-        wants.append((tokens.tolist(), logits))
+        model = _model(family, "eager")
+        out = _generate_cache(model, padded, sample)
+        full = [layer for layer in out.past_key_values.layers
+                if getattr(layer, "keys", None) is not None and not _windowed(layer)]
+        block = sum(layer.keys[:, :, :16].numel() * layer.keys.element_size() * 2 for layer in full)  # K and V
+        wants.append((out.sequences[:, N:].tolist(), torch.stack(out.logits),
+                      (_cache_bytes(out.past_key_values), _cache_bytes(out.past_key_values, True)), block))
     per_rank = run_ranks(world_size, _worker, CASES, timeout=900)
     for rank, results in enumerate(per_rank):
-        for case, (tokens, logits, _), (want_tokens, want_logits) in zip(CASES, results, wants):
+        for case, got, want in zip(CASES, results, wants):
+            tokens, logits, cache_bytes, per_token, per_token_half = got
+            want_tokens, want_logits, want_bytes, block_bytes = want
             assert tokens == want_tokens, (rank, case)
             err = float((torch.as_tensor(logits) - want_logits).abs().max())
             assert err <= 1e-5, (rank, case, err)
+            # full layers: 1/P of one device's and one decode block; windowed layers: at most one device's window
+            assert cache_bytes[0] <= want_bytes[0] / world_size + block_bytes, (rank, case, cache_bytes, want_bytes)
+            assert cache_bytes[1] <= want_bytes[1], (rank, case, cache_bytes, want_bytes)
+            assert per_token == per_token_half and per_token > 0, (rank, case, per_token, per_token_half)
