@@ -172,6 +172,8 @@ def start_prefill(model, kwargs: dict, cache, cp) -> None:
         if type(layer).__name__ == "LinearAttentionLayer":  # a mixer's states: each rank's own after the
             linear.append(i)                                  # prefill, then the last token's owner's
             continue
+        if type(layer).__name__ == "DummyLayer":  # a layer that caches nothing (Nemotron-H's MLP layers)
+            continue
         if type(layer) not in (DynamicLayer,) and type(layer).__name__ != "DynamicSlidingWindowLayer":
             raise NotImplementedError(f"cp_flash: generation under context parallelism shards dynamic caches only; "
                                       f"layer {i} of this cache is a {type(layer).__name__}")
