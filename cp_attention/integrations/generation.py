@@ -109,6 +109,30 @@ class ShardedCacheLayer(_layer_base()):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
+_COMBINED = []
+
+
+def _combined_class():
+    """A :class:`ShardedCacheLayer` that also keeps a mixer's states (transformers'
+    ``LinearAttentionAndFullAttentionLayer``, sharded), built once."""
+    if not _COMBINED:
+        from transformers.cache_utils import LinearAttentionLayer
+
+        class ShardedLinearAndAttentionLayer(ShardedCacheLayer, LinearAttentionLayer):
+            def __init__(self, number_of_states: int = 1, **kwargs):
+                ShardedCacheLayer.__init__(self, **kwargs)
+                LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+            def lazy_initialization(self, *args, **kwargs) -> None:
+                if len(args) == 2 and not kwargs:  # the attention's update(keys, values)
+                    ShardedCacheLayer.lazy_initialization(self, *args)
+                elif not args:  # update_conv_state / update_recurrent_state
+                    LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+        _COMBINED.append(ShardedLinearAndAttentionLayer)
+    return _COMBINED[0]
+
+
 class GenState:
     """A generation under context parallelism, kept on its cache (``cache._cp_generation``): the context,
     the sharded layers by layer index, the prompt's length."""
@@ -173,6 +197,12 @@ def start_prefill(model, kwargs: dict, cache, cp) -> None:
             linear.append(i)                                  # prefill, then the last token's owner's
             continue
         if type(layer).__name__ == "DummyLayer":  # a layer that caches nothing (Nemotron-H's MLP layers)
+            continue
+        if type(layer).__name__ == "LinearAttentionAndFullAttentionLayer":  # Falcon-H1: K/V and mixer states
+            sharded = _combined_class()(number_of_states=layer.number_of_states, rank=cp.rank,
+                                        world_size=cp.world_size, prefill_positions=positions, prompt_length=N)
+            cache.layers[i] = layers[i] = sharded
+            linear.append(i)
             continue
         if type(layer) not in (DynamicLayer,) and type(layer).__name__ != "DynamicSlidingWindowLayer":
             raise NotImplementedError(f"cp_flash: generation under context parallelism shards dynamic caches only; "
