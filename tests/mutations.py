@@ -55,6 +55,8 @@ _SCORING = "tests/integrations/test_packed_rows.py::test_packed_fused_forward_eq
 _PACKED = "tests/integrations/test_packed_rows.py::"
 _SELECTION = "tests/multirank/test_selection.py"
 _SPARSE_CP = "tests/integrations/test_index_sparse.py::test_dsa_families_match_docs_alone_eager"
+_DECODE, _SHARDED_CACHE = "tests/unit/test_decode.py", "tests/unit/test_sharded_cache.py"
+_GENERATE = "tests/multirank/test_generate.py"
 _SPARSE_ONE = "tests/integrations/test_index_sparse.py::test_dsa_one_device_follows_the_tie_rule"
 
 MUTANTS = (
@@ -421,6 +423,35 @@ MUTANTS = (
     Mutant("compiled under CP: the backward op runs the forward's passes", "compile", "cp_attention/engine/layer.py",
            "passes(dout, out, lse, need_dsinks))", "passes()) + (None, None)",
            ("tests/integrations/test_compile.py::test_compiled_under_context_parallelism_is_exact",)),
+    Mutant("generate: one rank's partial left out of the decode step's merge", "cache",
+           "cp_attention/engine/decode.py", "for other, other_lse in parts[1:]:",
+           "for other, other_lse in parts[1:-1]:", (_DECODE, _GENERATE)),
+    Mutant("generate: a sliding window's first visible key read one position late (its owner dropped it)",
+           "cache", "cp_attention/integrations/generation.py", "start = max(start, query - self.window + 1)",
+           "start = max(start, query - self.window + 2)", (_SHARDED_CACHE, _GENERATE)),
+    Mutant("generate: a decoded token's K/V stored on every rank, not its owner's alone", "cache",
+           "cp_attention/integrations/generation.py",
+           "decode_owner(int(p), self.world_size, self.block) == self.rank for p in new]",
+           "decode_owner(int(p), self.world_size, self.block) >= 0 for p in new]", (_SHARDED_CACHE, _GENERATE)),
+    Mutant("generate: the mixers' states after the prefill not handed over (each rank keeps its own)", "cache",
+           "cp_attention/integrations/generation.py", "[state.last_owner])", "[state.cp.rank])", (_GENERATE,)),
+    Mutant("generate: crop keeps the first rejected candidate's keys", "cache",
+           "cp_attention/integrations/generation.py", "keep = torch.nonzero(self.positions < end).flatten()",
+           "keep = torch.nonzero(self.positions <= end).flatten()", (_SHARDED_CACHE, _GENERATE)),
+    Mutant("generate: the ranks' tokens not compared (ranks sampling with different seeds go on)", "cache",
+           "cp_attention/integrations/generation.py",
+           "if any(not torch.equal(other, everyone[0]) for other in everyone):", "if False:", (_GENERATE,)),
+    Mutant("generate: the prompt's cached keys at the next rank's positions", "cache",
+           "cp_attention/integrations/generation.py",
+           "positions = layout_mod.global_index(N, cp.world_size, layout, cp.rank)",
+           "positions = layout_mod.global_index(N, cp.world_size, layout, (cp.rank + 1) % cp.world_size)",
+           (_GENERATE,)),
+    Mutant("generate: the decode step's backend chosen for the visible pairs only (softcap dropped)", "cache",
+           "cp_attention/engine/decode.py", "head_dim=q.shape[3], spec=spec,", "head_dim=q.shape[3], spec=plan_spec,",
+           (_DECODE,)),
+    Mutant("generate: a decode step's plan reused for a layer whose keys lie elsewhere", "cache",
+           "cp_attention/engine/decode.py", "if known is not None and torch.equal(known[0], k_pos):",
+           "if known is not None:", (_DECODE,)),
 )
 
 

@@ -1,4 +1,4 @@
-"""Generation under context parallelism: a KV cache sharded by sequence (issue 40; work in progress).
+"""Generation under context parallelism: a KV cache sharded by sequence .
 
 :class:`ShardedCacheLayer` stands in for one attention layer's ``DynamicLayer`` of transformers' cache: it
 keeps only this rank's K/V, with the global position of each cached key, and reports the one-device lengths
@@ -17,9 +17,14 @@ Legend: ``B`` rows, ``K`` K/V heads, ``n`` this rank's cached keys, ``D`` head d
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-__all__ = ["ShardedCacheLayer", "GenState", "decode_owner", "generation_call", "generation_state", "start_prefill"]
+from ..refusals import refuse
+
+__all__ = ["ShardedCacheLayer", "GenState", "decode_attention", "decode_owner", "finish_prefill", "generation_call",
+           "generation_state", "start_prefill"]
 
 
 def decode_owner(position: int, world_size: int, block: int) -> int:
@@ -42,13 +47,16 @@ class ShardedCacheLayer(_layer_base()):
     is_sliding = False
 
     def __init__(self, *, rank: int, world_size: int, prefill_positions: torch.Tensor, prompt_length: int,
-                 window: int | None = None, chunk: int | None = None, block: int = 16):
+                 window: int | None = None, chunk: int | None = None, block: int = 16, layer_index: int = 0):
         super().__init__()
+        self.layer_index = layer_index
         self.rank, self.world_size, self.block = rank, world_size, block
         self.prefill_positions = prefill_positions.to("cpu", torch.long)
         self.prompt_length, self.window, self.chunk = int(prompt_length), window, chunk
         self.cumulative_length = 0
         self.positions = torch.zeros(0, dtype=torch.long)
+        self.held_from = 0  # every key before this position was dropped (no later query could see it)
+        self.generation = None  # the GenState, told which layer the running attention updated last
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store this rank's part of the new keys (B, K, Ln, D) and return its cached keys and values
@@ -65,7 +73,8 @@ class ShardedCacheLayer(_layer_base()):
             self.cumulative_length = self.prompt_length
         else:  # a decode step: the same new tokens on every rank, stored on their owner only
             new = torch.arange(self.cumulative_length, self.cumulative_length + Ln)
-            keep = torch.tensor([decode_owner(int(p), self.world_size, self.block) == self.rank for p in new])
+            keep = torch.tensor([decode_owner(int(p), self.world_size, self.block) == self.rank for p in new],
+                                dtype=torch.bool)
             self.cumulative_length += Ln
         idx = torch.nonzero(keep).flatten().to(key_states.device)
         self.keys = torch.cat([self.keys, key_states.index_select(-2, idx)], dim=-2)
@@ -73,7 +82,27 @@ class ShardedCacheLayer(_layer_base()):
         self.positions = torch.cat([self.positions, new[keep]])
         first_query = int(new[0]) if new.numel() else self.cumulative_length
         self._drop_before(self._visible_from(first_query))
+        if self.generation is not None:
+            self.generation.updated = self
         return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (assisted and prompt-lookup decoding reject
+        candidates so): the keys at those positions, on whichever rank holds them. Refused where the
+        window or chunk already dropped a key a query at the new length could see."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"cp_flash: crop({tokens_to_remove}): pass a negative count, the tokens to remove")
+        end = self.cumulative_length + tokens_to_remove
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        if self._visible_from(end) < self.held_from:
+            raise refuse("generation_crop", layer=self.layer_index, length=self.cumulative_length, end=end,
+                         held=self.held_from)
+        keep = torch.nonzero(self.positions < end).flatten()
+        self.positions = self.positions[keep]
+        dev = keep.to(self.keys.device)
+        self.keys, self.values = self.keys.index_select(-2, dev), self.values.index_select(-2, dev)
+        self.cumulative_length = end
 
     def _visible_from(self, query: int) -> int:
         """The first position a query at ``query`` or later may see (window, chunk); 0 without either."""
@@ -85,8 +114,9 @@ class ShardedCacheLayer(_layer_base()):
         return start
 
     def _drop_before(self, start: int) -> None:
-        if start <= 0 or self.positions.numel() == 0:
+        if start <= self.held_from:
             return
+        self.held_from = start
         keep = torch.nonzero(self.positions >= start).flatten()
         if keep.numel() == self.positions.numel():
             return
@@ -109,36 +139,52 @@ class ShardedCacheLayer(_layer_base()):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
-_COMBINED = []
-
-
+@functools.cache
 def _combined_class():
     """A :class:`ShardedCacheLayer` that also keeps a mixer's states (transformers'
-    ``LinearAttentionAndFullAttentionLayer``, sharded), built once."""
-    if not _COMBINED:
-        from transformers.cache_utils import LinearAttentionLayer
+    ``LinearAttentionAndFullAttentionLayer`` / ``...SlidingWindowAttentionLayer``, sharded: the window is
+    the layer's mask's)."""
+    from transformers.cache_utils import LinearAttentionLayer
 
-        class ShardedLinearAndAttentionLayer(ShardedCacheLayer, LinearAttentionLayer):
-            def __init__(self, number_of_states: int = 1, **kwargs):
-                ShardedCacheLayer.__init__(self, **kwargs)
-                LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+    class ShardedLinearAndAttentionLayer(ShardedCacheLayer, LinearAttentionLayer):
+        def __init__(self, number_of_states: int = 1, **kwargs):
+            ShardedCacheLayer.__init__(self, **kwargs)
+            LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
-            def lazy_initialization(self, *args, **kwargs) -> None:
-                if len(args) == 2 and not kwargs:  # the attention's update(keys, values)
-                    ShardedCacheLayer.lazy_initialization(self, *args)
-                elif not args:  # update_conv_state / update_recurrent_state
-                    LinearAttentionLayer.lazy_initialization(self, **kwargs)
+        def lazy_initialization(self, *args, **kwargs) -> None:
+            if len(args) == 2 and not kwargs:  # the attention's update(keys, values)
+                ShardedCacheLayer.lazy_initialization(self, *args)
+            elif not args:  # update_conv_state / update_recurrent_state
+                LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
-        _COMBINED.append(ShardedLinearAndAttentionLayer)
-    return _COMBINED[0]
+        def crop(self, tokens_to_remove: int) -> None:
+            LinearAttentionLayer.crop(self, tokens_to_remove)
+            ShardedCacheLayer.crop(self, tokens_to_remove)
+
+        def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+            LinearAttentionLayer.reorder_cache(self, beam_idx)
+            ShardedCacheLayer.reorder_cache(self, beam_idx)
+
+    return ShardedLinearAndAttentionLayer
+
+
+_ATTENTION_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+_COMBINED_LAYERS = ("LinearAttentionAndFullAttentionLayer", "LinearAttentionAndSlidingWindowAttentionLayer")
 
 
 class GenState:
-    """A generation under context parallelism, kept on its cache (``cache._cp_generation``): the context,
-    the sharded layers by layer index, the prompt's length."""
+    """One generation under context parallelism, kept on its cache (``cache._cp_generation``).
 
-    def __init__(self, cp, layers: dict, prompt_length: int):
-        self.cp, self.layers, self.prompt_length = cp, layers, prompt_length
+    ``cp``: the context; ``layers``: the sharded attention layers by cache index; ``linear``: the cache
+    indices of the mixers' states; ``prompt_length``; ``last_owner``: the rank holding the prompt's last
+    token. Per decode step: ``valid`` (B, T) the padding mask, ``updated`` the layer the running attention
+    updated last, ``plans`` the step's plans (:func:`cp_attention.engine.decode.partial_over_cache`)."""
+
+    def __init__(self, cp, cache, layers: dict, linear: list, prompt_length: int, last_owner: int):
+        self.cp, self.cache, self.layers, self.linear = cp, cache, layers, linear
+        self.prompt_length, self.last_owner = prompt_length, last_owner
+        self.valid = self.updated = None
+        self.plans = {}
 
 
 def generation_state(cache) -> GenState | None:
@@ -153,71 +199,106 @@ def _cache_of(kwargs: dict):
     return cache if isinstance(cache, Cache) else None
 
 
-def generation_call(kwargs: dict | None):
-    """What a top-level model forward inside a multi-rank block is with respect to generation: ("prefill",
-    cache) for a call with an empty transformers cache and unsharded ``input_ids`` (generate's first
-    forward), ("decode", state) for a call continuing a cache :func:`start_prefill` sharded, else None."""
+def _empty(cache) -> bool:
+    """Whether a transformers cache holds nothing yet (a cache of mixer states alone has no length)."""
+    try:
+        return cache.get_seq_length() == 0
+    except ValueError:  # only LinearAttentionLayers (Mamba): empty while none is initialised
+        return not any(getattr(layer, "is_initialized", False) for layer in cache.layers)
+
+
+def generation_call(model, kwargs: dict | None, attends) -> tuple | None:
+    """What a top-level forward of ``model`` inside a multi-rank block is with respect to generation:
+    ("prefill", cache) for a call with an empty transformers cache and unsharded ``input_ids`` (generate's
+    first forward), ("decode", state) for a call continuing a cache :func:`start_prefill` sharded, else
+    None. Refuses a model with attention (``attends()``) whose forward builds a cache of its own class."""
     from ..engine.batch import batch_of
 
     if not kwargs:
         return None
+    ids = kwargs.get("input_ids")
+    unsharded = isinstance(ids, torch.Tensor) and batch_of(ids) is None
     cache = _cache_of(kwargs)
     if cache is None:
+        own = getattr(type(model), "_supports_default_dynamic_cache", None)
+        if unsharded and kwargs.get("use_cache") and kwargs.get("past_key_values", kwargs.get("cache")) is None \
+                and own is not None and not own() and attends():
+            raise refuse("generation_own_cache", model=type(model).__name__)
         return None
     state = generation_state(cache)
     if state is not None:
         return "decode", state
-    ids = kwargs.get("input_ids")
-    if cache.get_seq_length() == 0 and isinstance(ids, torch.Tensor) and batch_of(ids) is None:
+    if unsharded and _empty(cache):
         return "prefill", cache
     return None
 
 
-def start_prefill(model, kwargs: dict, cache, cp) -> None:
+def _same_tokens(cp, ids: torch.Tensor, what: str) -> None:
+    """Every rank was handed the same ``ids`` (the prompt, a decode step's tokens): else refused."""
+    everyone = cp.comm.all_gather(ids.to(torch.long).contiguous(), what)
+    if any(not torch.equal(other, everyone[0]) for other in everyone):
+        raise refuse("generation_ranks_differ", what=what.replace("the decode step's", "a decode step's"))
+
+
+def start_prefill(model, kwargs: dict, cache, cp) -> GenState:
     """Shard generate's first forward: its ``input_ids`` / ``position_ids`` / ``attention_mask`` become
     this rank's shard (``cp.shard_batch``, in the call's own dict), and each attention layer of ``cache``
     a :class:`ShardedCacheLayer` of this rank's tokens."""
-    from transformers.cache_utils import DynamicLayer
-
     from .. import layout as layout_mod
+    from ..engine.batch import batch_of
     from .models import layer_mask, text_config
 
+    if getattr(cache, "offloading", False):
+        raise refuse("generation_cache", layer="every", kind=f"offloaded {type(cache).__name__}")
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    indexed = next((k for k in kinds if "Indexed" in k), None)
+    if indexed is not None:  # a sparse-attention indexer's keys: no decode step over a selection yet
+        raise refuse("selection_with_kv_cache", family=getattr(model.config, "model_type", type(model).__name__),
+                     queries=int(kwargs["input_ids"].shape[1]), offset=0,
+                     keys=int(kwargs["input_ids"].shape[1]))
+    for i, kind in enumerate(kinds):
+        if kind not in (*_ATTENTION_LAYERS, *_COMBINED_LAYERS, "LinearAttentionLayer", "DummyLayer"):
+            raise refuse("generation_cache", layer=i, kind=kind)
     ids = kwargs["input_ids"]
+    _same_tokens(cp, ids, "the prompt")
     N = int(ids.shape[1])
     given = {name: kwargs[name] for name in ("input_ids", "position_ids", "attention_mask")
              if isinstance(kwargs.get(name), torch.Tensor)}
     batch = cp.shard_batch(**given)
     kwargs.update({name: batch[name] for name in given if name in batch})
-    record = batch_record(batch["input_ids"])
+    layout = batch_of(batch["input_ids"]).layout
     config = text_config(model)
-    positions = layout_mod.global_index(N, cp.world_size, record.layout, cp.rank)
+    positions = layout_mod.global_index(N, cp.world_size, layout, cp.rank)
     layers, linear = {}, []
-    for i, layer in enumerate(cache.layers):
-        if type(layer).__name__ == "LinearAttentionLayer":  # a mixer's states: each rank's own after the
-            linear.append(i)                                  # prefill, then the last token's owner's
-            continue
-        if type(layer).__name__ == "DummyLayer":  # a layer that caches nothing (Nemotron-H's MLP layers)
-            continue
-        if type(layer).__name__ == "LinearAttentionAndFullAttentionLayer":  # Falcon-H1: K/V and mixer states
-            sharded = _combined_class()(number_of_states=layer.number_of_states, rank=cp.rank,
-                                        world_size=cp.world_size, prefill_positions=positions, prompt_length=N)
-            cache.layers[i] = layers[i] = sharded
-            linear.append(i)
-            continue
-        if type(layer) not in (DynamicLayer,) and type(layer).__name__ != "DynamicSlidingWindowLayer":
-            raise NotImplementedError(f"cp_flash: generation under context parallelism shards dynamic caches only; "
-                                      f"layer {i} of this cache is a {type(layer).__name__}")
+    for i, kind in enumerate(kinds):
+        if kind in ("LinearAttentionLayer", "DummyLayer"):  # a mixer's states (each rank's own after the
+            linear += [i] if kind == "LinearAttentionLayer" else []  # prefill, then the last token's
+            continue                                                 # owner's); a layer caching nothing
         spec = layer_mask(config, i)
-        sharded = ShardedCacheLayer(rank=cp.rank, world_size=cp.world_size, prefill_positions=positions,
-                                    prompt_length=N, window=spec.window, chunk=spec.chunk_size)
-        cache.layers[i] = sharded
-        layers[i] = sharded
-    state = GenState(cp, layers, N)
-    state.cache, state.linear = cache, linear
-    state.last_owner = next(r for r in range(cp.world_size)
-                            if bool((layout_mod.global_index(N, cp.world_size, record.layout, r) == N - 1).any()))
+        common = dict(rank=cp.rank, world_size=cp.world_size, prefill_positions=positions, prompt_length=N,
+                      window=spec.window, chunk=spec.chunk_size, layer_index=i)
+        if kind in _COMBINED_LAYERS:  # Falcon-H1 and the like: K/V and a mixer's states in one layer
+            layers[i] = _combined_class()(number_of_states=cache.layers[i].number_of_states, **common)
+            linear.append(i)
+        else:
+            layers[i] = ShardedCacheLayer(**common)
+        cache.layers[i] = layers[i]
+    last_owner = next(r for r in range(cp.world_size)
+                      if bool((layout_mod.global_index(N, cp.world_size, layout, r) == N - 1).any()))
+    state = GenState(cp, cache, layers, linear, N, last_owner)
+    for layer in layers.values():
+        layer.generation = state
     cache._cp_generation = state
     return state
+
+
+def start_decode(state: GenState, kwargs: dict) -> None:
+    """Before a decode forward: its new tokens are the same on every rank (else refused)."""
+    state.valid = state.updated = None
+    state.plans = {}  # the step's plans, shared by its layers of one mask
+    ids = kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor):
+        _same_tokens(state.cp, ids, "the decode step's tokens")
 
 
 def finish_prefill(state: GenState) -> None:
@@ -234,7 +315,19 @@ def finish_prefill(state: GenState) -> None:
                     t.copy_(comm.all_gather(t, "a mixer's state after the prefill")[state.last_owner])
 
 
-def batch_record(tensor):
-    from ..engine.batch import batch_of
+def decode_attention(state: GenState, spec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
+    """A decode step's attention (transformers' layout: q (B, H, Lq, D), k/v (B, K, n, D) this rank's
+    cached keys, as the layer's cache update returned them) over the cache sharded by this module: merged
+    over the ranks by :func:`cp_attention.engine.decode.attend_sharded_cache`. Returns (B, Lq, H, Dv)."""
+    from ..engine.decode import attend_sharded_cache
 
-    return batch_of(tensor)
+    layer = state.updated
+    if layer is None or key.shape[2] != layer.positions.numel():
+        raise RuntimeError(f"cp_flash: a decode step's attention got {key.shape[2]} keys, but the sharded cache "
+                           f"layer it updated holds {None if layer is None else layer.positions.numel()}: the "
+                           f"attention must attend to what its cache update returned")
+    end, Lq = layer.cumulative_length, query.shape[2]
+    return attend_sharded_cache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
+                                state.cp.comm, q_pos=torch.arange(end - Lq, end), k_pos=layer.positions,
+                                sinks=sinks, valid=state.valid, plans=state.plans)

@@ -80,7 +80,7 @@ from .heads import call_kwargs, prepare_call
 from .compressed import per_token_streams
 from .indexers import adapted_indexer
 from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
-from .generation import finish_prefill, generation_call, start_prefill
+from .generation import finish_prefill, generation_call, start_decode, start_prefill
 from .recurrent import adapted_class
 from .rope import rope_findings, tag_ropes
 
@@ -475,8 +475,12 @@ def _before(module, args):
             return None
         if inner is not module:
             unwrap_adapters(module)  # prompt learning: refused, naming its PEFT type
-        gen = generation_call(call_kwargs())
+        gen = generation_call(inner, call_kwargs(),
+                              lambda: any(uses_attention_interface(type(m)) for _, m in _modules(inner)))
+        if gen is not None and compiled:
+            raise refuse("generation_compiled", model=type(inner).__name__)
         if gen is not None and gen[0] == "decode":  # a decode step over the sharded cache: replicated but attention
+            start_decode(gen[1], call_kwargs())
             guard.model, guard.ran, guard.reached, guard.counting, guard.decode = module, set(), set(), False, gen[1]
             guard.record, guard.position_start = None, 0
             return None
@@ -518,7 +522,7 @@ def _after(module, args, output):
         return head.gathered(output)  # a head module's per-token output, in sequence order on every rank
     if getattr(guard, "model", None) is not module:
         return None
-    guard.model, guard.head, guard.record, guard.decode, guard.decode_valid = None, None, None, None, None
+    guard.model, guard.head, guard.record, guard.decode = None, None, None, None
     prefill, guard.prefill = getattr(guard, "prefill", None), None
     if prefill is not None:
         finish_prefill(prefill)
@@ -582,5 +586,8 @@ def _enter(cp):
 
 
 def install_guard() -> None:
-    """Register the guard with the engine's multi-rank contexts (idempotent)."""
+    """Register the guard with the engine's multi-rank contexts (idempotent); inside an open block (a
+    model loaded there first registers cp_flash) its hooks are installed at once."""
     register_context_guard(_enter)
+    if active_context() is not None:
+        _enter(active_context())

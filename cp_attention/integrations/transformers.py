@@ -58,6 +58,7 @@ from ..refusals import refuse
 from .indexers import MaskRows, SelectingMask, global_selection
 from .compressed import adapt_module as adapt_compressed
 from .compressed import take_selection
+from .generation import decode_attention
 from .indexers import adapt_module as adapt_indexers
 from .losses import adapt_module as adapt_loss_functions
 from .mixers import adapt_module as adapt_mixer_functions
@@ -279,9 +280,10 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
                   mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
                   **kwargs) -> CPMask:
     """The mask function registered for "cp_flash": returns a :class:`CPMask`, never (L x L) data."""
-    if getattr(state.MODEL_GUARD, "decode", None) is not None:  # a decode step over a sharded cache: its
-        if isinstance(attention_mask, torch.Tensor):              # attention reads the cache's positions and
-            state.MODEL_GUARD.decode_valid = attention_mask.detach().to(torch.bool)  # this padding mask
+    decoding = getattr(state.MODEL_GUARD, "decode", None)
+    if decoding is not None:  # a decode step over a sharded cache: its attention reads the cache's positions
+        if isinstance(attention_mask, torch.Tensor):  # and this padding mask
+            decoding.valid = attention_mask.detach().to(torch.bool)
         return None
     if isinstance(attention_mask, CPMask):  # prepared by generate for this forward: keep its padding
         attention_mask = attention_mask.valid
@@ -438,8 +440,9 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     if dropout and getattr(module, "training", False):
         raise refuse("attention_dropout", dropout=dropout)
     decoding = getattr(state.MODEL_GUARD, "decode", None)
-    if decoding is not None:
-        return _decode_step(decoding, module, query, key, value, sliding_window, softcap, scaling, s_aux), None
+    if decoding is not None:  # a decode step over the KV cache sharded by .generation
+        spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling)
+        return decode_attention(decoding, spec, *_autocast(query, key, value), s_aux), None
     if isinstance(attention_mask, torch.Tensor):
         family = str(getattr(getattr(module, "config", None), "model_type", "") or "this model")
         raise refuse("dense_mask", shape=tuple(attention_mask.shape), family=family)
@@ -487,21 +490,6 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                        layer=getattr(module, "layer_idx", None), model_crc=lambda: config_crc(module),
                        adjust_q=_llama4_adjust(module), key_select=key_select, extra_kv=extra_kv)
     return out, None
-
-
-def _decode_step(decoding, module, query, key, value, sliding_window, softcap, scaling, s_aux):
-    """A decode step's attention over the cache sharded by :mod:`.generation`: this rank's cached keys at
-    their global positions, merged over the ranks (:func:`cp_attention.engine.decode.attend_sharded_cache`)."""
-    from ..engine.decode import attend_sharded_cache
-
-    layer = decoding.layers[module.layer_idx]
-    spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling)
-    Lq, end = query.shape[2], layer.cumulative_length
-    query, key, value = _autocast(query, key, value)
-    out = attend_sharded_cache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
-                               decoding.cp.comm, q_pos=torch.arange(end - Lq, end), k_pos=layer.positions, sinks=s_aux,
-                               valid=getattr(state.MODEL_GUARD, "decode_valid", None))
-    return out
 
 
 # ----------------------------------------------------------------------------------------------

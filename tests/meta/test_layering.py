@@ -30,7 +30,7 @@ while not os.path.exists(os.path.join(ROOT, "pyproject.toml")):
 PACKAGE = os.path.join(ROOT, "cp_attention")
 MAX_LINES = 600
 LAYERS = (
-    ("masks", "torch_compat", "waits", "refusals", "quiet_gc"),
+    ("masks", "torch_compat", "waits", "refusals", "refusals_training", "quiet_gc"),
     ("comm",),
     ("layout", "kernels"),
     ("plan",),

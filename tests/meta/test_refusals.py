@@ -191,8 +191,8 @@ def test_the_catalogue_is_ordered_by_area_and_complete():
 def test_refuse_fills_the_fields():
     error = refuse("kv_cache_under_cp", queries=3, offset=5, keys=8)
     assert type(error) is ValueError
-    assert str(error) == ("cp_flash: a non-empty KV cache is not supported under context parallelism (queries 3 "
-                          "from position 5, keys 8); call the model with use_cache=False")
+    assert str(error).startswith("cp_flash: a non-empty KV cache that context parallelism did not shard (queries 3 "
+                                 "from position 5, keys 8); run model.generate inside")
     error = refuse("num_items_mismatch", value=2.5, want=4.0, items=8.0, ranks=2)  # format specs kept
     assert "num_items_in_batch=2.5 was handed" in str(error) and "binds 4 (its 8 label tokens / 2 ranks" in str(error)
     assert "logits_to_keep='x'" in str(refuse("logits_to_keep_without_ids", keep="x"))  # !r kept

@@ -55,30 +55,36 @@ def _cache_bytes(cache, windowed: bool = False) -> int:
     return total
 
 
-def _generate_cache(model, padded: bool, sample: bool, prompt: int = N):
+MODES = {"greedy": {}, "sample": dict(do_sample=True), "beams": dict(num_beams=2),
+         "lookup": dict(prompt_lookup_num_tokens=3)}  # lookup: candidates verified, rejected ones cropped
+
+
+def _generate_cache(model, padded: bool, mode: str, prompt: int = N):
     ids, mask = _inputs(padded)
     ids, mask = ids[:, -prompt:], mask[:, -prompt:]
     torch.manual_seed(7)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=sample, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True, **{"do_sample": False, **MODES[mode]})
     return out
 
 
 def _worker(rank, world_size, cases):
     torch.set_num_threads(1)
     results = []
-    for family, padded, sample in cases:
+    for family, padded, mode in cases:
         model = _model(family, "cp_flash")
         with cp_attention.context_parallel(layout="zigzag") as cp:
             calls = []
             gather = cp.comm.all_gather
             cp.comm.all_gather = lambda t, what="": (calls.append(what), gather(t, what))[1]
-            out = _generate_cache(model, padded, sample)  # decode forwards: every new token but the first
+            out = _generate_cache(model, padded, mode)  # decode forwards: every new token but the first
             per_token = sum(1 for c in calls if "decode step" in c) / (out.sequences.shape[1] - N - 1)
-            calls.clear()
-            half = _generate_cache(model, padded, sample, prompt=N // 2)  # a prompt half as long
-            per_token_half = sum(1 for c in calls if "decode step" in c) / (half.sequences.shape[1] - N // 2 - 1)
+            per_token_half = per_token
+            if mode in ("greedy", "sample"):  # one forward per token (lookup verifies several at once)
+                calls.clear()
+                half = _generate_cache(model, padded, mode, prompt=N // 2)  # a prompt half as long
+                per_token_half = sum(1 for c in calls if "decode step" in c) / (half.sequences.shape[1] - N // 2 - 1)
             cp.comm.all_gather = gather
         results.append((out.sequences[:, N:].tolist(), torch.stack(out.logits).numpy(),
                         (_cache_bytes(out.past_key_values), _cache_bytes(out.past_key_values, True)), per_token,
@@ -86,7 +92,9 @@ def _worker(rank, world_size, cases):
     return results
 
 
-CASES = [(f, False, False) for f in FAMILIES] + [("qwen3", True, False), ("gpt_oss", True, True), ("qwen3", False, True)]
+CASES = [(f, False, "greedy") for f in FAMILIES] + [("qwen3", True, "greedy"), ("gpt_oss", True, "sample"),
+                                                    ("qwen3", False, "sample"), ("gpt_oss", False, "beams"),
+                                                    ("gpt_oss", False, "lookup")]
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
@@ -95,9 +103,9 @@ def test_generate_equals_one_device(world_size):
     one decode block of 16 tokens (in windowed layers at most one device's); the decode step's collectives
     per token the same for a prompt half as long (one all-gather per attention layer)."""
     wants = []
-    for family, padded, sample in CASES:
+    for family, padded, mode in CASES:
         model = _model(family, "eager")
-        out = _generate_cache(model, padded, sample)
+        out = _generate_cache(model, padded, mode)
         full = [layer for layer in out.past_key_values.layers
                 if getattr(layer, "keys", None) is not None and not _windowed(layer)]
         block = sum(layer.keys[:, :, :16].numel() * layer.keys.element_size() * 2 for layer in full)  # K and V
@@ -115,3 +123,94 @@ def test_generate_equals_one_device(world_size):
             assert cache_bytes[0] <= want_bytes[0] / world_size + block_bytes, (rank, case, cache_bytes, want_bytes)
             assert cache_bytes[1] <= want_bytes[1], (rank, case, cache_bytes, want_bytes)
             assert per_token == per_token_half and per_token > 0, (rank, case, per_token, per_token_half)
+
+
+def _refusal(call) -> str:
+    try:
+        call()
+    except (NotImplementedError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "ran"
+
+
+def _refusals_worker(rank, world_size):
+    from transformers import DynamicCache
+
+    torch.set_num_threads(1)
+    ids = torch.randint(3, 100, (1, 48), generator=torch.Generator().manual_seed(1))
+    qwen3 = _model("qwen3", "cp_flash")
+    minimax = _model("minimax", "cp_flash")
+    dsa = _model("deepseek_v32", "cp_flash")
+
+    def generate(model, prompt=ids, **kw):
+        with torch.no_grad():
+            return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, pad_token_id=0,
+                                  **{"do_sample": False, **kw})
+
+    def sampled_per_rank():
+        torch.manual_seed(rank)  # each rank its own seed: the ranks sample different tokens
+        return generate(qwen3, do_sample=True, top_k=0)
+
+    def compiled():
+        with torch.no_grad():
+            torch.compile(qwen3)(input_ids=ids, past_key_values=DynamicCache(config=qwen3.config), use_cache=True)
+
+    found = {}
+    with cp_attention.context_parallel(layout="zigzag"):
+        found["static"] = _refusal(lambda: generate(qwen3, cache_implementation="static"))
+        found["prompts"] = _refusal(lambda: generate(qwen3, prompt=ids + rank))
+        found["seeds"] = _refusal(sampled_per_rank)
+        found["own_cache"] = _refusal(lambda: generate(minimax))
+        found["selection"] = _refusal(lambda: generate(dsa))
+        found["compiled"] = _refusal(compiled)
+        found["after"] = generate(qwen3).tolist()  # the block still generates after every refusal
+    return found
+
+
+def test_generate_refusals():
+    """What generation under context parallelism refuses, on every rank, before it decodes a wrong token: a
+    static cache, ranks handed different prompts or sampling with different seeds, a model building its own
+    cache class (MiniMax), selected keys (DeepSeek-V3.2), a compiled forward with a cache."""
+    want = _model("qwen3", "eager").generate(torch.randint(3, 100, (1, 48), generator=torch.Generator().manual_seed(1)),
+                                            max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
+    for found in run_ranks(2, _refusals_worker, timeout=600):
+        assert found["static"].startswith("NotImplementedError: cp_flash: generation under context parallelism "
+                                          "shards transformers' dynamic cache") and "a Static" in found["static"]
+        assert found["prompts"].startswith("ValueError: cp_flash: the ranks of the context-parallel group were "
+                                           "handed different tokens for the prompt"), found["prompts"]
+        assert "different tokens for a decode step's tokens" in found["seeds"], found["seeds"]
+        assert "MiniMaxForCausalLM builds a cache of its own class" in found["own_cache"], found["own_cache"]
+        assert "deepseek_v32 selects keys per query over a KV cache" in found["selection"], found["selection"]
+        assert "was called compiled with a KV cache under context parallelism" in found["compiled"], found["compiled"]
+        assert found["after"] == want
+
+
+HYBRIDS = ("jamba", "nemotron_h", "falcon_h1", "qwen3_5", "mamba")  # Mamba / gated DeltaNet states and K/V
+SHORT = 96
+
+
+def _short(model):
+    ids = torch.randint(3, 100, (1, SHORT), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[:, SHORT:].tolist(), torch.stack(out.logits).numpy()
+
+
+def _hybrids_worker(rank, world_size):
+    torch.set_num_threads(1)
+    with cp_attention.context_parallel(layout="zigzag"):  # loaded inside the block: cp_flash registers there
+        return [_short(_model(family, "cp_flash")) for family in HYBRIDS]
+
+
+def test_hybrids_generate_equal_one_device():
+    """The hybrids whose caches hold a mixer's states beside K/V (Jamba, Nemotron-H: Mamba; Falcon-H1: both in
+    one cache layer; Qwen3.5: gated DeltaNet) and a pure state-space model (Mamba): after the prefill every
+    rank decodes from the state of the rank holding the prompt's last token; greedy tokens equal one device's,
+    step logits within 1e-5."""
+    wants = [_short(_model(family, "eager")) for family in HYBRIDS]
+    for results in run_ranks(2, _hybrids_worker, timeout=600):
+        for family, (tokens, logits), (want_tokens, want_logits) in zip(HYBRIDS, results, wants):
+            assert tokens == want_tokens, family
+            err = float(abs(logits - want_logits).max())
+            assert err <= 1e-5, (family, err)

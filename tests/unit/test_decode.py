@@ -1,7 +1,7 @@
 """The decode step over a KV cache sharded by sequence (cp_attention.engine.decode), simulated in one process:
 the cached keys dealt to P ranks (each rank's positions increasing, not contiguous), each rank's partial
 over its own keys, merged in rank order with the sinks once, against a float64 dense oracle of the
-softmax over all keys (causal, a sliding window, chunks, padding, sinks, GQA, Dv != D)."""
+softmax over all keys (causal, a sliding window, chunks, padding, sinks, softcap, GQA, Dv != D)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ def oracle(q, k, v, spec: MaskSpec, q_pos, k_pos, valid, sinks):
     rep = H // K
     kk, vv = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * spec.resolved_scale(D)
+    if spec.softcap is not None:
+        s = spec.softcap * torch.tanh(s / spec.softcap)
     p, t = q_pos[None, :, None], k_pos[None, None, :]
     ok = (t <= p).expand(B, -1, -1).clone()
     if spec.window is not None:
@@ -47,7 +49,8 @@ def deal(T: int, P: int, seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("spec, sinks", [
-    (MaskSpec(), False), (MaskSpec(window=7), True), (MaskSpec(chunk_size=8), False), (MaskSpec(window=5), False)])
+    (MaskSpec(), False), (MaskSpec(window=7), True), (MaskSpec(chunk_size=8), False), (MaskSpec(window=5), False),
+    (MaskSpec(window=6, softcap=2.0), False)])  # softcap: Gemma 2's (some backends have none)
 @pytest.mark.parametrize("P", [1, 2, 4])
 def test_sharded_cache_step_equals_attention_over_all_keys(spec, sinks, P):
     g = torch.Generator().manual_seed(3)
@@ -82,3 +85,31 @@ def test_a_rank_with_no_visible_key_contributes_nothing():
     got, _ = merge_ranks([(out, lse), partial_over_cache(q, k[:, near], v[:, near], spec, q_pos=q_pos, k_pos=near)])
     want = oracle(q, k, v, spec, q_pos, torch.arange(20), None, None)
     assert float((got - want).abs().max()) <= 1e-12
+
+
+def test_softcap_in_float32_picks_a_backend_that_has_it():
+    """Gemma 2's softcap in a float32 model: the backend is chosen for the whole mask (the cpu backend has no
+    softcap), and the step equals the float64 oracle to float32 rounding."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 1, 2, 8, generator=g)
+    k, v = torch.randn(1, 30, 2, 8, generator=g), torch.randn(1, 30, 2, 8, generator=g)
+    spec, q_pos = MaskSpec(softcap=2.0), torch.tensor([29])
+    halves = [torch.arange(0, 30, 2), torch.arange(1, 30, 2)]
+    got, _ = merge_ranks([partial_over_cache(q, k[:, p], v[:, p], spec, q_pos=q_pos, k_pos=p) for p in halves])
+    want = oracle(q.double(), k.double(), v.double(), spec, q_pos, torch.arange(30), None, None)
+    assert float((got.double() - want).abs().max()) <= 1e-5
+
+
+def test_a_steps_plans_are_shared_only_over_the_same_positions():
+    """Layers of one decode step share a plan when their mask and cached positions agree; keys at other
+    positions (as many, the same first and last) are planned anew."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 1, 2, 4, generator=g, dtype=torch.float64)
+    k, v = torch.randn(1, 12, 2, 4, generator=g, dtype=torch.float64), torch.randn(1, 12, 2, 4, generator=g,
+                                                                                  dtype=torch.float64)
+    spec, q_pos, plans = MaskSpec(window=5), torch.tensor([11]), {}
+    for pos in (torch.tensor([0, 7, 9, 11]), torch.tensor([0, 7, 9, 11]), torch.tensor([0, 8, 10, 11])):
+        got, _ = merge_ranks([partial_over_cache(q, k[:, pos], v[:, pos], spec, q_pos=q_pos, k_pos=pos, plans=plans)])
+        assert len(plans) == 1
+        want = oracle(q, k[:, pos], v[:, pos], spec, q_pos, pos, None, None)
+        assert float((got - want).abs().max()) <= 1e-12

@@ -52,3 +52,27 @@ def test_keys_no_later_query_sees_are_dropped(mask, first):
     last_query = N + steps - 1
     held = sorted(torch.cat([layer.positions for layer in layers]).tolist())
     assert held == list(range(first(last_query), N + steps))
+
+
+@pytest.mark.parametrize("mask", [{}, dict(window=6)])
+def test_crop_forgets_the_last_tokens_on_every_rank(mask):
+    """Assisted and prompt-lookup decoding verify several candidates in one step, then crop the rejected
+    ones: the keys at those positions go, wherever they are held, and the lengths follow."""
+    N = 40
+    layers, prompt_k, _ = _run(3, N, 0, "zigzag", **mask)
+    full_k = torch.cat([prompt_k, torch.randn(*prompt_k.shape[:2], 5, prompt_k.shape[3])], dim=2)
+    for layer in layers:  # a verification step of five tokens, three of them rejected
+        layer.update(full_k[:, :, N:N + 5], full_k[:, :, N:N + 5])
+        layer.crop(-3)
+        assert layer.get_seq_length() == N + 2 and layer.get_mask_sizes(1) == (N + 3, 0)
+        assert torch.equal(layer.keys, full_k[:, :, layer.positions])
+    held = sorted(torch.cat([layer.positions for layer in layers]).tolist())
+    assert held == list(range(N - mask["window"] + 1 if mask else 0, N + 2))  # the window of the step's first
+
+
+def test_crop_past_keys_the_window_dropped_is_refused():
+    layers, full_k, _ = _run(2, 40, 6, "zigzag", window=4)
+    with pytest.raises(NotImplementedError, match="already dropped the keys before position 42"):
+        layers[0].crop(-5)
+    with pytest.raises(ValueError, match="pass a negative count"):
+        layers[0].crop(3)
