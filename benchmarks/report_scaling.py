@@ -158,6 +158,78 @@ def _more_mixers(folder: str) -> list[str]:
     return out
 
 
+def generate_section(folder: str) -> list[str]:
+    """``bench_generate.py`` (``generate.json``): ``model.generate`` under context parallelism against one device."""
+    payload = load(folder, "generate.json")
+    if payload is None:
+        return []
+    import bench_generate
+
+    results, cfg, machine = payload["results"], payload["config"], payload["machine"]
+    r0 = results[0]
+    new, sizes = r0["new_tokens"], ", ".join(str(r["world_size"]) for r in results)
+    others = sorted({w for r in results for w in r["decode_gathers_by_what"] if w != bench_generate.ATTENTION_GATHER})
+    out = ["## Generation with a sharded KV cache", ""]
+    out += code("python benchmarks/" + " ".join(payload["argv"]))
+    out += para(f"`bench_generate.py`, `generate.json`. `model.generate` inside `context_parallel(layout="
+                f"\"{cfg['layout']}\")` on P = {sizes} gloo ranks on CPU ({cfg['threads']} thread per rank, "
+                f"{machine['cpu_count']} shared cores), against the same model and code path on one process "
+                f"(interleaved in the same run): the training-step benchmark's CPU Qwen3 ({r0['layers']} "
+                f"full-attention layers, hidden {r0['hidden']}, H {r0['heads']}, K {r0['kv_heads']}, "
+                f"D {r0['head_dim']}, {r0['dtype']}, random weights), one row of L = {r0['seq_len']} prompt tokens, "
+                f"{new} greedy tokens. "
+                "The prefill runs on each rank's shard of the prompt and leaves each rank's cache the K/V of its own "
+                "tokens; a decode step runs the model on the new token on every rank, each rank's attention over "
+                "its own keys, merged with one all-gather per attention layer.")
+    out += para(f"Columns. Prefill: from the `generate` call to the first step's logits; decode: per token over "
+                f"the {new - 1} decode forwards (a logits processor reads the clocks after each forward). Wall and "
+                f"CPU: the slowest rank over one device, taken in each of {cfg['repeats']} rounds (one device, then "
+                "each P, fresh processes, one untimed generate first) and the median reported; with more ranks than "
+                "cores the wall time includes waiting for a core (and, in a decode step, for every rank to reach "
+                "each all-gather), the CPU time (each rank's own thread) does not. KV bytes: the K/V the fullest "
+                "rank's cache holds at the end over one device's cache (the ideal 1/P in parentheses). All-gathers "
+                "per token: every all-gather a rank issues per decoded token (in parentheses those of the attention "
+                f"layers; the rest, as the library labels them: {', '.join(f'“{w}”' for w in others) or 'none'}). "
+                "Received: the bytes one rank receives per decoded token through them (it sends as many). Same "
+                f"tokens, max logit diff: every rank's {new} tokens and step logits against one device's, every "
+                "round.")
+    out += bench_generate.tables(results) + [""]
+    cache_mib = r0["kv_bytes_one_device"] / (1 << 20)
+    att = [r["decode_gathers_by_what"][bench_generate.ATTENTION_GATHER] for r in results]
+    per_layer = [b / n / (r["world_size"] - 1) for (n, b), r in zip(att, results)]
+    fullest = ", ".join(f"{r['kv_over_one_device']:.3f} (P = {r['world_size']})" for r in results)
+    out += bullet(f"The fullest rank's cache holds {fullest} of one device's K/V (decoded tokens go to the ranks in "
+                  "blocks dealt in turn, so a rank holds at most one block more than 1/P). A decode step's attention "
+                  f"receives {span(per_layer, 0)} B per layer from each other rank (the new token's partial output and "
+                  "log-sum-exp: H x (D + 1) float32 values), "
+                  f"{span([r['bytes_recv_per_token'] / 1024 for r in results])} KiB per token in all, where one "
+                  f"device caches {cache_mib:.1f} MiB of K/V: the bytes per token do not grow with the prompt.")
+    if all("tokens_equal_eager" in r for r in results):
+        same = all(r["tokens_equal_eager"] and r["one_device_tokens_equal_eager"] for r in results)
+        diff = max(max(r["max_logit_diff_vs_eager"], r["one_device_logit_diff_vs_eager"]) for r in results)
+        out += bullet(f"Against eager attention on one process (one untimed run): "
+                      f"{'the same' if same else '**not** the same'} tokens on every rank and on one device, step "
+                      f"logits at most {diff:.1e} apart.")
+    out += bullet("The prefill's work per rank: " + ", ".join(
+        f"{r['prefill_cpu_over_one_device']:.2f} of one device's at P = {r['world_size']} (ideal "
+        f"{1 / r['world_size']:.2g})" for r in results) + ". With more ranks than cores, read the CPU columns.")
+    if "decode_cpu_short_prompt_one_device_s" in r0:
+        short = r0["decode_cpu_short_prompt_one_device_s"] / r0["decode_cpu_one_device_s"]
+        out += bullet(f"A decode step shards only the attention over the cached keys. On one device a decode step "
+                      f"with a {cfg['short_prompt']}-token prompt costs {short:.2f} of one at L = {r0['seq_len']} "
+                      "(CPU time): mostly embeddings, projections, MLPs, the head and generate's per-step work, "
+                      "which every rank runs whole. Splitting the rest and adding nothing would give "
+                      + ", ".join(f"{r['decode_cpu_if_only_attention_split']:.2f} at P = {r['world_size']}"
+                                  for r in results)
+                      + "; measured: " + ", ".join(f"{r['decode_cpu_over_one_device']:.2f}" for r in results)
+                      + ". The difference is what the sharded step adds (the all-gathers, the merge, each rank's "
+                      "partial attention set up per layer). At decode the split saves each rank's cache memory; "
+                      "its time per token, wall, is " + ", ".join(f"{r['decode_wall_over_one_device']:.2f}"
+                                                                  for r in results)
+                      + " of one device's here (gloo round trips between processes sharing the cores).")
+    return out + ["", "No absolute times: CPU ratios only.", ""]
+
+
 def layouts_section(folder: str, page_dir: str) -> list[str]:
     goals = load(folder, "layouts.json")
     plans = load(folder, "cp_layouts.json")

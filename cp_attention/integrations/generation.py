@@ -1,4 +1,4 @@
-"""Generation under context parallelism: a KV cache sharded by sequence .
+"""Generation under context parallelism: a KV cache sharded by sequence.
 
 :class:`ShardedCacheLayer` stands in for one attention layer's ``DynamicLayer`` of transformers' cache: it
 keeps only this rank's K/V, with the global position of each cached key, and reports the one-device lengths
@@ -21,10 +21,11 @@ import functools
 
 import torch
 
+from . import state as guard_state
 from ..refusals import refuse
 
 __all__ = ["ShardedCacheLayer", "GenState", "decode_attention", "decode_owner", "finish_prefill", "generation_call",
-           "generation_state", "start_prefill"]
+           "generation_state", "hand_over", "start_decode", "start_prefill"]
 
 
 def decode_owner(position: int, world_size: int, block: int) -> int:
@@ -56,6 +57,7 @@ class ShardedCacheLayer(_layer_base()):
         self.cumulative_length = 0
         self.positions = torch.zeros(0, dtype=torch.long)
         self.held_from = 0  # every key before this position was dropped (no later query could see it)
+        self.row_starts = (0,)  # each row's first token that is not padding (chunks count from there)
         self.generation = None  # the GenState, told which layer the running attention updated last
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -91,7 +93,8 @@ class ShardedCacheLayer(_layer_base()):
         candidates so): the keys at those positions, on whichever rank holds them. Refused where the
         window or chunk already dropped a key a query at the new length could see."""
         if tokens_to_remove > 0:
-            raise ValueError(f"cp_flash: crop({tokens_to_remove}): pass a negative count, the tokens to remove")
+            raise ValueError(f"cp_flash: crop({tokens_to_remove}) of a sharded cache layer: pass a negative count, the "
+                             f"number of tokens to remove (transformers' convention)")
         end = self.cumulative_length + tokens_to_remove
         if tokens_to_remove == 0 or not self.is_initialized:
             return
@@ -103,14 +106,16 @@ class ShardedCacheLayer(_layer_base()):
         dev = keep.to(self.keys.device)
         self.keys, self.values = self.keys.index_select(-2, dev), self.values.index_select(-2, dev)
         self.cumulative_length = end
+        self._drop_before(self._visible_from(end))  # the next query is at ``end``
 
     def _visible_from(self, query: int) -> int:
         """The first position a query at ``query`` or later may see (window, chunk); 0 without either."""
         start = 0
         if self.window is not None:
             start = max(start, query - self.window + 1)
-        if self.chunk is not None:
-            start = max(start, (query // self.chunk) * self.chunk)
+        if self.chunk is not None:  # the earliest chunk start over the rows (left padding shifts a row's chunks)
+            start = max(start, min(f + (query - f) // self.chunk * self.chunk if query >= f else 0
+                                   for f in self.row_starts))
         return start
 
     def _drop_before(self, start: int) -> None:
@@ -176,15 +181,36 @@ class GenState:
     """One generation under context parallelism, kept on its cache (``cache._cp_generation``).
 
     ``cp``: the context; ``layers``: the sharded attention layers by cache index; ``linear``: the cache
-    indices of the mixers' states; ``prompt_length``; ``last_owner``: the rank holding the prompt's last
-    token. Per decode step: ``valid`` (B, T) the padding mask, ``updated`` the layer the running attention
-    updated last, ``plans`` the step's plans (:func:`cp_attention.engine.decode.partial_over_cache`)."""
+    indices of the mixers' states; ``prompt_length``; ``ranks_positions``: each rank's prompt positions
+    (increasing); ``last_owner``: the rank holding the prompt's last token. During the prefill, ``held``:
+    mixer states kept on modules, and ``whole``: cache indices whose convolution state is already the
+    sequence's (:func:`hand_over`). Per decode step: ``valid`` (B, T) the padding mask, ``updated`` the
+    layer the running attention updated last, ``plans`` the step's plans
+    (:func:`cp_attention.engine.decode.partial_over_cache`)."""
 
-    def __init__(self, cp, cache, layers: dict, linear: list, prompt_length: int, last_owner: int):
+    def __init__(self, cp, cache, layers: dict, linear: list, prompt_length: int, ranks_positions: list):
         self.cp, self.cache, self.layers, self.linear = cp, cache, layers, linear
-        self.prompt_length, self.last_owner = prompt_length, last_owner
+        self.prompt_length, self.ranks_positions = prompt_length, ranks_positions
+        self.last_owner = next(r for r, pos in enumerate(ranks_positions) if pos.numel() and
+                               int(pos[-1]) == prompt_length - 1)
+        self.held, self.whole = [], set()
         self.valid = self.updated = None
         self.plans = {}
+
+
+def hand_over(holder, name: str, kind: str, layer_index: int | None = None) -> None:
+    """Called by a mixer computed in its class during generate's prefill under context parallelism
+    (nothing otherwise): ``holder.<name>``, a state it keeps on a module, is made the sequence's after the
+    prefill (``kind`` "state": the prompt's last token owner's; "conv": a convolution's last inputs,
+    gathered from the ranks holding them); or ``kind`` "whole" with ``layer_index``: that cache layer's
+    convolution state already holds the sequence's last inputs (taken from the last token's owner)."""
+    gen = getattr(guard_state.MODEL_GUARD, "prefill", None)
+    if gen is None:
+        return
+    if kind == "whole":
+        gen.whole.add(layer_index)
+    else:
+        gen.held.append((holder, name, kind))
 
 
 def generation_state(cache) -> GenState | None:
@@ -234,46 +260,84 @@ def generation_call(model, kwargs: dict | None, attends) -> tuple | None:
 
 
 def _same_tokens(cp, ids: torch.Tensor, what: str) -> None:
-    """Every rank was handed the same ``ids`` (the prompt, a decode step's tokens): else refused."""
-    everyone = cp.comm.all_gather(ids.to(torch.long).contiguous(), what)
+    """Every rank was handed the same ``ids`` (the prompt, a decode step's tokens): else refused on every
+    rank. One all-gather of a fixed-size fingerprint (shape and three sums), so ranks handed tensors of
+    different shapes are refused too."""
+    flat = ids.detach().reshape(-1).to("cpu", torch.long)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.long)
+    shape = list(ids.shape) + [0] * (3 - ids.dim())
+    mark = torch.tensor([ids.dim(), *shape[:3], int(flat.sum()), int((flat * weights).sum()),
+                         int((flat * flat).sum())], dtype=torch.long)
+    everyone = cp.comm.all_gather(mark, what)
     if any(not torch.equal(other, everyone[0]) for other in everyone):
         raise refuse("generation_ranks_differ", what=what.replace("the decode step's", "a decode step's"))
+
+
+def _same_random_state(cp) -> None:
+    """The ranks' random generators take rank 0's state (the CPU one, and the current CUDA device's when
+    there is one): sampling then draws the same tokens on every rank from the same logits."""
+    state = torch.get_rng_state()
+    torch.set_rng_state(cp.comm.all_gather(state, "the random state")[0].to(state.device))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state = torch.cuda.get_rng_state()
+        torch.cuda.set_rng_state(cp.comm.all_gather(state.cuda(), "the random state")[0].cpu())
+
+
+def _sharded_layers(model, cache, prompt_length: int) -> list[str]:
+    """The kinds of ``cache``'s layers, refused where generation under context parallelism cannot shard
+    them; a dynamic cache built without a config (no layers yet) gets them now."""
+    from transformers.cache_utils import DynamicCache
+
+    from .models import text_config
+
+    if getattr(cache, "offloading", False):
+        raise refuse("generation_cache", layer="every", kind=f"offloaded {type(cache).__name__}")
+    if not cache.layers and type(cache) is DynamicCache:  # DynamicCache(): its layers appear on first update
+        cache.layers[:] = DynamicCache(config=text_config(model)).layers
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    if not kinds:
+        raise refuse("generation_cache", layer="every", kind=f"{type(cache).__name__} without layers")
+    indexed = next((k for k in kinds if "Indexed" in k), None)
+    if indexed is not None:  # a sparse-attention indexer's keys: no decode step over a selection yet
+        raise refuse("selection_with_kv_cache", family=getattr(model.config, "model_type", type(model).__name__),
+                     queries=prompt_length, offset=0, keys=prompt_length)
+    for i, kind in enumerate(kinds):
+        if kind not in (*_ATTENTION_LAYERS, *_COMBINED_LAYERS, "LinearAttentionLayer", "DummyLayer"):
+            raise refuse("generation_cache", layer=i, kind=kind)
+    return kinds
 
 
 def start_prefill(model, kwargs: dict, cache, cp) -> GenState:
     """Shard generate's first forward: its ``input_ids`` / ``position_ids`` / ``attention_mask`` become
     this rank's shard (``cp.shard_batch``, in the call's own dict), and each attention layer of ``cache``
-    a :class:`ShardedCacheLayer` of this rank's tokens."""
+    a :class:`ShardedCacheLayer` of this rank's tokens. Every rank must be handed the same prompt."""
     from .. import layout as layout_mod
     from ..engine.batch import batch_of
     from .models import layer_mask, text_config
 
-    if getattr(cache, "offloading", False):
-        raise refuse("generation_cache", layer="every", kind=f"offloaded {type(cache).__name__}")
-    kinds = [type(layer).__name__ for layer in cache.layers]
-    indexed = next((k for k in kinds if "Indexed" in k), None)
-    if indexed is not None:  # a sparse-attention indexer's keys: no decode step over a selection yet
-        raise refuse("selection_with_kv_cache", family=getattr(model.config, "model_type", type(model).__name__),
-                     queries=int(kwargs["input_ids"].shape[1]), offset=0,
-                     keys=int(kwargs["input_ids"].shape[1]))
-    for i, kind in enumerate(kinds):
-        if kind not in (*_ATTENTION_LAYERS, *_COMBINED_LAYERS, "LinearAttentionLayer", "DummyLayer"):
-            raise refuse("generation_cache", layer=i, kind=kind)
     ids = kwargs["input_ids"]
+    kinds = _sharded_layers(model, cache, int(ids.shape[1]))
     _same_tokens(cp, ids, "the prompt")
+    _same_random_state(cp)
     N = int(ids.shape[1])
+    mask = kwargs.get("attention_mask")
+    row_starts = (0,)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # left padding: each row's first real token
+        row_starts = tuple(sorted(set(mask.detach().to("cpu", torch.bool).to(torch.uint8).argmax(1).tolist())))
     given = {name: kwargs[name] for name in ("input_ids", "position_ids", "attention_mask")
              if isinstance(kwargs.get(name), torch.Tensor)}
     batch = cp.shard_batch(**given)
     kwargs.update({name: batch[name] for name in given if name in batch})
     layout = batch_of(batch["input_ids"]).layout
     config = text_config(model)
-    positions = layout_mod.global_index(N, cp.world_size, layout, cp.rank)
+    ranks_positions = [layout_mod.global_index(N, cp.world_size, layout, r).to("cpu", torch.long)
+                       for r in range(cp.world_size)]
+    positions = ranks_positions[cp.rank]
     layers, linear = {}, []
     for i, kind in enumerate(kinds):
         if kind in ("LinearAttentionLayer", "DummyLayer"):  # a mixer's states (each rank's own after the
-            linear += [i] if kind == "LinearAttentionLayer" else []  # prefill, then the last token's
-            continue                                                 # owner's); a layer caching nothing
+            linear += [i] if kind == "LinearAttentionLayer" else []  # prefill, then the sequence's); a
+            continue                                                 # layer caching nothing
         spec = layer_mask(config, i)
         common = dict(rank=cp.rank, world_size=cp.world_size, prefill_positions=positions, prompt_length=N,
                       window=spec.window, chunk=spec.chunk_size, layer_index=i)
@@ -282,10 +346,9 @@ def start_prefill(model, kwargs: dict, cache, cp) -> GenState:
             linear.append(i)
         else:
             layers[i] = ShardedCacheLayer(**common)
+        layers[i].row_starts = row_starts
         cache.layers[i] = layers[i]
-    last_owner = next(r for r in range(cp.world_size)
-                      if bool((layout_mod.global_index(N, cp.world_size, layout, r) == N - 1).any()))
-    state = GenState(cp, cache, layers, linear, N, last_owner)
+    state = GenState(cp, cache, layers, linear, N, ranks_positions)
     for layer in layers.values():
         layer.generation = state
     cache._cp_generation = state
@@ -301,32 +364,61 @@ def start_decode(state: GenState, kwargs: dict) -> None:
         _same_tokens(state.cp, ids, "the decode step's tokens")
 
 
+def _sequence_tail(state: GenState, everyone: list[torch.Tensor]) -> torch.Tensor:
+    """A convolution's state for the whole prompt, from every rank's (B, C, W): each rank's columns are
+    its last W prompt tokens (right-aligned, zeros before its first), the result's the prompt's last W
+    (zeros before position 0), each column taken from the rank holding that position."""
+    W, N = everyone[0].shape[-1], state.prompt_length
+    out = torch.zeros_like(everyone[0])
+    for r, pos in enumerate(state.ranks_positions):
+        tail = pos[-W:]  # this rank's last W tokens: columns W - len(tail) ... W - 1
+        take = tail >= N - W
+        if bool(take.any()):
+            src = torch.nonzero(take).flatten() + (W - tail.numel())
+            dst = tail[take] - (N - W)
+            out[..., dst.to(out.device)] = everyone[r][..., src.to(out.device)]
+    return out
+
+
+def _settle(state: GenState, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+    everyone = state.cp.comm.all_gather(tensor.contiguous(), "a mixer's state after the prefill")
+    return everyone[state.last_owner] if kind != "conv" else _sequence_tail(state, everyone)
+
+
 def finish_prefill(state: GenState) -> None:
-    """After the prefill forward: every rank's mixer states (convolution inputs, recurrent state) become
-    those of the rank holding the prompt's last token (the state after it, its last inputs), so that the
-    decode steps run the mixers replicated, as on one device."""
-    comm = state.cp.comm
+    """After the prefill forward: every rank's mixer states become the sequence's, so that the decode steps
+    run the mixers replicated, as on one device. A recurrent state is the one after the prompt's last
+    token (its owner's); a convolution's state the prompt's last inputs, each from the rank holding it.
+    One all-gather per state tensor, once."""
     for i in state.linear:
         layer = state.cache.layers[i]
         for name in ("conv_states", "recurrent_states"):
             held = getattr(layer, name, None)
+            kind = "conv" if name == "conv_states" and i not in state.whole else "state"
             for j, t in (enumerate(held) if isinstance(held, list) else (held or {}).items()):
                 if isinstance(t, torch.Tensor):
-                    t.copy_(comm.all_gather(t, "a mixer's state after the prefill")[state.last_owner])
+                    t.copy_(_settle(state, t, kind))
+    for holder, name, kind in state.held:
+        t = getattr(holder, name, None)
+        if isinstance(t, torch.Tensor):
+            setattr(holder, name, _settle(state, t, kind))
 
 
 def decode_attention(state: GenState, spec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     sinks: torch.Tensor | None) -> torch.Tensor:
+                     sinks: torch.Tensor | None, cached: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention (transformers' layout: q (B, H, Lq, D), k/v (B, K, n, D) this rank's
     cached keys, as the layer's cache update returned them) over the cache sharded by this module: merged
-    over the ranks by :func:`cp_attention.engine.decode.attend_sharded_cache`. Returns (B, Lq, H, Dv)."""
+    over the ranks by :func:`cp_attention.engine.decode.attend_sharded_cache`. ``cached``: the key tensor
+    as the attention was handed it (a layer sharing another's K/V hands that layer's). Returns
+    (B, Lq, H, Dv)."""
     from ..engine.decode import attend_sharded_cache
 
-    layer = state.updated
+    layer = next((lay for lay in state.layers.values() if cached is not None and lay.keys is cached), state.updated)
     if layer is None or key.shape[2] != layer.positions.numel():
         raise RuntimeError(f"cp_flash: a decode step's attention got {key.shape[2]} keys, but the sharded cache "
-                           f"layer it updated holds {None if layer is None else layer.positions.numel()}: the "
-                           f"attention must attend to what its cache update returned")
+                           f"layer it updated holds {None if layer is None else layer.positions.numel()}: this "
+                           f"model's attention does not attend to what its cache update returned. Generate with "
+                           f"it outside cp_attention.context_parallel()")
     end, Lq = layer.cumulative_length, query.shape[2]
     return attend_sharded_cache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
                                 state.cp.comm, q_pos=torch.arange(end - Lq, end), k_pos=layer.positions,

@@ -484,11 +484,14 @@ def _before(module, args):
             guard.model, guard.ran, guard.reached, guard.counting, guard.decode = module, set(), set(), False, gen[1]
             guard.record, guard.position_start = None, 0
             return None
-        if gen is not None:  # generate's first forward: sharded here, the cache too
-            guard.prefill = start_prefill(inner, call_kwargs(), gen[1], active)
         check_model(inner)
-        # what its head does with the shard (.heads): refused, or the substitutions of this forward
-        guard.head, new_args = prepare_call(inner, args, call_kwargs(), active, compiled=compiled)
+        if gen is not None:  # generate's first forward: sharded here, the cache too (finished in _after)
+            guard.prefill = start_prefill(inner, call_kwargs(), gen[1], active)
+        try:  # what its head does with the shard (.heads): refused, or the substitutions of this forward
+            guard.head, new_args = prepare_call(inner, args, call_kwargs(), active, compiled=compiled)
+        except BaseException:
+            guard.prefill = None
+            raise
         guard.model, guard.ran, guard.reached, guard.counting = module, set(), set(), True
         # the batch this forward runs on, named by its tensors: a mixer asks for it (several may be alive)
         guard.record = _call_batch(new_args or args, call_kwargs())
@@ -524,7 +527,7 @@ def _after(module, args, output):
         return None
     guard.model, guard.head, guard.record, guard.decode = None, None, None, None
     prefill, guard.prefill = getattr(guard, "prefill", None), None
-    if prefill is not None:
+    if prefill is not None and output is not None:  # (None: the forward raised)
         finish_prefill(prefill)
     # every attention module that ran must have reached cp_flash (some call it more than once: DiffLlama's
     # two softmaxes); a module that hands the interface another module object counts as that one
@@ -581,6 +584,7 @@ def _enter(cp):
 
     def leave() -> None:
         state.MODEL_GUARD.model = state.MODEL_GUARD.head = state.MODEL_GUARD.record = None
+        state.MODEL_GUARD.prefill = state.MODEL_GUARD.decode = None
 
     return leave
 

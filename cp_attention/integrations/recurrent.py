@@ -46,6 +46,7 @@ import torch
 from . import source
 from ..engine.stats import note_mixer
 from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan, token_windows
+from .generation import hand_over
 from .mixers import CLASS_MIXER_ATTR, batch_for, class_mixer, compiled_wrapper, refuse_cache
 
 __all__ = ["adapt_module", "adapted_class", "decayed_linear_attention"]
@@ -249,9 +250,11 @@ def _recurrent_block_forward(self, bound, record, original):
     y_branch = self.act_fn(self.linear_y(x))
     x_branch = self.linear_x(x).transpose(1, 2)
     k = self.conv1d_width
-    if use_cache:  # a prefill's cache: this rank's own part (its last k - 1 inputs in global order)
-        tail = x_branch[..., _last_tokens(record, k - 1).to(x.device)]
+    if use_cache:  # a prefill's cache: this rank's own part (its last k - 1 inputs in global order); generate's
+        tail = x_branch[..., _last_tokens(record, k - 1).to(x.device)]  # makes them the sequence's
         self.conv1d_state = torch.nn.functional.pad(tail, (k - 1 - tail.shape[-1], 0))
+        hand_over(self, "conv1d_state", "conv")
+        hand_over(self.rg_lru, "recurrent_states", "state")
     else:
         self.conv1d_state = None
     self.rg_lru.recurrent_states = None
@@ -303,6 +306,7 @@ def _cca_forward(self, bound, record, original):
     shifted = torch.where(first, start, _previous(record, delayed, comm))
     value = torch.cat([self.v_proj_current(h), shifted], dim=-1).view(*shape)
     if cache is not None:  # a prefill's cache: this rank's own part, after its last token in global order
+        hand_over(None, "", "whole", self.layer_idx)  # its convolution state is the window's, gathered whole
         last = int(_last_tokens(record, 1))
         cache.update_conv_state(windows[:, last, 1:].transpose(1, 2), self.layer_idx)
         cache.update_recurrent_state(delayed[:, last, :], self.layer_idx)

@@ -442,7 +442,7 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     decoding = getattr(state.MODEL_GUARD, "decode", None)
     if decoding is not None:  # a decode step over the KV cache sharded by .generation
         spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling)
-        return decode_attention(decoding, spec, *_autocast(query, key, value), s_aux), None
+        return decode_attention(decoding, spec, *_autocast(query, key, value), s_aux, cached=key), None
     if isinstance(attention_mask, torch.Tensor):
         family = str(getattr(getattr(module, "config", None), "model_type", "") or "this model")
         raise refuse("dense_mask", shape=tuple(attention_mask.shape), family=family)

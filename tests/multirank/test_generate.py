@@ -93,6 +93,7 @@ def _worker(rank, world_size, cases):
 
 
 CASES = [(f, False, "greedy") for f in FAMILIES] + [("qwen3", True, "greedy"), ("gpt_oss", True, "sample"),
+                                                    ("llama4", True, "greedy"),  # chunks count from a row's start
                                                     ("qwen3", False, "sample"), ("gpt_oss", False, "beams"),
                                                     ("gpt_oss", False, "lookup")]
 
@@ -100,8 +101,8 @@ CASES = [(f, False, "greedy") for f in FAMILIES] + [("qwen3", True, "greedy"), (
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_generate_equals_one_device(world_size):
     """Tokens and step logits; each rank's K/V bytes in full-attention layers at most 1/P of one device's plus
-    one decode block of 16 tokens (in windowed layers at most one device's); the decode step's collectives
-    per token the same for a prompt half as long (one all-gather per attention layer)."""
+    one decode block of 16 tokens (in windowed layers at most one device's window over all ranks); the decode
+    step's collectives per token the same for a prompt half as long (one all-gather per attention layer)."""
     wants = []
     for family, padded, mode in CASES:
         model = _model(family, "eager")
@@ -109,13 +110,18 @@ def test_generate_equals_one_device(world_size):
         full = [layer for layer in out.past_key_values.layers
                 if getattr(layer, "keys", None) is not None and not _windowed(layer)]
         block = sum(layer.keys[:, :, :16].numel() * layer.keys.element_size() * 2 for layer in full)  # K and V
+        token = sum(layer.keys[:, :, :1].numel() * layer.keys.element_size() * 2 for layer in out.past_key_values.layers
+                    if getattr(layer, "keys", None) is not None and _windowed(layer))
         wants.append((out.sequences[:, N:].tolist(), torch.stack(out.logits),
-                      (_cache_bytes(out.past_key_values), _cache_bytes(out.past_key_values, True)), block))
+                      (_cache_bytes(out.past_key_values), _cache_bytes(out.past_key_values, True)), block, token))
     per_rank = run_ranks(world_size, _worker, CASES, timeout=900)
+    for i, case in enumerate(CASES):  # windowed layers, over all ranks: one device's window (and the key of the
+        windowed = sum(results[i][2][1] for results in per_rank)  # step's first query it still holds)
+        assert windowed <= wants[i][2][1] + wants[i][4], (case, windowed, wants[i][2][1])
     for rank, results in enumerate(per_rank):
         for case, got, want in zip(CASES, results, wants):
             tokens, logits, cache_bytes, per_token, per_token_half = got
-            want_tokens, want_logits, want_bytes, block_bytes = want
+            want_tokens, want_logits, want_bytes, block_bytes, _ = want
             assert tokens == want_tokens, (rank, case)
             err = float((torch.as_tensor(logits) - want_logits).abs().max())
             assert err <= 1e-5, (rank, case, err)
@@ -148,8 +154,12 @@ def _refusals_worker(rank, world_size):
                                   **{"do_sample": False, **kw})
 
     def sampled_per_rank():
-        torch.manual_seed(rank)  # each rank its own seed: the ranks sample different tokens
-        return generate(qwen3, do_sample=True, top_k=0)
+        torch.manual_seed(rank)  # each rank its own seed: the ranks draw from rank 0's random state
+        return generate(qwen3, do_sample=True, top_k=0).tolist()
+
+    def greedy_apart():  # a rank-dependent logits processor: rank 1 never picks the token rank 0 picks
+        first = generate(qwen3)[0, 48:].tolist()
+        return generate(qwen3, suppress_tokens=first[:1] if rank == 1 else None)
 
     def compiled():
         with torch.no_grad():
@@ -159,7 +169,10 @@ def _refusals_worker(rank, world_size):
     with cp_attention.context_parallel(layout="zigzag"):
         found["static"] = _refusal(lambda: generate(qwen3, cache_implementation="static"))
         found["prompts"] = _refusal(lambda: generate(qwen3, prompt=ids + rank))
-        found["seeds"] = _refusal(sampled_per_rank)
+        found["seeds"] = sampled_per_rank()
+        found["apart"] = _refusal(greedy_apart)
+        found["lengths"] = _refusal(lambda: generate(qwen3, prompt=ids[:, :40 + 8 * rank]))
+        found["no_config"] = generate(qwen3, past_key_values=DynamicCache()).tolist()  # its layers made here
         found["own_cache"] = _refusal(lambda: generate(minimax))
         found["selection"] = _refusal(lambda: generate(dsa))
         found["compiled"] = _refusal(compiled)
@@ -169,48 +182,69 @@ def _refusals_worker(rank, world_size):
 
 def test_generate_refusals():
     """What generation under context parallelism refuses, on every rank, before it decodes a wrong token: a
-    static cache, ranks handed different prompts or sampling with different seeds, a model building its own
-    cache class (MiniMax), selected keys (DeepSeek-V3.2), a compiled forward with a cache."""
-    want = _model("qwen3", "eager").generate(torch.randint(3, 100, (1, 48), generator=torch.Generator().manual_seed(1)),
-                                            max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
+    static cache, ranks handed different prompts (or of different lengths) or picking different tokens (a
+    rank-dependent logits processor), a model building its own cache class (MiniMax), selected keys
+    (DeepSeek-V3.2), a compiled forward with a cache. Ranks seeded differently sample rank 0's draw (the
+    random state is rank 0's from the prefill on); a DynamicCache() built without a config is sharded too."""
+    eager, ids = _model("qwen3", "eager"), torch.randint(3, 100, (1, 48), generator=torch.Generator().manual_seed(1))
+    want = eager.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0).tolist()
+    torch.manual_seed(0)
+    seeded = eager.generate(ids, max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=0).tolist()
     for found in run_ranks(2, _refusals_worker, timeout=600):
         assert found["static"].startswith("NotImplementedError: cp_flash: generation under context parallelism "
                                           "shards transformers' dynamic cache") and "a Static" in found["static"]
         assert found["prompts"].startswith("ValueError: cp_flash: the ranks of the context-parallel group were "
                                            "handed different tokens for the prompt"), found["prompts"]
-        assert "different tokens for a decode step's tokens" in found["seeds"], found["seeds"]
+        assert found["seeds"] == seeded  # rank 0's draw, on every rank
+        assert "different tokens for a decode step's tokens" in found["apart"], found["apart"]
+        assert "different tokens for the prompt" in found["lengths"], found["lengths"]
+        assert found["no_config"] == want
         assert "MiniMaxForCausalLM builds a cache of its own class" in found["own_cache"], found["own_cache"]
         assert "deepseek_v32 selects keys per query over a KV cache" in found["selection"], found["selection"]
         assert "was called compiled with a KV cache under context parallelism" in found["compiled"], found["compiled"]
         assert found["after"] == want
 
 
-HYBRIDS = ("jamba", "nemotron_h", "falcon_h1", "qwen3_5", "mamba")  # Mamba / gated DeltaNet states and K/V
-SHORT = 96
+CACHES = (("jamba", 96), ("nemotron_h", 96), ("falcon_h1", 96), ("qwen3_5", 96), ("mamba", 96),
+          ("recurrent_gemma", 96), ("mamba2", 10), ("zamba2", 10), ("gemma4_shared_kv", 48))
+"""(family, prompt): Mamba / gated DeltaNet / RG-LRU states beside K/V (Falcon-H1: both in one cache layer;
+RecurrentGemma: kept on its modules), prompts whose last rank's run is shorter than a convolution (zigzag at
+P = 2: runs of 2 or 3 tokens), and Gemma 4's layers reusing an earlier layer's K/V."""
 
 
-def _short(model):
-    ids = torch.randint(3, 100, (1, SHORT), generator=torch.Generator().manual_seed(3))
+def _cache_model(family: str, impl: str):
+    if family != "gemma4_shared_kv":
+        return _model(family, impl)
+    config = sweep_configs.tiny_config("gemma4_text").to_dict()
+    config.update(num_hidden_layers=6, num_kv_shared_layers=2, layer_types=["sliding_attention"] * 3 + [
+        "full_attention", "sliding_attention", "full_attention"])
+    config.pop("kv_sharing_modes", None)
+    torch.manual_seed(0)
+    return sweep_configs.build_model(type(sweep_configs.tiny_config("gemma4_text"))(**config), impl).eval()
+
+
+def _short(model, prompt: int):
+    ids = torch.randint(3, 100, (1, prompt), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    return out.sequences[:, SHORT:].tolist(), torch.stack(out.logits).numpy()
+    return out.sequences[:, prompt:].tolist(), torch.stack(out.logits).numpy()
 
 
-def _hybrids_worker(rank, world_size):
+def _caches_worker(rank, world_size):
     torch.set_num_threads(1)
     with cp_attention.context_parallel(layout="zigzag"):  # loaded inside the block: cp_flash registers there
-        return [_short(_model(family, "cp_flash")) for family in HYBRIDS]
+        return [_short(_cache_model(family, "cp_flash"), prompt) for family, prompt in CACHES]
 
 
-def test_hybrids_generate_equal_one_device():
-    """The hybrids whose caches hold a mixer's states beside K/V (Jamba, Nemotron-H: Mamba; Falcon-H1: both in
-    one cache layer; Qwen3.5: gated DeltaNet) and a pure state-space model (Mamba): after the prefill every
-    rank decodes from the state of the rank holding the prompt's last token; greedy tokens equal one device's,
-    step logits within 1e-5."""
-    wants = [_short(_model(family, "eager")) for family in HYBRIDS]
-    for results in run_ranks(2, _hybrids_worker, timeout=600):
-        for family, (tokens, logits), (want_tokens, want_logits) in zip(HYBRIDS, results, wants):
-            assert tokens == want_tokens, family
+def test_mixer_states_and_shared_kv_generate_equal_one_device():
+    """After the prefill every rank decodes from the sequence's mixer states: a recurrent state from the rank
+    holding the prompt's last token, a convolution's last inputs each from the rank holding it; a layer
+    reusing another's K/V attends over that layer's shard. Greedy tokens equal one device's, step logits
+    within 1e-5."""
+    wants = [_short(_cache_model(family, "eager"), prompt) for family, prompt in CACHES]
+    for results in run_ranks(2, _caches_worker, timeout=600):
+        for case, (tokens, logits), (want_tokens, want_logits) in zip(CACHES, results, wants):
+            assert tokens == want_tokens, case
             err = float(abs(logits - want_logits).max())
-            assert err <= 1e-5, (family, err)
+            assert err <= 1e-5, (case, err)

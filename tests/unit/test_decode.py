@@ -10,6 +10,7 @@ import torch
 
 from cp_attention.engine.decode import merge_ranks, partial_over_cache
 from cp_attention.masks import MaskSpec
+from cp_attention.plan import build_local_plan
 
 
 def oracle(q, k, v, spec: MaskSpec, q_pos, k_pos, valid, sinks):
@@ -100,9 +101,13 @@ def test_softcap_in_float32_picks_a_backend_that_has_it():
     assert float((got.double() - want).abs().max()) <= 1e-5
 
 
-def test_a_steps_plans_are_shared_only_over_the_same_positions():
-    """Layers of one decode step share a plan when their mask and cached positions agree; keys at other
-    positions (as many, the same first and last) are planned anew."""
+def test_a_steps_plans_are_shared_only_over_the_same_positions(monkeypatch):
+    """Layers of one decode step share a plan when their mask and cached positions agree (planned once); keys
+    at other positions (as many, the same first and last) are planned anew."""
+    import cp_attention.engine.decode as decode
+
+    built = []
+    monkeypatch.setattr(decode, "build_local_plan", lambda *a, **kw: built.append(1) or build_local_plan(*a, **kw))
     g = torch.Generator().manual_seed(6)
     q = torch.randn(1, 1, 2, 4, generator=g, dtype=torch.float64)
     k, v = torch.randn(1, 12, 2, 4, generator=g, dtype=torch.float64), torch.randn(1, 12, 2, 4, generator=g,
@@ -113,3 +118,4 @@ def test_a_steps_plans_are_shared_only_over_the_same_positions():
         assert len(plans) == 1
         want = oracle(q, k[:, pos], v[:, pos], spec, q_pos, pos, None, None)
         assert float((got - want).abs().max()) <= 1e-12
+    assert len(built) == 2  # the second layer reused the first's plan; the third planned its own

@@ -67,7 +67,7 @@ def test_crop_forgets_the_last_tokens_on_every_rank(mask):
         assert layer.get_seq_length() == N + 2 and layer.get_mask_sizes(1) == (N + 3, 0)
         assert torch.equal(layer.keys, full_k[:, :, layer.positions])
     held = sorted(torch.cat([layer.positions for layer in layers]).tolist())
-    assert held == list(range(N - mask["window"] + 1 if mask else 0, N + 2))  # the window of the step's first
+    assert held == list(range(N + 2 - mask["window"] + 1 if mask else 0, N + 2))  # the next query's window
 
 
 def test_crop_past_keys_the_window_dropped_is_refused():
