@@ -439,7 +439,7 @@ MUTANTS = (
     Mutant("generate: crop keeps the first rejected candidate's keys", "cache",
            "cp_attention/integrations/generation.py", "keep = torch.nonzero(self.positions < end).flatten()",
            "keep = torch.nonzero(self.positions <= end).flatten()", (_SHARDED_CACHE, _GENERATE)),
-    Mutant("generate: the ranks' tokens not compared (ranks sampling with different seeds go on)", "cache",
+    Mutant("generate: the ranks' tokens not compared (a rank-dependent logits processor goes on)", "cache",
            "cp_attention/integrations/generation.py",
            "if any(not torch.equal(other, everyone[0]) for other in everyone):", "if False:", (_GENERATE,)),
     Mutant("generate: the prompt's cached keys at the next rank's positions", "cache",

@@ -90,11 +90,11 @@ class ShardedCacheLayer(_layer_base()):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (assisted and prompt-lookup decoding reject
-        candidates so): the keys at those positions, on whichever rank holds them. Refused where the
-        window or chunk already dropped a key a query at the new length could see."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"cp_flash: crop({tokens_to_remove}) of a sharded cache layer: pass a negative count, the "
-                             f"number of tokens to remove (transformers' convention)")
+        candidates so; a positive count is the length to keep, as transformers before 5.18 passed it): the
+        keys at those positions, on whichever rank holds them. Refused where the window or chunk already
+        dropped a key a query at the new length could see."""
+        if tokens_to_remove > 0:  # the length to keep (transformers before 5.18): longer keeps everything
+            tokens_to_remove = min(0, tokens_to_remove - self.cumulative_length)
         end = self.cumulative_length + tokens_to_remove
         if tokens_to_remove == 0 or not self.is_initialized:
             return

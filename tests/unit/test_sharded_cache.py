@@ -74,5 +74,7 @@ def test_crop_past_keys_the_window_dropped_is_refused():
     layers, full_k, _ = _run(2, 40, 6, "zigzag", window=4)
     with pytest.raises(NotImplementedError, match="already dropped the keys before position 42"):
         layers[0].crop(-5)
-    with pytest.raises(ValueError, match="pass a negative count"):
-        layers[0].crop(3)
+    layers[0].crop(60)  # a positive count: the length to keep (transformers before 5.18); longer keeps all
+    assert layers[0].get_seq_length() == 46
+    layers[0].crop(45)  # = crop(-1)
+    assert layers[0].get_seq_length() == 45 and int(layers[0].positions.max()) <= 44
