@@ -25,7 +25,7 @@ from . import state as guard_state
 from ..refusals import refuse
 
 __all__ = ["ShardedCacheLayer", "GenState", "decode_attention", "decode_owner", "finish_prefill", "generation_call",
-           "generation_state", "hand_over", "start_decode", "start_prefill"]
+           "generation_state", "hand_over", "running_decode", "start_decode", "start_prefill"]
 
 
 def decode_owner(position: int, world_size: int, block: int) -> int:
@@ -211,6 +211,15 @@ def hand_over(holder, name: str, kind: str, layer_index: int | None = None) -> N
         gen.whole.add(layer_index)
     else:
         gen.held.append((holder, name, kind))
+
+
+def running_decode() -> GenState | None:
+    """The generation whose decode step this thread's model forward runs, else None (always None in code
+    torch.compile traces: a compiled forward with a cache is refused, and reading the thread's guard there
+    would make every later batch recompile)."""
+    if torch.compiler.is_compiling():
+        return None
+    return getattr(guard_state.MODEL_GUARD, "decode", None)
 
 
 def generation_state(cache) -> GenState | None:

@@ -40,6 +40,7 @@ from ..engine.batch import AMBIGUOUS, recomputed_batch
 from ..engine.context import active_context
 from ..engine.layer import compiling_outside_cp
 from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan
+from .generation import running_decode
 from ..engine.stats import note_mixer
 from ..refusals import refuse
 from ..torch_compat import assume_constant_result, in_backward
@@ -67,7 +68,7 @@ def batch_for(batch_size: int, length: int, compiled: bool = False):
     hooks that mark a running mixer do not run in compiled code): any call there of this shape."""
     if not compiled and not getattr(state.MODEL_GUARD, "mixers", 0):
         return None
-    if getattr(state.MODEL_GUARD, "decode", None) is not None:
+    if running_decode() is not None:
         return None  # a decode step of generation: the mixers run replicated, from the prefill's last state
     active = active_context()
     if active is not None:
@@ -358,7 +359,7 @@ def _shortcut(original):
 def _decoding(name: str, original):
     def eager(compiled, *args, **kwargs):
         if (compiled or getattr(state.MODEL_GUARD, "mixers", 0)) and active_context() is not None and \
-                getattr(state.MODEL_GUARD, "decode", None) is None:
+                running_decode() is None:
             refuse_cache(name)
         return original(*args, **kwargs)
 

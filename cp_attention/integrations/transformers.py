@@ -58,7 +58,7 @@ from ..refusals import refuse
 from .indexers import MaskRows, SelectingMask, global_selection
 from .compressed import adapt_module as adapt_compressed
 from .compressed import take_selection
-from .generation import decode_attention
+from .generation import decode_attention, running_decode
 from .indexers import adapt_module as adapt_indexers
 from .losses import adapt_module as adapt_loss_functions
 from .mixers import adapt_module as adapt_mixer_functions
@@ -280,7 +280,7 @@ def cp_flash_mask(*, batch_size: int, q_length: int, kv_length: int, q_offset: i
                   mask_function=None, attention_mask: torch.Tensor | None = None, local_size: int | None = None,
                   **kwargs) -> CPMask:
     """The mask function registered for "cp_flash": returns a :class:`CPMask`, never (L x L) data."""
-    decoding = getattr(state.MODEL_GUARD, "decode", None)
+    decoding = running_decode()
     if decoding is not None:  # a decode step over a sharded cache: its attention reads the cache's positions
         if isinstance(attention_mask, torch.Tensor):  # and this padding mask
             decoding.valid = attention_mask.detach().to(torch.bool)
@@ -439,7 +439,7 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     """
     if dropout and getattr(module, "training", False):
         raise refuse("attention_dropout", dropout=dropout)
-    decoding = getattr(state.MODEL_GUARD, "decode", None)
+    decoding = running_decode()
     if decoding is not None:  # a decode step over the KV cache sharded by .generation
         spec = layer_mask_spec(module, sliding_window=sliding_window, softcap=softcap, scaling=scaling)
         return decode_attention(decoding, spec, *_autocast(query, key, value), s_aux, cached=key), None
