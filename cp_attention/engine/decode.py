@@ -55,9 +55,9 @@ def partial_over_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: 
         plan = _plan(B, plan_spec, q_pos, k_pos, valid)
         if plans is not None:
             plans[key] = (k_pos, plan)
-    acc = torch.promote_types(q.dtype, torch.float32)
-    out, lse = ring_forward(q.to(acc), k.to(acc), v.to(acc), None, plan, Comm(single=True), impl,
-                            scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap)
+    # the cache in its own dtype (no upcast copy of it per layer and step); the partial kept in float32
+    out, lse = ring_forward(q, k, v, None, plan, Comm(single=True), impl, scale=spec.resolved_scale(q.shape[3]),
+                            softcap=spec.softcap, out_dtype=torch.promote_types(q.dtype, torch.float32))
     return out, lse
 
 

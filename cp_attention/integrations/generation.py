@@ -28,9 +28,9 @@ __all__ = ["ShardedCacheLayer", "GenState", "decode_attention", "decode_owner", 
            "generation_state", "hand_over", "running_decode", "start_decode", "start_prefill"]
 
 
-def decode_owner(position: int, world_size: int, block: int) -> int:
-    """The rank that stores the K/V of the decoded token at global ``position``: blocks of ``block``
-    positions dealt to the ranks in turn."""
+def decode_owner(position, world_size: int, block: int):
+    """The rank that stores the K/V of the decoded token at global ``position`` (an int, or a tensor of
+    positions: their ranks): blocks of ``block`` positions dealt to the ranks in turn."""
     return (position // block) % world_size
 
 
@@ -75,13 +75,13 @@ class ShardedCacheLayer(_layer_base()):
             self.cumulative_length = self.prompt_length
         else:  # a decode step: the same new tokens on every rank, stored on their owner only
             new = torch.arange(self.cumulative_length, self.cumulative_length + Ln)
-            keep = torch.tensor([decode_owner(int(p), self.world_size, self.block) == self.rank for p in new],
-                                dtype=torch.bool)
+            keep = decode_owner(new, self.world_size, self.block) == self.rank
             self.cumulative_length += Ln
-        idx = torch.nonzero(keep).flatten().to(key_states.device)
-        self.keys = torch.cat([self.keys, key_states.index_select(-2, idx)], dim=-2)
-        self.values = torch.cat([self.values, value_states.index_select(-2, idx)], dim=-2)
-        self.positions = torch.cat([self.positions, new[keep]])
+        if bool(keep.any()):  # (a rank that stores none of them copies nothing)
+            idx = torch.nonzero(keep).flatten().to(key_states.device)
+            self.keys = torch.cat([self.keys, key_states.index_select(-2, idx)], dim=-2)
+            self.values = torch.cat([self.values, value_states.index_select(-2, idx)], dim=-2)
+            self.positions = torch.cat([self.positions, new[keep]])
         first_query = int(new[0]) if new.numel() else self.cumulative_length
         self._drop_before(self._visible_from(first_query))
         if self.generation is not None:
@@ -101,10 +101,7 @@ class ShardedCacheLayer(_layer_base()):
         if self._visible_from(end) < self.held_from:
             raise refuse("generation_crop", layer=self.layer_index, length=self.cumulative_length, end=end,
                          held=self.held_from)
-        keep = torch.nonzero(self.positions < end).flatten()
-        self.positions = self.positions[keep]
-        dev = keep.to(self.keys.device)
-        self.keys, self.values = self.keys.index_select(-2, dev), self.values.index_select(-2, dev)
+        self._keep(0, int(torch.searchsorted(self.positions, end)))  # positions increase: a prefix
         self.cumulative_length = end
         self._drop_before(self._visible_from(end))  # the next query is at ``end``
 
@@ -122,12 +119,15 @@ class ShardedCacheLayer(_layer_base()):
         if start <= self.held_from:
             return
         self.held_from = start
-        keep = torch.nonzero(self.positions >= start).flatten()
-        if keep.numel() == self.positions.numel():
+        self._keep(int(torch.searchsorted(self.positions, start)), self.positions.numel())  # a suffix
+
+    def _keep(self, first: int, stop: int) -> None:
+        """Keep the cached keys ``first`` to ``stop`` (views: positions increase, so what goes is a prefix
+        or a suffix)."""
+        if first == 0 and stop == self.positions.numel():
             return
-        self.positions = self.positions[keep]
-        dev = keep.to(self.keys.device)
-        self.keys, self.values = self.keys.index_select(-2, dev), self.values.index_select(-2, dev)
+        self.positions = self.positions[first:stop]
+        self.keys, self.values = self.keys[..., first:stop, :], self.values[..., first:stop, :]
 
     def get_seq_length(self) -> int:
         """The one-device length: every token so far, on any rank."""
@@ -422,7 +422,9 @@ def decode_attention(state: GenState, spec, query: torch.Tensor, key: torch.Tens
     (B, Lq, H, Dv)."""
     from ..engine.decode import attend_sharded_cache
 
-    layer = next((lay for lay in state.layers.values() if cached is not None and lay.keys is cached), state.updated)
+    layer = state.updated
+    if cached is not None and (layer is None or layer.keys is not cached):  # a layer sharing another's K/V
+        layer = next((lay for lay in state.layers.values() if lay.keys is cached), layer)
     if layer is None or key.shape[2] != layer.positions.numel():
         raise RuntimeError(f"cp_flash: a decode step's attention got {key.shape[2]} keys, but the sharded cache "
                            f"layer it updated holds {None if layer is None else layer.positions.numel()}: this "

@@ -188,10 +188,11 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_forward(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,
-                 softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 softcap: float | None, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ring's forward without autograd: q (B, L, H, D), k (B, Lk, K, D), v (B, Lk, K, Dv) -> out
-    (B, L, H, Dv) in q's dtype and lse (H, B * L) in the accumulation dtype (float32; float64 for
-    float64 inputs), after the sinks. :func:`ring_backward` takes both back."""
+    (B, L, H, Dv) in q's dtype (``out_dtype`` when given: the accumulation dtype keeps a partial result for
+    a later merge) and lse (H, B * L) in the accumulation dtype (float32; float64 for float64 inputs),
+    after the sinks. :func:`ring_backward` takes both back."""
     B, L, H, _ = q.shape
     Dv = v.shape[3]
     acc = accumulation_dtype(q.dtype)
@@ -211,7 +212,7 @@ def ring_forward(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: 
     out_THDv, lse_HT = outputs.result()
     if sinks is not None:
         out_THDv, lse_HT = apply_sinks(out_THDv, lse_HT, sinks)
-    return out_THDv.to(q.dtype).reshape(B, L, H, Dv), lse_HT
+    return out_THDv.to(out_dtype or q.dtype).reshape(B, L, H, Dv), lse_HT
 
 
 def ring_backward(dout, q, k, v, out, lse_HT, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,
