@@ -123,6 +123,15 @@ REFUSALS = _catalogue(
        fix="shard the inputs with cp.shard_batch(...) and pass its outputs to the model",
        message="cp_flash under context parallelism needs the batch's global positions: shard the inputs with "
                "cp.shard_batch(input_ids=..., position_ids=..., labels=...) and pass its outputs to the model"),
+    _R(key="generation_without_cache", exception=ValueError, area="context",
+       what="unsharded input_ids with use_cache=False inside a multi-rank block (generate(use_cache=False))",
+       why="without a cache every generation step reruns the whole sequence, which is not sharded",
+       fix="generate with its cache (the default), or outside the block; shard a training forward's inputs",
+       message="cp_flash: {model} got unsharded input_ids with use_cache=False inside context_parallel. "
+               "generate(use_cache=False) reruns the whole sequence at every step and is not sharded: call generate "
+               "with its cache (use_cache=True, the default: the prompt and the KV cache are sharded over the "
+               "group), or outside the block. For a training or scoring forward, shard the inputs with "
+               "cp.shard_batch(input_ids=..., position_ids=..., labels=...) and pass its outputs to the model"),
     _R(key="padding_mask_not_sharded", exception=ValueError, area="context",
        what="a padding attention_mask the model got that cp.shard_batch did not see",
        why="the batch's documents and positions were recorded without that padding",
@@ -189,12 +198,11 @@ REFUSALS = _catalogue(
                "cache_implementation=..., no offloading), or outside cp_attention.context_parallel()"),
     _R(key="generation_own_cache", exception=NotImplementedError, area="cache",
        what="generation under context parallelism of a model whose forward builds a cache of its own class "
-            "(MiniMax)",
+            "(MiniMax; Mamba and Mamba-2 on transformers 5.17)",
        why="its cache is not transformers' dynamic cache: it cannot be sharded by sequence",
        fix="generate outside context_parallel",
        message="cp_flash: {model} builds a cache of its own class inside its forward, which context parallelism "
-               "cannot shard by sequence; generate with it outside cp_attention.context_parallel() (or call it "
-               "with use_cache=False)"),
+               "cannot shard by sequence; generate with it outside cp_attention.context_parallel()"),
     _R(key="generation_ranks_differ", exception=ValueError, area="cache",
        what="generation whose ranks were handed different tokens (the prompt, or a sampled token)",
        why="the ranks decode one sequence together, each holding a part of its cache",
@@ -262,6 +270,20 @@ REFUSALS = _catalogue(
        message="cp_flash: {name} was asked to continue from a cache under context parallelism; a non-empty cache "
                "(generation) is not supported there: run the forward with use_cache=False, or generate without "
                "context_parallel"),
+    _R(key="mixer_call_unknown", exception=NotImplementedError, area="context",
+       what="a call of an adapted sequence-mixer function that does not fit the adapter's calling convention",
+       why="the adapter would read the wrong arguments",
+       fix="the transformers release the suite tests (see the README), or run the model without context_parallel",
+       message="cp_flash: transformers {version} calls {name} in a way cp_attention's adapter does not know ({why}); "
+               "under context parallelism it would read the wrong arguments. Use a transformers release "
+               "cp_attention tests (see its README), or run without context_parallel"),
+    _R(key="mixer_forward_bypassed", exception=NotImplementedError, area="context",
+       what="a mixer's step function that computed its mixing without the adapted functions (a hub kernel)",
+       why="it would mix only this shard's tokens",
+       fix="load the model without hub kernels (use_kernels=False), or run without context_parallel",
+       message="cp_flash: {name} (transformers {version}) computed its sequence mixing without the functions "
+               "cp_attention runs across ranks (a hub kernel replaced it?), so it would mix only this shard's "
+               "tokens. Load the model with use_kernels=False, or run without context_parallel"),
     # ------------------------------------------------------------------------------------------ compile
     _R(key="unsharded_inputs_in_op", exception=ValueError, area="compile",
        what="the single-device op (a model compiled outside context_parallel) run inside a multi-rank block",

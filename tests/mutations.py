@@ -56,6 +56,7 @@ _PACKED = "tests/integrations/test_packed_rows.py::"
 _SELECTION = "tests/multirank/test_selection.py"
 _SPARSE_CP = "tests/integrations/test_index_sparse.py::test_dsa_families_match_docs_alone_eager"
 _DECODE, _SHARDED_CACHE = "tests/unit/test_decode.py", "tests/unit/test_sharded_cache.py"
+_ADMISSION = "tests/integrations/test_admission.py"
 _GENERATE = "tests/multirank/test_generate.py"
 _SPARSE_ONE = "tests/integrations/test_index_sparse.py::test_dsa_one_device_follows_the_tie_rule"
 
@@ -351,13 +352,13 @@ MUTANTS = (
            "    if positional_modules(model):\n        return True", "    if False:\n        return True",
            ("tests/integrations/test_model_check.py",)),
     Mutant("score detection: a weight times an activation read as scores (Zamba)", "models",
-           "cp_attention/integrations/model_check.py",
+           "cp_attention/integrations/source.py",
            'return any(name in weights or name.endswith("weight") for name in _SELF_ATTR.findall(line))',
            "return False", ("tests/integrations/test_model_check.py",)),
     Mutant("model check: any part of a handled mixer holding a decay parameter passes", "models",
-           "cp_attention/integrations/model_check.py",
-           "return not (_INLINE_SEQUENCE.search(text) or _SHIFTED_SLICE.search(text) or",
-           "return True or (_INLINE_SEQUENCE.search(text) or _SHIFTED_SLICE.search(text) or",
+           "cp_attention/integrations/source.py",
+           "return not (INLINE_SEQUENCE.search(text) or SHIFTED_SLICE.search(text) or",
+           "return True or (INLINE_SEQUENCE.search(text) or SHIFTED_SLICE.search(text) or",
            ("tests/integrations/test_model_check.py",)),
     Mutant("model check: a block handing a state to adapted mixers refused (RWKV, xLSTM)", "models",
            "cp_attention/integrations/model_check.py",
@@ -415,7 +416,7 @@ MUTANTS = (
            "return bool(name)",
            ("tests/integrations/test_class_mixers.py::test_a_subclass_overriding_the_adapted_method_is_not_adapted",)),
     Mutant("KDA: a piece's transition from the per-head mean of its per-channel decay", "mixers",
-           "cp_attention/integrations/mixers.py",
+           "cp_attention/integrations/mixer_adapters.py",
            'return self._call(a, a["value"].new_zeros(N, n, Hv, Dk), eye)[1]',
            'return self._call(dict(a, g=a["g"].mean(-1, keepdim=True).expand_as(a["g"])) if a["g"].dim() == 4 '
            'else a, a["value"].new_zeros(N, n, Hv, Dk), eye)[1]',
@@ -474,6 +475,28 @@ MUTANTS = (
            "cp_attention/integrations/generation.py",
            "        self._drop_before(self._visible_from(end))  # the next query is at ``end``\n", "",
            (_GENERATE,)),
+    # issue 52: adapters admit foreign functions by behaviour
+    Mutant("admission: a mixer function that fails its check wrapped anyway", "models",
+           "cp_attention/integrations/mixers.py", "            if reason is not None:\n",
+           "            if False:\n", (_ADMISSION,)),
+    Mutant("admission: the convolution's behaviour never compared", "models",
+           "cp_attention/integrations/mixer_adapters.py", "        if not torch.allclose(got.double(), want, **_TOL):",
+           "        if False:", (_ADMISSION,)),
+    Mutant("admission: a recurrence's two-piece composition never compared", "models",
+           "cp_attention/integrations/mixer_adapters.py",
+           "    if pieces.shape != whole_out.shape or not torch.allclose(pieces.double(), whole_out.double(), **_TOL):",
+           "    if False:", (_ADMISSION,)),
+    Mutant("admission: a declined function's family not refused under CP", "models",
+           "cp_attention/integrations/model_check.py",
+           "            for function, why in sorted(declined(cls.__module__).items()):",
+           "            for function, why in ():", (_ADMISSION,)),
+    Mutant("admission: a step function bypassing the adapted functions runs under CP", "mixers",
+           "cp_attention/integrations/mixers.py", "        if _delegated() == before and batch_for_any() is not None:",
+           "        if False:", (_ADMISSION,)),
+    Mutant("admission: calls bound by the function object's signature (5.25's (*args, **kwargs))", "mixers",
+           "cp_attention/integrations/mixer_adapters.py", "    bound = CONVENTIONS[name].bind(*args, **kwargs)",
+           "    bound = CONVENTIONS[name].bind(*args, **kwargs) if False else __import__('inspect').signature("
+           "lambda *args, **kwargs: None).bind(*args, **kwargs)", (_ADMISSION,)),
 )
 
 

@@ -56,12 +56,13 @@ class _LoaderThenAdapt(_LoaderThenRegister):
 
 
 class _ModelingImports(importlib.abc.MetaPathFinder):
-    """Import hook that stays: each ``transformers.models.*.modeling_*`` module is adapted for
-    "cp_flash" as it loads (its by-name flash checks and class tables, see
+    """Import hook that stays: each ``transformers.models.*.modeling_*`` (and ``configuration_*``) module is
+    adapted for "cp_flash" as it loads (its by-name flash checks and class tables, see
     :func:`.transformers.adapt_modeling_module`), before any model of it is built."""
 
     def find_spec(self, fullname, path, target=None):
-        if not (fullname.startswith("transformers.models.") and ".modeling_" in fullname):
+        if not (fullname.startswith("transformers.models.") and (".modeling_" in fullname or
+                                                                  ".configuration_" in fullname)):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):

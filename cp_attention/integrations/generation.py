@@ -17,6 +17,7 @@ Legend: ``B`` rows, ``K`` K/V heads, ``n`` this rank's cached keys, ``D`` head d
 
 from __future__ import annotations
 
+import inspect
 import functools
 
 import torch
@@ -242,6 +243,15 @@ def _empty(cache) -> bool:
         return not any(getattr(layer, "is_initialized", False) for layer in cache.layers)
 
 
+def _takes_cache_params(cls: type) -> bool:
+    """A model whose forward takes ``cache_params``: a cache of its own class (Mamba and Mamba-2 on transformers
+    5.17), which generation under context parallelism does not shard."""
+    try:
+        return "cache_params" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def generation_call(model, kwargs: dict | None, attends) -> tuple | None:
     """What a top-level forward of ``model`` inside a multi-rank block is with respect to generation:
     ("prefill", cache) for a call with an empty transformers cache and unsharded ``input_ids`` (generate's
@@ -254,10 +264,12 @@ def generation_call(model, kwargs: dict | None, attends) -> tuple | None:
     ids = kwargs.get("input_ids")
     unsharded = isinstance(ids, torch.Tensor) and batch_of(ids) is None
     cache = _cache_of(kwargs)
+    if cache is None and unsharded and kwargs.get("use_cache") is False:
+        raise refuse("generation_without_cache", model=type(model).__name__)
     if cache is None:
         own = getattr(type(model), "_supports_default_dynamic_cache", None)
         if unsharded and kwargs.get("use_cache") and kwargs.get("past_key_values", kwargs.get("cache")) is None \
-                and own is not None and not own() and attends():
+                and ((own is not None and not own() and attends()) or _takes_cache_params(type(model))):
             raise refuse("generation_own_cache", model=type(model).__name__)
         return None
     state = generation_state(cache)

@@ -71,8 +71,11 @@ __all__ = ["MaskRows", "SelectingMask", "KeySelection", "CanonicalTopk", "adapt_
            "global_selection", "SIGNATURES", "BLOCK_SIGNATURE"]
 
 SIGNATURES = (("hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids", "cache"),
-              ("hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache"))
-"""The forward parameters (after ``self``) of the token-level DSA indexers (with and without ``q_resid``)."""
+              ("hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache"),
+              ("hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids", "past_key_values"))
+"""The forward parameters (after ``self``) of the token-level DSA indexers (with and without ``q_resid``; the
+cache is ``past_key_values`` on transformers 5.17)."""
+_CACHE_NAMES = ("cache", "past_key_values")
 BLOCK_SIGNATURE = ("hidden_states", "position_embeddings", "attention_mask", "cache")
 """The forward parameters (after ``self``) of Qwen4's block indexer (QSA)."""
 _ADAPTED = "_cp_attention_indexer"
@@ -232,6 +235,12 @@ def _layer_batch(info, B: int, S: int, family: str):
     return batch, batch is not None and batch.cp.world_size > 1
 
 
+def _cache_name(bound) -> str:
+    """The name of the indexer forward's cache parameter (``cache``; ``past_key_values`` on 5.17)."""
+    params = bound.signature.parameters
+    return next((name for name in _CACHE_NAMES if name in params), "cache")
+
+
 def _adapted(original, applies, run):
     """``original`` (a forward) that calls ``run(original, bound, mask)`` instead when ``applies`` to its
     ``attention_mask`` (``bound``: its arguments, bound), marked as adapted."""
@@ -256,7 +265,8 @@ def _token_selection(original, bound, rows: MaskRows):
     B, S = hidden.shape[:2]
     batch, whole_row = _layer_batch(info, B, S, info.family or "this model")
     bound.arguments["attention_mask"] = _rows(info, batch, whole_row, B, S, hidden.device)
-    bound.arguments["cache"] = _WholeRowKeys(_gather_keys(batch, whole_row), bound.arguments.get("cache"))
+    name = _cache_name(bound)
+    bound.arguments[name] = _WholeRowKeys(_gather_keys(batch, whole_row), bound.arguments.get(name))
     with CanonicalTopk():
         selection = original(*bound.args, **bound.kwargs)
     state.INDEXER_SELECTIONS[selection] = True
@@ -275,7 +285,8 @@ def _block_selection(original, bound, mask: SelectingMask) -> KeySelection:
         cos, sin = torch.cat([gather(cos), cos], dim=1), torch.cat([gather(sin), sin], dim=1)
     bound.arguments["position_embeddings"] = (cos, sin)
     bound.arguments["attention_mask"] = rows_BST[:, None]
-    bound.arguments["cache"] = _WholeRowKeys(gather, bound.arguments.get("cache"))
+    name = _cache_name(bound)
+    bound.arguments[name] = _WholeRowKeys(gather, bound.arguments.get(name))
     with CanonicalTopk():
         chosen_B1ST = original(*bound.args, **bound.kwargs)
     chosen_BST = chosen_B1ST[:, 0] & rows_BST

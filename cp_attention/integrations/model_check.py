@@ -63,7 +63,6 @@ compiled model's own module.
 from __future__ import annotations
 
 import functools
-import inspect
 import re
 import sys
 
@@ -71,6 +70,11 @@ import torch
 from torch import nn
 
 from . import source as model_source
+from .source import INLINE_SEQUENCE as _INLINE_SEQUENCE
+from .source import computes_scores as _computes_scores
+from .source import forward_args as _forward_args
+from .source import per_token_part as _per_token_part
+from .source import uses_attention_interface
 from . import state
 from ..engine.batch import batch_of
 from ..engine.context import active_context, register_context_guard
@@ -79,7 +83,9 @@ from ..refusals import refuse
 from .heads import call_kwargs, prepare_call
 from .compressed import per_token_streams
 from .indexers import adapted_indexer
-from .mixers import CONVOLUTIONS, MIXER_ATTR, RECURRENCES, handled_calls, tag_mixers
+from .mixers import CONV_FORWARDS, CONVOLUTIONS, MIXER_ATTR, RECURRENCES, SCAN_FORWARDS, declined, handled_calls, \
+    tag_mixers
+from .versions import transformers_version
 from .generation import finish_prefill, generation_call, start_decode, start_prefill
 from .recurrent import adapted_class
 from .rope import rope_findings, tag_ropes
@@ -91,13 +97,6 @@ __all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank
 
 NAME = "cp_flash"
 
-_INTERFACE = ("ALL_ATTENTION_FUNCTIONS", "attention_interface")
-_PRODUCT = re.compile(r"\b(?:matmul|einsum|bmm|baddbmm)\s*\(|[\w\)\]]\s@\s")
-_TRANSPOSED = re.compile(r"\.transpose\(\s*(?:-1\s*,\s*-2|-2\s*,\s*-1|2\s*,\s*3|3\s*,\s*2)\s*\)|\.mT\b")
-_FUSED = re.compile(r"scaled_dot_product_attention|flash_attn_(?:func|varlen_func|qkvpacked)")
-_PARAMETER = re.compile(r"self\.(\w+)\s*=\s*(?:nn\.|torch\.nn\.)?Parameter\(")  # a class's own weights
-_SELF_ATTR = re.compile(r"self\.(\w+)")
-_SHIFTED_SLICE = re.compile(r"\[:,\s*(?:1:|:-1)\s*\]")  # x[:, 1:], x[:, :-1]: a token shift by slicing
 _STATE_ARGS = ("cache_params", "state", "recurrent_state", "ssm_state", "conv_state")
 _STATE_PARAMS = ("A_log", "time_decay", "time_first")
 _BIAS_ARGS = ("alibi", "position_bias")
@@ -107,9 +106,6 @@ _BIAS_KEYWORD = re.compile(r"\b(alibi|position_bias)\s*=(?!=)")
 # position embeddings) or by the attribute it sits in (``embed_positions``, GPT-2's ``wpe``, ``rotary_emb``)
 _POSITIONAL_CLASS = re.compile(r"Positional|PositionEmbedding|Rotary|Sinusoidal|Rope", re.I)
 _POSITIONAL_ATTR = re.compile(r"^(?:embed_positions|position_embeddings?|pos_emb\w*|wpe|rotary_emb\w*|rope\w*)$")
-# sequence operations a mixer class might do itself besides the adapted functions
-_INLINE_SEQUENCE = re.compile(r"(?<!causal_)conv1d\(|\bcumsum\(|\btorch\.roll\(|\bsegment_sum\(|\.unfold\(|"
-                              r"\bpad\(|\.flip\(")
 
 
 class Finding(tuple):
@@ -123,52 +119,6 @@ class Finding(tuple):
     module = property(lambda self: self[0])
     what = property(lambda self: self[1])
     why = property(lambda self: self[2])
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_args(cls: type) -> frozenset:
-    try:
-        return frozenset(inspect.signature(cls.forward).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
-
-
-@functools.lru_cache(maxsize=None)
-def uses_attention_interface(cls: type) -> bool:
-    """Whether ``cls`` dispatches its attention through transformers' attention interface."""
-    source = model_source.class_source(cls)
-    return any(word in source for word in _INTERFACE)
-
-
-@functools.lru_cache(maxsize=None)
-def _computes_scores(cls: type) -> bool:
-    """Whether ``cls`` (not using the interface) computes attention scores itself."""
-    if uses_attention_interface(cls):
-        return False
-    source = model_source.class_source(cls)
-    if _FUSED.search(source):
-        return True
-    weights = set(_PARAMETER.findall(source))
-    if "softmax" in source:  # a softmax over any product: scores (a learnable temperature is a weight too)
-        return _PRODUCT.search(source) is not None
-    product = any(not _weight_product(line, weights) for line in re.split(r"[\n;]", source) if _PRODUCT.search(line))
-    return product and (_TRANSPOSED.search(source) is not None or "softmax" in source)
-
-
-@functools.lru_cache(maxsize=None)
-def _per_token_part(cls: type) -> bool:
-    """Whether ``cls``'s own code computes each token alone: no sequence operation, no loop, no
-    recurrence function of its own (a gate that turns a decay parameter into per-token rates)."""
-    text = model_source.class_source(cls)
-    return not (_INLINE_SEQUENCE.search(text) or _SHIFTED_SLICE.search(text) or
-                re.search(r"^\s*(?:for|while)\b|scan\(|recurren", text, re.M))
-
-
-def _weight_product(line: str, weights: set) -> bool:
-    """Whether a line's product has a weight as an operand (``self.x_proj_weight @ h``, Zamba's
-    per-head projections): a weight times an activation is a projection, not scores; scores are a
-    product of two activations."""
-    return any(name in weights or name.endswith("weight") for name in _SELF_ATTR.findall(line))
 
 
 def _is_model_class(cls: type) -> bool:
@@ -212,9 +162,18 @@ def model_findings(model) -> tuple[Finding, ...]:
     mixing = 0  # recurrent mixers computed across ranks
     mixers: list[str] = []  # handled recurrent mixers: their per-token parts are theirs
     inside: list[str] = []  # adapted modules (their code runs on the whole row): their submodules are theirs
+    seen_modules: set[str] = set()
+    blocks: list[tuple[str, Finding]] = []  # state-carrying blocks of per-token code, decided at the end
     for name, module in _modules(model):
         where = name or type(module).__name__
         cls = type(module)
+        if cls.__module__ not in seen_modules:
+            seen_modules.add(cls.__module__)
+            for function, why in sorted(declined(cls.__module__).items()):
+                findings.append(Finding(where, "a sequence mixer function not admitted",
+                                        f"transformers {transformers_version()}'s {cls.__module__}.{function} does "
+                                        f"not do what cp_attention's adapter assumes ({why}), so it was left "
+                                        "unadapted and would mix only this shard's tokens"))
         if any(name.startswith(prefix + ".") for prefix in inside):
             continue
         if adapted_indexer(cls):
@@ -261,9 +220,11 @@ def model_findings(model) -> tuple[Finding, ...]:
                                     f"it calls {', '.join(sorted(calls))} (computed across ranks) but also "
                                     f"{inline.group(0).strip('(')} itself, over its own shard only"))
             continue
-        if calls.intersection(CONVOLUTIONS):  # only the convolutions whose weight it hands over
-            convolving[name] = set(re.findall(r"self\.(\w+)\.weight", model_source.class_source(cls)))
-        if calls.intersection(RECURRENCES) and not _computes_scores(cls):
+        if calls.intersection(CONVOLUTIONS + CONV_FORWARDS):  # only the convolutions whose weight (module) it hands over
+            text = model_source.class_source(cls)
+            convolving[name] = set(re.findall(r"self\.(\w+)\.weight", text)) | \
+                set(re.findall(r"causal_conv1d_forward\(\s*self\.(\w+)\b", text))
+        if calls.intersection(RECURRENCES + SCAN_FORWARDS) and not _computes_scores(cls):
             mixing += 1
             mixers.append(name)
             continue  # a Mamba / Mamba-2 / gated DeltaNet / KDA mixer: the scan over pieces (integrations.mixers)
@@ -272,15 +233,22 @@ def model_findings(model) -> tuple[Finding, ...]:
         if state_args and not args.intersection(_STATE_ARGS) and _per_token_part(cls) and \
                 any(name.startswith(prefix + ".") for prefix in mixers):
             continue  # a handled mixer's gate (KDA's forget gate holds A_log): per token, its output feeds the scan
-        if state_args:
+        if state_args and args.intersection(_STATE_ARGS) and _per_token_part(cls):
+            blocks.append((name, Finding(where, "a recurrent state", f"it carries a state along the sequence "
+                                         f"({', '.join(state_args)}), from every earlier token, across the shards")))
+        elif state_args:
             findings.append(Finding(where, "a recurrent state", f"it carries a state along the sequence "
                                     f"({', '.join(state_args)}), from every earlier token, across the shards"))
-        elif _computes_scores(cls) and not adapted_indexer(cls) and not per_token_streams(cls):
+        elif _computes_scores(cls) and not adapted_indexer(cls) and not per_token_streams(cls) and \
+                not _POSITIONAL_CLASS.search(cls.__name__):  # a rotary table: inv_freq @ positions, not scores
             bias = sorted(args.intersection(_BIAS_ARGS))
             findings.append(Finding(where, "attention outside the attention interface",
                                     "it computes its scores itself instead of calling transformers' attention "
                                     "interface, so it would attend within its own shard only"
                                     + (f" (and takes {', '.join(bias)})" if bias else "")))
+    # a block that hands a state (a cache) to a handled function mixer inside it (Mamba's on 5.17): the block's
+    # own code is per token; its mixer, found after it, computes the sequence across ranks
+    findings += [found for name, found in blocks if not any(m.startswith(name + ".") for m in mixers)]
     for where, why in rope_findings(_modules(model)):
         findings.append(Finding(where, "a rope computed from the shard's length", why))
     forward_args = _forward_args(type(model))

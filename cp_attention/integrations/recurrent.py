@@ -130,7 +130,7 @@ def _under_cp(tokens: str, dim: int = 1):
             sig = inspect.signature(original)
 
             def eager(compiled, self, *args, **kwargs):
-                if "past_key_values" in kwargs:
+                if "past_key_values" in kwargs and "past_key_values" not in sig.parameters:
                     kwargs = dict(kwargs)
                     kwargs["cache"] = kwargs.pop("past_key_values")
                 call = sig.bind(self, *args, **kwargs)
@@ -139,7 +139,10 @@ def _under_cp(tokens: str, dim: int = 1):
                 record = batch_for(x.shape[0], x.shape[dim], compiled)
                 if record is None:
                     return original(self, *args, **kwargs)
-                return body(self, call.arguments, record, original)
+                arguments = dict(call.arguments)
+                if "cache" not in arguments and "past_key_values" in arguments:  # transformers 5.17's name
+                    arguments["cache"] = arguments.pop("past_key_values")
+                return body(self, arguments, record, original)
 
             return compiled_wrapper(original, eager)
         return adapt
@@ -274,7 +277,8 @@ def _cca_forward(self, bound, record, original):
     h = bound["hidden_states"]
     B, L = h.shape[:2]
     cache = bound.get("cache")
-    if cache is not None and (cache.get_conv_state(self.layer_idx, state_idx=0) is not None or
+    if cache is not None and (not hasattr(cache, "get_conv_state") or  # 5.17's cache: no state API to fill
+                              cache.get_conv_state(self.layer_idx, state_idx=0) is not None or
                               cache.get_recurrent_state(self.layer_idx, state_idx=0) is not None):
         refuse_cache(type(self).__name__)  # decoding: the states of earlier tokens
     conv_mask = bound.get("conv_mask")
@@ -533,7 +537,8 @@ def _match(cls: type):
             _has(cls, "self.conv_1d(", "self.rg_lru(", "self.linear_y(", "self.linear_out("):
         return "forward", _recurrent_block_forward
     if cls.__name__.endswith("CCAProjection") and forward is not None and \
-            _params(forward)[:3] == ("hidden_states", "cache", "conv_mask") and \
+            _params(forward)[:3] in (("hidden_states", "cache", "conv_mask"),
+                                     ("hidden_states", "past_key_values", "conv_mask")) and \
             _has(cls, "self.conv_qk_depthwise(", "self.conv_qk_grouped(", "self.v_proj_delayed(", "[:, :-1]"):
         return "forward", _cca_forward
     if forward is not None and _params(forward)[:8] == ("query", "key", "value", "igate", "fgate", "c_initial",

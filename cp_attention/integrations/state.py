@@ -21,9 +21,10 @@ CONFIG_CHECKSUMS = WeakIdKeyDictionary()
 config). Guarded by ``CONFIG_LOCK`` (:mod:`.models`)."""
 CONFIG_LOCK = threading.Lock()
 
-INTEGRATIONS: dict = {"registered": set(), "adapted_sites": []}
-"""Which integrations registered, and the transformers modules adapted for the name ``cp_flash``
-(:mod:`.transformers`). Guarded by ``INTEGRATIONS_LOCK``."""
+INTEGRATIONS: dict = {"registered": set(), "adapted_sites": [], "declined": {}}
+"""Which integrations registered, the transformers modules adapted for the name ``cp_flash``
+(:mod:`.transformers`), and the foreign functions an adapter's admission check declined:
+{(module name, function name): why} (:mod:`.mixers`). Guarded by ``INTEGRATIONS_LOCK``."""
 INTEGRATIONS_LOCK = threading.Lock()
 
 MODEL_CHECKS = WeakIdKeyDictionary()

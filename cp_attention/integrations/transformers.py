@@ -65,14 +65,13 @@ from .mixers import adapt_module as adapt_mixer_functions
 from .recurrent import adapt_module as adapt_mixer_classes
 from .model_check import guard_position_start, guard_sub_model, install_guard, layer_position_ids, note_cp_flash_call
 from .models import config_crc, layer_mask, text_config
+from .versions import check_version
 from .overlays import check_spans, mask_pairs, overlay_structure, probe_adjacent, probe_whole_mask
 
 __all__ = ["NAME", "CPMask", "cp_flash_attention", "cp_flash_mask", "register", "FLASH_NAME_SITES",
            "adapted_sites"]
 
 NAME = "cp_flash"
-MIN_VERSION, MAX_VERSION = (5, 17), (6, 0)
-
 # Modules whose by-name import of is_flash_attention_requested treats any name containing "flash"
 # as flash-attn, and what goes wrong for "cp_flash" there (transformers 5.17-5.23):
 FLASH_NAME_SITES = MappingProxyType({
@@ -92,13 +91,6 @@ def adapted_sites() -> list[str]:
     """The modules whose flash-name check was adapted for "cp_flash" (for tests and diagnostics)."""
     with state.INTEGRATIONS_LOCK:
         return list(state.INTEGRATIONS["adapted_sites"])
-
-
-def _version() -> tuple[int, int]:
-    import transformers
-
-    major, minor = transformers.__version__.split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -561,8 +553,10 @@ def adapt_modeling_module(mod) -> bool:
 
 
 def is_modeling_module(name: str) -> bool:
-    """Whether ``name`` is a modeling module of a transformers model (adapted when imported)."""
-    return name.startswith("transformers.models.") and name.rsplit(".", 1)[-1].startswith("modeling_")
+    """Whether ``name`` is a modeling (or configuration) module of a transformers model, adapted when imported:
+    a configuration may check the implementation's name too (HRM-Text's prefix-LM check)."""
+    return name.startswith("transformers.models.") and \
+        name.rsplit(".", 1)[-1].startswith(("modeling_", "configuration_"))
 
 
 def register() -> None:
@@ -571,11 +565,7 @@ def register() -> None:
     with state.INTEGRATIONS_LOCK:
         if NAME in state.INTEGRATIONS["registered"]:
             return
-    version = _version()
-    if not (MIN_VERSION <= version < MAX_VERSION):
-        raise ImportError(f"cp_attention's transformers integration supports transformers >= "
-                          f"{'.'.join(map(str, MIN_VERSION))} and < {'.'.join(map(str, MAX_VERSION))}, found "
-                          f"{'.'.join(map(str, version))}")
+    check_version()
     from transformers import AttentionInterface, AttentionMaskInterface
 
     AttentionInterface.register(NAME, cp_flash_attention)

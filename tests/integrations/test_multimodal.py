@@ -293,7 +293,10 @@ def test_window_cut_read_from_the_mask_structure(monkeypatch, padded):
     config._attn_implementation = "capture"
     blocks = torch.full((1, 12), -1)
     blocks[0, 5:9] = 0  # one block of 4 tokens
-    common = dict(config=config, inputs_embeds=torch.zeros(1, 12, 8), cache=None,
+    import inspect
+
+    cache = "cache" if "cache" in inspect.signature(mu.create_causal_mask).parameters else "past_key_values"  # 5.17
+    common = dict(config=config, inputs_embeds=torch.zeros(1, 12, 8), **{cache: None},
                   attention_mask=torch.ones(1, 12, dtype=torch.bool) if padded else None,
                   position_ids=torch.arange(12)[None])
     mu.create_causal_mask(**common, or_mask_function=mu.blockwise_overlay(blocks),

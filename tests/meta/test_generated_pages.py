@@ -101,6 +101,11 @@ def test_a_record_changed_without_its_page_makes_the_page_stale(tmp_path, name):
     page, data = (mutations.PAGE, mutations.RECORD) if name == "mutants" else tables.PAGES[name][:2]
 
     def change(record):
+        if name == "versions":  # {"releases": {release: {family: outcomes}}}
+            results = next(iter(record["releases"].values()))
+            family = next(iter(results))
+            results[family] = {slot: {"outcome": "crash", "message": "planted"} for slot in ("1", "2")}
+            return
         first = record["results"][0]
         if name == "mutants":
             first["detail"] = "tests/unit/test_nothing.py::test_nothing"
@@ -112,6 +117,18 @@ def test_a_record_changed_without_its_page_makes_the_page_stale(tmp_path, name):
 
     _edit_json(os.path.join(root, data), change)
     assert [p.split(" is ")[0] for p in stale_pages(root)] == [page]
+
+
+def test_the_versions_record_holds_every_tested_release_and_the_support_tables_one():
+    """docs/data/versions.json has the family sweep of each tested transformers release, and its release of the
+    support tables is docs/data/families.json's."""
+    from cp_attention.integrations.versions import TESTED_VERSIONS
+    from cp_attention.tools.sweeps.versions import compact
+
+    record = tables.read_record(os.path.join(ROOT, tables.PAGES["versions"][1]))
+    families = tables.read_record(os.path.join(ROOT, tables.PAGES["families"][1]))
+    assert sorted(record["releases"]) == sorted(TESTED_VERSIONS)
+    assert record["releases"][families["transformers"]] == compact(families)
 
 
 def test_a_missing_page_is_reported(tmp_path):

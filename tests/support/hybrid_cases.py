@@ -17,12 +17,23 @@ from cp_attention.tools.sweeps import configs
 from cp_attention.tools.sweeps import family as sweep
 import hf_cases
 
-HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "nemotron_h", "falcon_h1", "granitemoehybrid",
-           "bamba", "zamba2", "jamba", "lfm2", "lfm2_moe")
+_HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "nemotron_h", "falcon_h1", "granitemoehybrid",
+            "bamba", "zamba2", "jamba", "lfm2", "lfm2_moe")
 # issue 39: KDA (Kimi Linear, Bailing), lightning attention (MiniMax), RG-LRU and its convolution
 # (RecurrentGemma), Zaya's convolved attention inputs, Zamba (Mamba), RWKV, xLSTM, the pure state-space models
-MORE_MIXERS = ("kimi_linear", "bailing_hybrid", "minimax", "recurrent_gemma", "zaya", "zamba", "rwkv", "xlstm",
-               "mamba", "mamba2", "falcon_mamba")
+_MORE_MIXERS = ("kimi_linear", "bailing_hybrid", "minimax", "recurrent_gemma", "zaya", "zamba", "rwkv", "xlstm",
+                "mamba", "mamba2", "falcon_mamba")
+
+
+def installed(families: tuple[str, ...]) -> tuple[str, ...]:
+    """The families the installed transformers has (the compatibility lane's 5.17 lacks bailing_hybrid)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return tuple(f for f in families if f in CONFIG_MAPPING_NAMES)
+
+
+HYBRIDS, MORE_MIXERS = installed(_HYBRIDS), installed(_MORE_MIXERS)
+
 
 # Two rows (L = 46): documents crossing every rank at world sizes 2 and 4 in every layout, one-token
 # documents (at a piece's first token, inside, and at the end of a row), a row that is one document.

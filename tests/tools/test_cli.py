@@ -144,7 +144,9 @@ def test_bench_prints_speedups_and_agrees_with_sdpa(mask, capsys):
     speedups = _speedups(out)
     peers = {"SDPA dense mask", "SDPA is_causal"} if mask == "causal" else {"SDPA dense mask"}
     assert set(speedups) == {"forward", "forward+backward"}, out
-    assert all(set(row) == peers and all(x > 0 for x in row.values()) for row in speedups.values()), out
+    # a speedup is printed for every peer; its value is a timing, which no CI test asserts on (a loaded machine
+    # prints 0.00x)
+    assert all(set(row) == peers and all(x >= 0 for x in row.values()) for row in speedups.values()), out
     if mask != "causal":
         assert "not run: SDPA is_causal" in out, out
     diff = float(re.search(r"max \|cp_attention - SDPA\| on the output: (\S+)", out).group(1))

@@ -5,7 +5,9 @@ that a page is never typed and a rerun can be diffed and adopted:
 
 * :func:`family_page`: ``docs/supported_models.md`` from ``docs/data/families.json`` (the family sweep);
 * :func:`heads_page`: ``docs/supported_heads.md`` from ``docs/data/heads.json`` (the head sweep);
-* :func:`vlm_page`: ``docs/supported_vlms.md`` from ``docs/data/vlms.json`` (the vision-language sweep).
+* :func:`vlm_page`: ``docs/supported_vlms.md`` from ``docs/data/vlms.json`` (the vision-language sweep);
+* :func:`versions_page`: ``docs/supported_versions.md`` from ``docs/data/versions.json`` (the family sweep on
+  every tested transformers release, :mod:`.versions`).
 
 :data:`PAGES` lists them with the command that renders each; the test suite checks every page
 equals what its renderer makes of the committed record.
@@ -21,8 +23,8 @@ from .compare import GRAD_REL_TOL, TOL
 from .configs import FLOAT64
 from .vlm_configs import SLOTS as VLM_SLOTS
 
-__all__ = ["PAGES", "VLM_SLOTS", "reason", "ws1_as_eager", "summary_markdown", "family_table", "head_table",
-           "vlm_table", "family_page", "heads_page", "vlm_page", "render", "read_record"]
+__all__ = ["PAGES", "VLM_SLOTS", "counted", "reason", "ws1_as_eager", "summary_markdown", "family_table", "head_table",
+           "vlm_table", "family_page", "heads_page", "vlm_page", "versions_page", "differences", "render", "read_record"]
 
 
 FAMILY_NOTES = MappingProxyType({  # family -> what its row alone does not say
@@ -30,8 +32,8 @@ FAMILY_NOTES = MappingProxyType({  # family -> what its row alone does not say
              "activation, not scores: the model check tells them apart (it refused Zamba at CP = 2 for them before).",
     "mamba": "Mamba, Mamba-2, Falcon-Mamba, RWKV and xLSTM take no `position_ids` and read no positions: the sweep "
              "passes them the packed row without them; their mixers take the documents from `shard_batch`'s record.",
-    "hrm_text": "refused by transformers itself when the model is built (its prefix-LM mask overlay, for any "
-                "flash-named implementation).",
+    "hrm_text": "its configuration checks the implementation's name (its prefix-LM overlay, refused for any "
+                "flash-named implementation): the configuration module is adapted as the modeling modules are.",
 })
 
 
@@ -114,7 +116,7 @@ def family_table(results: list[dict]) -> str:
     return "\n".join(summary) + "\n\n" + "\n".join(rows) + "\n"
 
 
-def _counted(outcomes) -> str:
+def counted(outcomes) -> str:
     counts: dict[str, int] = {}
     for outcome in outcomes:
         counts[outcome] = counts.get(outcome, 0) + 1
@@ -199,7 +201,7 @@ def heads_page(record: dict, data: str = "docs/data/heads.json", page: str = "do
     text = [
         _generated(module, data, page), "",
         f"# Task heads under CP (transformers {record['transformers']}: {len(results)} heads: "
-        + _counted(r["outcome"] for r in results) + ")", "",
+        + counted(r["outcome"] for r in results) + ")", "",
         "Every entry of transformers' sequence-classification, token-classification, question-answering and "
         "masked-LM mappings, as a tiny model. Ground truth: eager on one process, the full row; CP = 2: two gloo "
         "ranks, zigzag, `cp.shard_batch`, mean over ranks of the loss and gradients. exact: equal; refused: a "
@@ -220,7 +222,7 @@ def vlm_page(record: dict, data: str = "docs/data/vlms.json", page: str = "docs/
     text = [
         _generated(module, data, page), "",
         f"# cp_flash over image-text-to-text families (transformers {record['transformers']}: {len(results)} "
-        f"families, {len(outcomes)} outcomes: " + _counted(outcomes) + ")", "",
+        f"families, {len(outcomes)} outcomes: " + counted(outcomes) + ")", "",
         "Per family a tiny model, a text batch and a batch with one image. Ground truth: eager on one device, full "
         "batch; ws1: the cp_flash model called plainly; CP=2: two gloo ranks, zigzag, "
         f"`cp.shard_batch(**inputs, model=model)`; logits within {TOL:g}, gradients within max({TOL:g}, "
@@ -232,11 +234,79 @@ def vlm_page(record: dict, data: str = "docs/data/vlms.json", page: str = "docs/
     return "\n".join(text) + "\n"
 
 
+VERSIONS_MODULE = "cp_attention.tools.sweeps.versions"
+VERSION_NOTES = MappingProxyType({  # family -> why its outcome differs between releases, where its reasons do not say
+    "qwen4_exp": "5.17's Qwen4 block indexer reads the attention mask as a dense tensor (`.dtype`); from 5.24 on "
+                 "it takes the mask's rows, which the block-indexer adapter serves.",
+})
+
+
+def _cell(outcomes: dict | None) -> str:
+    if outcomes is None:
+        return "(not in this release)"
+    return " / ".join(outcomes.get(ws, {}).get("outcome", "-") for ws in ("1", "2"))
+
+
+def _why(outcomes: dict | None) -> str:
+    if outcomes is None:
+        return ""
+    parts = []
+    for ws in ("1", "2"):
+        rec = outcomes.get(ws, {})
+        text = "; ".join(rec.get("reasons", [])) or rec.get("message", "")
+        if text and text not in parts:
+            parts.append(text)
+    return " | ".join(parts).replace("|", "/") if parts else ""
+
+
+def differences(record: dict) -> list[tuple[str, dict]]:
+    """(family, {release: outcomes or None}) for every family whose outcomes differ between the releases."""
+    releases = record["releases"]
+    families = sorted({f for res in releases.values() for f in res})
+    out = []
+    for family in families:
+        cells = {v: releases[v].get(family) for v in releases}
+        if len({_cell(c) for c in cells.values()}) > 1:
+            out.append((family, cells))
+    return out
+
+
+def versions_page(record: dict, data: str = "docs/data/versions.json",
+                  page: str = "docs/supported_versions.md") -> str:
+    """The page comparing the family sweep on every tested release (see the module docstring)."""
+    releases = record["releases"]
+    text = [
+        f"Generated by `python -m {VERSIONS_MODULE} --from {data} --page {page}` from the record `{data}`; do not edit "
+        "by hand.", "",
+        "# The family sweep on every tested transformers release", "",
+        "The family sweep ([supported_models.md](supported_models.md): a tiny model of every causal-LM family, "
+        "one packed row under `cp_flash` at world size 1 and CP = 2 against eager on each document alone) on "
+        "each release the suite runs. \"exact / refused\" reads world size 1 / CP = 2. Nothing may be wrong or "
+        "crash on any release; what differs is listed below with the reason each release gives.", "",
+        "| release | families | world size 1 | CP = 2 |", "|---|---|---|---|",
+    ]
+    for version, results in releases.items():
+        ws1 = counted(o.get("1", {}).get("outcome", "") for o in results.values())
+        ws2 = counted(o.get("2", {}).get("outcome", "") for o in results.values())
+        text.append(f"| {version} | {len(results)} | {ws1} | {ws2} |")
+    diffs = differences(record)
+    text += ["", f"## What differs ({len(diffs)} families)", "",
+             "| family | " + " | ".join(releases) + " | why |", "|---|" + "---|" * len(releases) + "---|"]
+    for family, cells in diffs:
+        why = VERSION_NOTES.get(family) or " ".join(f"{v}: {_why(c)}" for v, c in cells.items() if _why(c))
+        text.append(f"| {family} | " + " | ".join(_cell(c) for c in cells.values()) + f" | {why} |")
+    text += ["", "A release's record is added with "
+             f"`python -m cp_attention.tools.sweeps.family --world 1,2 --json SWEEP.json` under that release, then "
+             f"`python -m {VERSIONS_MODULE} --add SWEEP.json --record {data} --page {page}`."]
+    return "\n".join(text) + "\n"
+
+
 # name -> (page, record, renderer): paths relative to the repository root
 PAGES = MappingProxyType({
     "families": ("docs/supported_models.md", "docs/data/families.json", family_page),
     "heads": ("docs/supported_heads.md", "docs/data/heads.json", heads_page),
     "vlms": ("docs/supported_vlms.md", "docs/data/vlms.json", vlm_page),
+    "versions": ("docs/supported_versions.md", "docs/data/versions.json", versions_page),
 })
 
 
