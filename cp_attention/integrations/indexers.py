@@ -77,7 +77,8 @@ SIGNATURES = (("hidden_states", "q_resid", "position_embeddings", "attention_mas
 cache is ``past_key_values`` on transformers 5.17)."""
 _CACHE_NAMES = ("cache", "past_key_values")
 BLOCK_SIGNATURE = ("hidden_states", "position_embeddings", "attention_mask", "cache")
-"""The forward parameters (after ``self``) of Qwen4's block indexer (QSA)."""
+"""The forward parameters (after ``self``) of Qwen4's block indexer (QSA); 5.17 names the cache ``past_key_values``."""
+_BLOCK_SIGNATURES = (BLOCK_SIGNATURE, BLOCK_SIGNATURE[:-1] + ("past_key_values",))
 _ADAPTED = "_cp_attention_indexer"
 
 
@@ -313,15 +314,16 @@ def _params(cls: type) -> tuple | None:
     forward = vars(cls).get("forward")
     if forward is None:
         return None
-    try:
-        return tuple(inspect.signature(forward).parameters)[1:]
+    try:  # the named parameters after ``self`` (5.25 adds ``**kwargs``)
+        return tuple(name for name, p in inspect.signature(forward).parameters.items()
+                     if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))[1:]
     except (TypeError, ValueError):
         return None
 
 
 def _fits_blocks(cls: type) -> bool:
     """Qwen4's block indexer: :data:`BLOCK_SIGNATURE`, the row's keys from the cache, blocks, a top-k."""
-    if not cls.__name__.endswith("Indexer") or _params(cls) != BLOCK_SIGNATURE:
+    if not cls.__name__.endswith("Indexer") or _params(cls) not in _BLOCK_SIGNATURES:
         return False
     code = source.class_source(cls)
     return "update_indexer(" in code and ".topk(" in code and "compress_ratio" in code

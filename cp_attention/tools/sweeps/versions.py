@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 
-from .tables import versions_page
+from .tables import versions_page, ws1_as_eager
 
 __all__ = ["compact", "add", "main"]
 
@@ -30,13 +30,16 @@ def _key(version: str) -> tuple[int, ...]:
 
 
 def compact(sweep: dict) -> dict:
-    """{family: {"1": outcome record, "2": ...}} of a family sweep's ``--json`` output: the outcome, and the
-    reasons (a model check's findings) or the first 120 characters of the message."""
+    """{family: {"1": outcome record, "2": ...}} of a family sweep's ``--json`` output: the outcome ("as eager" at
+    world size 1 where the support table says so), and the reasons (a model check's findings) or the first 120
+    characters of the message."""
     out = {}
     for r in sweep["results"]:
         outcomes = {}
         for ws, rec in sorted(r.get("outcomes", {}).items()):
             slim = {"outcome": rec.get("outcome", "")}
+            if ws == "1" and slim["outcome"] == "wrong" and ws1_as_eager(r):  # the family's own eager, exactly
+                slim = {"outcome": "as eager"}
             if rec.get("reasons"):
                 slim["reasons"] = list(rec["reasons"])
             elif rec.get("outcome") not in ("exact", None) and rec.get("message"):
