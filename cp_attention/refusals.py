@@ -122,16 +122,10 @@ REFUSALS = _catalogue(
        why="without the batch's record the layer knows neither the global positions nor the documents",
        fix="shard the inputs with cp.shard_batch(...) and pass its outputs to the model",
        message="cp_flash under context parallelism needs the batch's global positions: shard the inputs with "
-               "cp.shard_batch(input_ids=..., position_ids=..., labels=...) and pass its outputs to the model"),
-    _R(key="generation_without_cache", exception=ValueError, area="context",
-       what="unsharded input_ids with use_cache=False inside a multi-rank block (generate(use_cache=False))",
-       why="without a cache every generation step reruns the whole sequence, which is not sharded",
-       fix="generate with its cache (the default), or outside the block; shard a training forward's inputs",
-       message="cp_flash: {model} got unsharded input_ids with use_cache=False inside context_parallel. "
-               "generate(use_cache=False) reruns the whole sequence at every step and is not sharded: call generate "
-               "with its cache (use_cache=True, the default: the prompt and the KV cache are sharded over the "
-               "group), or outside the block. For a training or scoring forward, shard the inputs with "
-               "cp.shard_batch(input_ids=..., position_ids=..., labels=...) and pass its outputs to the model"),
+               "cp.shard_batch(input_ids=..., position_ids=..., labels=...) and pass its outputs to the model. "
+               "model.generate(use_cache=False) inside the block ends here too (without a cache every step reruns "
+               "the whole sequence, unsharded): generate with its cache (use_cache=True, the default: the prompt "
+               "and the KV cache are sharded over the group), or outside the block"),
     _R(key="padding_mask_not_sharded", exception=ValueError, area="context",
        what="a padding attention_mask the model got that cp.shard_batch did not see",
        why="the batch's documents and positions were recorded without that padding",

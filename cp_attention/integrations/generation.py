@@ -264,8 +264,6 @@ def generation_call(model, kwargs: dict | None, attends) -> tuple | None:
     ids = kwargs.get("input_ids")
     unsharded = isinstance(ids, torch.Tensor) and batch_of(ids) is None
     cache = _cache_of(kwargs)
-    if cache is None and unsharded and kwargs.get("use_cache") is False:
-        raise refuse("generation_without_cache", model=type(model).__name__)
     if cache is None:
         own = getattr(type(model), "_supports_default_dynamic_cache", None)
         if unsharded and kwargs.get("use_cache") and kwargs.get("past_key_values", kwargs.get("cache")) is None \

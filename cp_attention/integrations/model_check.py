@@ -121,6 +121,13 @@ class Finding(tuple):
     why = property(lambda self: self[2])
 
 
+def _rotary_table(cls: type) -> bool:
+    """A positional module (by its class name) whose product is ``inv_freq @ positions`` (transformers 5.17's rotary
+    classes): a table of frequencies per position, not attention scores (no softmax, no score tensor)."""
+    text = model_source.class_source(cls)
+    return bool(_POSITIONAL_CLASS.search(cls.__name__)) and "softmax" not in text and "inv_freq" in text
+
+
 def _is_model_class(cls: type) -> bool:
     return getattr(cls, "base_model_prefix", None) is not None
 
@@ -240,7 +247,7 @@ def model_findings(model) -> tuple[Finding, ...]:
             findings.append(Finding(where, "a recurrent state", f"it carries a state along the sequence "
                                     f"({', '.join(state_args)}), from every earlier token, across the shards"))
         elif _computes_scores(cls) and not adapted_indexer(cls) and not per_token_streams(cls) and \
-                not _POSITIONAL_CLASS.search(cls.__name__):  # a rotary table: inv_freq @ positions, not scores
+                not _rotary_table(cls):
             bias = sorted(args.intersection(_BIAS_ARGS))
             findings.append(Finding(where, "attention outside the attention interface",
                                     "it computes its scores itself instead of calling transformers' attention "

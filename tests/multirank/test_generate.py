@@ -205,7 +205,8 @@ def test_generate_refusals():
         assert "MiniMaxForCausalLM builds a cache of its own class" in found["own_cache"], found["own_cache"]
         assert "deepseek_v32 selects keys per query over a KV cache" in found["selection"], found["selection"]
         assert "was called compiled with a KV cache under context parallelism" in found["compiled"], found["compiled"]
-        assert "generate(use_cache=False) reruns the whole sequence" in found["no_cache"], found["no_cache"]
+        assert "generate(use_cache=False) inside the block ends here too" in found["no_cache"], found["no_cache"]
+        assert "generate with its cache (use_cache=True, the default" in found["no_cache"], found["no_cache"]
         assert found["after"] == want
 
 
