@@ -271,6 +271,14 @@ REFUSALS = _catalogue(
        message="cp_flash: transformers {version} calls {name} in a way cp_attention's adapter does not know ({why}); "
                "under context parallelism it would read the wrong arguments. Use a transformers release "
                "cp_attention tests (see its README), or run without context_parallel"),
+    _R(key="adapted_class_declined", exception=NotImplementedError, area="context",
+       what="an adapted class (a mixer, an indexer) that does not compute what cp_attention's adapter assumes "
+            "(its check at first use)",
+       why="the adapter would compute something else than the class across ranks",
+       fix="the transformers release the suite tests (see the README), or run the model without context_parallel",
+       message="cp_flash: transformers {version}'s {name} does not do what cp_attention's adapter assumes ({why}); "
+               "under context parallelism it would compute something else than on one device. Use a transformers "
+               "release cp_attention tests (see its README), or run without context_parallel"),
     _R(key="mixer_forward_bypassed", exception=NotImplementedError, area="context",
        what="a mixer's step function that computed its mixing without the adapted functions (a hub kernel)",
        why="it would mix only this shard's tokens",

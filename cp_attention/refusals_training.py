@@ -78,7 +78,8 @@ TRAINING = (
        what="a MoE router loss function that is not the Switch-Transformer balance cp_attention reduces",
        why="it cannot be taken over the whole batch from the ranks' shards",
        fix="output_router_logits=False (TRL: router_aux_loss_coef=0.0), or no context_parallel",
-       message="cp_flash: the MoE router loss {name} cannot be computed under context parallelism: {reason}. Turn "
+       message="cp_flash: the MoE router loss {name} (transformers {version}) cannot be computed under context "
+               "parallelism: {reason}. Turn "
                "it off (output_router_logits=False; TRL: router_aux_loss_coef=0.0) or run without context_parallel"),
     dict(key="router_logits_not_per_token", exception=NotImplementedError, area="heads",
        what="router logits that are not one row per token of the rank's shard",

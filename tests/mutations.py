@@ -59,6 +59,12 @@ _DECODE, _SHARDED_CACHE = "tests/unit/test_decode.py", "tests/unit/test_sharded_
 _ADMISSION = "tests/integrations/test_admission.py"
 _GENERATE = "tests/multirank/test_generate.py"
 _SPARSE_ONE = "tests/integrations/test_index_sparse.py::test_dsa_one_device_follows_the_tie_rule"
+_CLASS_ADMISSION = "tests/integrations/test_class_admission.py"
+_INDEXER_ADMISSION = "tests/integrations/test_index_sparse.py::test_indexers_admitted_and_planted_changes_declined"
+_COMPRESSOR_ADMISSION = "tests/integrations/test_index_sparse.py::test_compressors_admitted_and_planted_changes_declined"
+_ROPE_ADMISSION = "tests/integrations/test_rope.py::test_the_rope_hook_admits_by_behaviour"
+_ROUTER_DECLINED = ("tests/integrations/test_router_loss.py::"
+                    "test_a_declined_router_loss_refuses_under_cp_and_leaves_eager_untouched")
 
 MUTANTS = (
     Mutant("window reach +1 (key at distance W visible)", "masks", "cp_attention/masks.py",
@@ -484,7 +490,7 @@ MUTANTS = (
            "        if False:", (_ADMISSION,)),
     Mutant("admission: a recurrence's two-piece composition never compared", "models",
            "cp_attention/integrations/mixer_adapters.py",
-           "    if pieces.shape != whole_out.shape or not torch.allclose(pieces.double(), whole_out.double(), **_TOL):",
+           "    if not agrees(torch.cat([out1, out2], dim=adapter.out_dim), whole_out):",
            "    if False:", (_ADMISSION,)),
     Mutant("admission: a declined function's family not refused under CP", "models",
            "cp_attention/integrations/model_check.py",
@@ -497,6 +503,29 @@ MUTANTS = (
            "cp_attention/integrations/mixer_adapters.py", "    bound = CONVENTIONS[name].bind(*args, **kwargs)",
            "    bound = CONVENTIONS[name].bind(*args, **kwargs) if False else __import__('inspect').signature("
            "lambda *args, **kwargs: None).bind(*args, **kwargs)", (_ADMISSION,)),
+    Mutant("admission: a mixer class's path never compared with the class itself", "mixers",
+           "cp_attention/integrations/class_admission.py",
+           "(isinstance(a, torch.Tensor) and not agrees(a, b)):", "(isinstance(a, torch.Tensor) and False):",
+           (_CLASS_ADMISSION,)),
+    Mutant("admission: a mixer class's recurrence from a state never composed over two pieces", "mixers",
+           "cp_attention/integrations/class_admission.py", "            if check.composition is not None:",
+           "            if False:", (_CLASS_ADMISSION,)),
+    Mutant("admission: a declined class runs under CP", "mixers",
+           "cp_attention/integrations/class_admission.py",
+           "    if why is not None:\n        raise refuse(\"adapted_class_declined\"",
+           "    if False:\n        raise refuse(\"adapted_class_declined\"", (_CLASS_ADMISSION,)),
+    Mutant("admission: an indexer's rank selection never compared with eager's", "models",
+           "cp_attention/integrations/indexers.py", "        if not same:\n", "        if False:\n",
+           (_INDEXER_ADMISSION,)),
+    Mutant("admission: a compressor's conventions never checked", "models",
+           "cp_attention/integrations/compressed.py",
+           "lambda: _compressor_reason(original, self, bound))", "lambda: None)", (_COMPRESSOR_ADMISSION,)),
+    Mutant("admission: a rope computed otherwise hooked and not refused", "models",
+           "cp_attention/integrations/rope.py", "    module.__dict__[_VERDICT] = verdict\n    return verdict",
+           "    module.__dict__[_VERDICT] = None\n    return None", (_ROPE_ADMISSION,)),
+    Mutant("admission: a router loss refused without the transformers version", "heads",
+           "cp_attention/refusals_training.py", "{name} (transformers {version}) cannot", "{name} cannot",
+           (_ROUTER_DECLINED,)),
 )
 
 

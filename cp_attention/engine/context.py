@@ -121,7 +121,8 @@ class ContextParallel:
     """
 
     def __init__(self, group=None, layout="zigzag", timeout: float | None = None, backend: str = "auto",
-                 strategy: str = "ring", ulysses_size: int | None = None, cost_model: CostModel | None = None):
+                 strategy: str = "ring", ulysses_size: int | None = None, cost_model: CostModel | None = None, *,
+                 single: bool = False):
         group = as_group(group)
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
@@ -136,7 +137,9 @@ class ContextParallel:
         # a layout object, or the Balanced policy (shard_batch lays out each batch); parsed before the
         # comm opens its failure scope, so a bad layout opens none (the ranks' scope counts stay equal)
         self.layout = layout_mod.as_policy(layout)
-        self.comm = Comm(group, timeout=timeout, fresh_scope=True)
+        # single: a one-rank context on this process alone, whatever group is initialised (a check that runs
+        # one rank's path of a mixer on its own, :mod:`cp_attention.integrations.class_admission`)
+        self.comm = Comm(single=True, timeout=timeout) if single else Comm(group, timeout=timeout, fresh_scope=True)
         self.group = group
         self.backend = backend
         key = (self.comm.world_size, self.layout.name, backend)

@@ -28,6 +28,7 @@ from ..engine.context import active_context
 from ..engine.local import local_meta
 from ..layout import global_index, local_lengths, unshard
 from . import source, state
+from .class_admission import first_use
 from .indexers import CanonicalTopk
 
 __all__ = ["COMPRESSOR_SIGNATURE", "adapt_module", "take_selection", "per_token_streams"]
@@ -118,6 +119,37 @@ def take_selection(attention):
     return state.COMPRESSED_SELECTIONS.pop(attention, None)
 
 
+def _compressor_reason(original, module, bound) -> str | None:
+    """None when the compressor returns what :func:`_compressed` reads, on one synthetic document of
+    ``3 m + 1`` tokens (``m``: its ``compress_rate``) with no cache: ``(entries (1, 1, n, head_dim), bias)``,
+    the bias None or additive (1, 1, tokens, n) (0 where a query sees an entry, very negative elsewhere),
+    every query seeing only entries whose window closed at or before it; else why not."""
+    g = torch.Generator().manual_seed(0)
+    hidden, q_res = bound["hidden_states"], bound["q_residual"]
+    rate = max(int(getattr(module, "compress_rate", 4)), 1)
+    T = 3 * rate + 1
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            x = torch.randn(1, T, hidden.shape[-1], generator=g).to(hidden)
+            q = torch.randn(1, T, q_res.shape[-1], generator=g).to(q_res)
+            ckv, bias = original(module, x, q, torch.arange(T, device=hidden.device)[None], None, bound["layer_idx"])
+        if ckv.dim() != 4 or tuple(ckv.shape[:2]) != (1, 1) or ckv.shape[3] != module.head_dim:
+            return f"its entries have shape {tuple(ckv.shape)}, not (1, 1, entries, {module.head_dim})"
+        n = ckv.shape[2]
+        if bias is None:
+            return None
+        if tuple(bias.shape) != (1, 1, T, n) or not bias.is_floating_point() or \
+                not bool(((bias == 0) | (bias <= -1e4)).all()):
+            return f"its bias ({tuple(bias.shape)}, {bias.dtype}) is not an additive (1, 1, {T}, {n}) mask of its entries"
+        sees = bias[0, 0] == 0
+        closed = (torch.arange(T, device=sees.device)[:, None] + 1) >= (torch.arange(n, device=sees.device) + 1) * rate
+        if bool((sees & ~closed).any()):
+            return "its bias shows a query an entry whose window had not closed"
+        return None
+    except Exception as exc:
+        return f"checking it raised {type(exc).__name__}: {str(exc)[:200]}"
+
+
 def _wrap_compressor(original):
     sig = inspect.signature(original)
 
@@ -129,6 +161,7 @@ def _wrap_compressor(original):
             return original(self, *args, **kwargs)
         bound = sig.bind(self, *args, **kwargs).arguments
         mask, attention = current
+        first_use(type(self), "forward", lambda: _compressor_reason(original, self, bound))
         return _compressed(original, self, bound["hidden_states"], bound["q_residual"], bound["layer_idx"], mask,
                            attention)
 

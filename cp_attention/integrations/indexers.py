@@ -65,6 +65,7 @@ from ..masks import MaskSpec
 from ..plan.select import visible_rows
 from ..refusals import refuse
 from . import source, state
+from .class_admission import first_use
 
 __all__ = ["MaskRows", "SelectingMask", "KeySelection", "CanonicalTopk", "adapt_module", "adapted_indexer",
            "canonical_topk",
@@ -264,23 +265,41 @@ def _token_selection(original, bound, rows: MaskRows):
     """A DSA indexer's forward on the whole row: global top-k key indices (B, S, k), marked."""
     info, hidden = rows.mask, bound.arguments["hidden_states"]
     B, S = hidden.shape[:2]
+    first_use(type(bound.arguments["self"]), "forward", lambda: _indexer_reason(original, bound, _select_tokens))
     batch, whole_row = _layer_batch(info, B, S, info.family or "this model")
-    bound.arguments["attention_mask"] = _rows(info, batch, whole_row, B, S, hidden.device)
-    name = _cache_name(bound)
-    bound.arguments[name] = _WholeRowKeys(_gather_keys(batch, whole_row), bound.arguments.get(name))
-    with CanonicalTopk():
-        selection = original(*bound.args, **bound.kwargs)
+    selection = _select_tokens(original, bound, _rows(info, batch, whole_row, B, S, hidden.device),
+                               _gather_keys(batch, whole_row))
     state.INDEXER_SELECTIONS[selection] = True
     return selection
+
+
+def _select_tokens(original, bound, rows_BST: torch.Tensor, gather, whole_row: bool = False) -> torch.Tensor:
+    """The family's token indexer on the mask rows ``rows_BST`` and the keys ``gather`` returns."""
+    bound.arguments["attention_mask"] = rows_BST
+    name = _cache_name(bound)
+    bound.arguments[name] = _WholeRowKeys(gather, bound.arguments.get(name))
+    with CanonicalTopk():
+        return original(*bound.args, **bound.kwargs)
 
 
 def _block_selection(original, bound, mask: SelectingMask) -> KeySelection:
     """Qwen4's block indexer on the whole row: its (B, 1, S, T) mask as global key indices (B, S, k)."""
     info, hidden = mask.mask, bound.arguments["hidden_states"]
     B, S = hidden.shape[:2]
+    first_use(type(bound.arguments["self"]), "forward", lambda: _indexer_reason(original, bound, _select_blocks))
     batch, whole_row = _layer_batch(info, B, S, info.family or "this model")
-    gather = _gather_keys(batch, whole_row)
     rows_BST = _rows(info, batch, whole_row, B, S, hidden.device)
+    chosen_BST = _select_blocks(original, bound, rows_BST, _gather_keys(batch, whole_row), whole_row)
+    T = chosen_BST.shape[-1]
+    j_T = torch.arange(T, device=chosen_BST.device)
+    width = max(int(chosen_BST.sum(-1).max()), 1) if chosen_BST.numel() else 1
+    keys_BSk = torch.where(chosen_BST, j_T, T).sort(-1).values[..., :width]
+    return KeySelection(keys_BSk.masked_fill(keys_BSk == T, -1))
+
+
+def _select_blocks(original, bound, rows_BST: torch.Tensor, gather, whole_row: bool = False) -> torch.Tensor:
+    """The family's block indexer on the mask rows ``rows_BST`` and the keys ``gather`` returns: (B, S, T)
+    bool, the keys of its chosen blocks that the rows show."""
     cos, sin = bound.arguments["position_embeddings"]
     if whole_row:  # the row's tables, then this rank's: the code reads the queries' as the last S rows
         cos, sin = torch.cat([gather(cos), cos], dim=1), torch.cat([gather(sin), sin], dim=1)
@@ -290,12 +309,116 @@ def _block_selection(original, bound, mask: SelectingMask) -> KeySelection:
     bound.arguments[name] = _WholeRowKeys(gather, bound.arguments.get(name))
     with CanonicalTopk():
         chosen_B1ST = original(*bound.args, **bound.kwargs)
-    chosen_BST = chosen_B1ST[:, 0] & rows_BST
-    T = chosen_BST.shape[-1]
-    j_T = torch.arange(T, device=chosen_BST.device)
-    width = max(int(chosen_BST.sum(-1).max()), 1) if chosen_BST.numel() else 1
-    keys_BSk = torch.where(chosen_BST, j_T, T).sort(-1).values[..., :width]
-    return KeySelection(keys_BSk.masked_fill(keys_BSk == T, -1))
+    return chosen_B1ST[:, 0] & rows_BST
+
+
+# ----------------------------------------------------------------------------------------------
+# admission: what a rank's indexer selects with the adapter's inputs is what eager selects for its queries
+
+_CHECK_TOKENS, _CHECK_TOPK = 24, 6
+
+
+class _Recorder:
+    """A cache stub that keeps the indexer keys it is handed (and returns them)."""
+
+    def __init__(self):
+        self.keys = None
+
+    def update_indexer(self, k_BSD, layer_idx):
+        self.keys = k_BSD
+        return k_BSD
+
+
+def _synthetic(bound, T: int, lo: int):
+    """A copy of the indexer call ``bound`` on one random row of ``T`` tokens, for its queries ``lo..T-1``:
+    every (B, S, ...) tensor argument random (B = 1; the same values whatever ``lo``), the rotary tables of
+    random angles, positions ``lo..T-1``, a :class:`_Recorder` for the cache."""
+    g = torch.Generator().manual_seed(0)
+    hidden = bound.arguments["hidden_states"]
+    B, S = hidden.shape[:2]
+    out = bound.signature.bind_partial(bound.arguments["self"])
+    for name, value in bound.arguments.items():
+        if name == "self":
+            continue
+        if name == "position_embeddings" and isinstance(value, tuple):
+            angles = torch.rand(1, T, *value[0].shape[2:], generator=g).to(value[0]) * 6.3
+            value = (torch.cos(angles)[:, lo:], torch.sin(angles)[:, lo:])
+        elif name == "position_ids":
+            value = torch.arange(lo, T, device=hidden.device)[None]
+        elif name in _CACHE_NAMES:
+            value = _Recorder()
+        elif isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (B, S) and \
+                value.is_floating_point():
+            value = torch.randn(1, T, *value.shape[2:], generator=g).to(value)[:, lo:]
+        out.arguments[name] = value
+    name = _cache_name(out)
+    if name not in out.arguments:
+        out.arguments[name] = _Recorder()
+    return out
+
+
+def _indexer_reason(original, bound, select) -> str | None:
+    """None when the indexer (``bound``: its real call) selects for a rank's queries, with the adapter's
+    inputs, what it selects for them as eager runs it on one device, else why not.
+
+    One synthetic row of :data:`_CHECK_TOKENS` tokens (the instance's top-k lowered to :data:`_CHECK_TOPK`
+    so that the row is ranked): eager's selection on the whole row, with its additive mask (``finfo.min``
+    where hidden; a boolean one for code that takes only that: transformers 5.17's block indexer) and its
+    own keys; and the second half's queries as the last rank of two holds them, with
+    boolean mask rows over the whole row and the row's keys from ``cache.update_indexer`` (the first half's
+    from the eager run, its own after them: what the all-gather returns), the block indexer's rotary tables
+    of the whole row before its own. Ties are broken alike in both (the adapter's canonical top-k)."""
+    self = bound.arguments["self"]
+    block = select is _select_blocks
+    T = _CHECK_TOKENS if not block else 6 * max(int(getattr(self, "compress_ratio", 4)), 1) + 3
+    lo = T // 2
+    topk = [name for name in ("index_topk", "topk", "top_k") if isinstance(getattr(self, name, None), int)]
+    saved = {name: getattr(self, name) for name in topk}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            for name in topk:
+                setattr(self, name, min(saved[name], _CHECK_TOPK))
+            device = bound.arguments["hidden_states"].device
+            hidden = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
+            additive = torch.zeros(1, T, T, device=device).masked_fill(hidden, torch.finfo(torch.float32).min)
+            for mask in (additive, ~hidden[None]):  # eager's additive mask; a boolean one where the code takes only that
+                eager = _synthetic(bound, T, 0)
+                eager.arguments["attention_mask"] = mask[:, None] if block else mask
+                recorder = eager.arguments[_cache_name(eager)]
+                try:
+                    with CanonicalTopk():
+                        want = original(*eager.args, **eager.kwargs)
+                    break
+                except (RuntimeError, TypeError, NotImplementedError):
+                    if mask.dtype == torch.bool:
+                        raise
+            rank = _synthetic(bound, T, lo)
+            rank.arguments[_cache_name(rank)] = None
+            cos, sin = rank.arguments.get("position_embeddings") or (None, None)
+            whole_cos, whole_sin = eager.arguments.get("position_embeddings") or (None, None)
+
+            def gather(t):  # the all-gather of every rank's part: the row's
+                if t is cos or t is sin:
+                    return whole_cos if t is cos else whole_sin
+                return torch.cat([recorder.keys[:, :lo], t], dim=1)
+
+            got = select(original, rank, ~hidden[None, lo:], gather, True)
+        want = want[:, 0, lo:] & ~hidden[None, lo:] if block else want[:, lo:]
+        if block:
+            same = got.shape == want.shape and bool(torch.equal(got, want))
+        else:  # each query's first min(k, visible) choices: its visible keys, ranked alike
+            k = want.shape[-1]
+            shown = torch.arange(k, device=device)[None, :] < torch.arange(lo + 1, T + 1, device=device)[:, None]
+            same = got.shape == want.shape and bool(torch.equal(got.long()[0][shown], want.long()[0][shown]))
+        if not same:
+            return ("for a rank's queries, with the adapter's inputs (boolean mask rows over the row, the row's "
+                    "keys from the cache) it selects other keys than eager selects for them on one device")
+        return None
+    except Exception as exc:
+        return f"checking it raised {type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        for name, value in saved.items():
+            setattr(self, name, value)
 
 
 def _cp_flash_mask(mask) -> bool:

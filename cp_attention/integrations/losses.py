@@ -40,6 +40,7 @@ import torch
 from ..engine.batch import AMBIGUOUS, batch_of, live_records
 from ..engine.context import active_context
 from ..refusals import refuse
+from .versions import transformers_version
 
 __all__ = ["LOSS_FUNCTIONS", "adapt_module", "router_balance_parts", "LOSS_SCALE"]
 
@@ -148,7 +149,7 @@ def _router_loss(original):
             return original(*args, **kwargs)
         reason = _fits(original, a["num_experts"], a["top_k"])
         if reason is not None:
-            raise refuse("router_loss_unknown", name=name, reason=reason)
+            raise refuse("router_loss_unknown", name=name, reason=reason, version=transformers_version())
         tokens = record.meta.batch * record.local_position_ids.shape[-1]
         if any(g.reshape(-1, g.shape[-1]).shape[0] != tokens for g in gate_logits):
             raise refuse("router_logits_not_per_token", name=name, shapes=[tuple(g.shape) for g in gate_logits],

@@ -46,6 +46,7 @@ import torch
 from . import source
 from ..engine.stats import note_mixer
 from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan, token_windows
+from .class_admission import admitted
 from .generation import hand_over
 from .mixers import CLASS_MIXER_ATTR, batch_for, class_mixer, compiled_wrapper, refuse_cache
 
@@ -119,30 +120,38 @@ class _Lightning(_Decay):
         return decayed_linear_attention(a["q"], a["k"], a["v"], self.log_decay, S, self.block)[0].to(self.dtype)
 
 
-def _under_cp(tokens: str, dim: int = 1):
+def _under_cp(tokens: str, dim: int = 1, recurrence: type | None = None):
     """Make ``body(self, bound, record, original)`` the adapted form of a class's method ``original``: the
     wrapper calls ``original`` unchanged unless the call runs under context parallelism (the rule of
-    :func:`.mixers.batch_for`, on the batch and length of argument ``tokens``, its dim ``dim``); then
-    ``body`` runs with the call's arguments by name (defaults applied; ``past_key_values`` read as
-    ``cache``) and the sharded batch ``record``."""
+    :func:`.mixers.batch_for`, on the batch and length of argument ``tokens``, its dim ``dim``); then,
+    once the class passed its check (:func:`.class_admission.admitted`; ``recurrence``: the class of
+    the scan adapter ``body`` builds on the family's recurrence, checked too), ``body`` runs with the call's
+    arguments by name (defaults applied; ``past_key_values`` read as ``cache``) and the sharded batch
+    ``record``."""
     def factory(body):
         def adapt(original):
             sig = inspect.signature(original)
 
-            def eager(compiled, self, *args, **kwargs):
+            def arguments(self, args, kwargs):
                 if "past_key_values" in kwargs and "past_key_values" not in sig.parameters:
                     kwargs = dict(kwargs)
                     kwargs["cache"] = kwargs.pop("past_key_values")
                 call = sig.bind(self, *args, **kwargs)
                 call.apply_defaults()
-                x = call.arguments[tokens]
+                named = dict(call.arguments)
+                if "cache" not in named and "past_key_values" in named:  # transformers 5.17's name
+                    named["cache"] = named.pop("past_key_values")
+                return named
+
+            def eager(compiled, self, *args, **kwargs):
+                named = arguments(self, args, kwargs)
+                x = named[tokens]
                 record = batch_for(x.shape[0], x.shape[dim], compiled)
                 if record is None:
                     return original(self, *args, **kwargs)
-                arguments = dict(call.arguments)
-                if "cache" not in arguments and "past_key_values" in arguments:  # transformers 5.17's name
-                    arguments["cache"] = arguments.pop("past_key_values")
-                return body(self, arguments, record, original)
+                admitted(self, body.__name__, original.__name__, original, body,
+                         lambda check_args: arguments(self, (), check_args), tokens, dim, x, recurrence)
+                return body(self, named, record, original)
 
             return compiled_wrapper(original, eager)
         return adapt
@@ -201,7 +210,7 @@ class _Rglru(_Decay):
         return self._call(a, S)[0]
 
 
-@_under_cp("hidden_states")
+@_under_cp("hidden_states", recurrence=_Rglru)
 def _rnn_scan(self, bound, record, original):
     x = bound["hidden_states"]
     initial = bound.get("recurrent_states")
@@ -380,7 +389,7 @@ def _last_token(record, x):
     return x[:, int(_last_tokens(record, 1))]
 
 
-@_under_cp("hidden")
+@_under_cp("hidden", recurrence=_Wkv)
 def _wkv_forward(self, bound, record, original):
     mod = sys.modules[original.__module__]
     hidden = bound["hidden"]
@@ -488,7 +497,7 @@ class _MLstm:
         return self._call(a, self.unpack(S, torch.float32))[0]
 
 
-@_under_cp("query", dim=2)
+@_under_cp("query", dim=2, recurrence=_MLstm)
 def _mlstm_forward(self, bound, record, original):
     q = bound["query"]
     B, NH, L, _ = q.shape

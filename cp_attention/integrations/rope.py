@@ -26,11 +26,20 @@ computing each one), and those whose own forward reads ``max(position_ids)``. A 
 such a rope whose forward takes no ``position_ids`` cannot be given the maximum and is refused by
 the model check (:func:`rope_findings`).
 
+Admitted by its behaviour (:func:`rope_reason`): before a rotary module is hooked, a copy of it computes
+the rows of a rank's positions (the middle half of a row, so without its largest) with the row's largest
+appended, as the hook gives them, and another copy computes the whole row, as one device does; the rows
+must be equal (both outputs), with the row long enough to pass the rope's own threshold (its cached or
+original length) where that fits in :data:`_CHECK_TOKENS`. A rope computed otherwise (from the count of
+positions, or mixing them) is not hooked and the model check refuses the model, naming the transformers
+version and the class.
+
 Legend: ``B`` rows, ``L`` tokens of this rank, ``D`` rotary dimension.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import re
@@ -40,12 +49,18 @@ import torch
 
 from ..engine.context import active_context
 from ..refusals import refuse
+from .versions import transformers_version
 
-__all__ = ["length_dependent", "updates_per_forward", "rope_types", "tag_ropes", "rope_findings", "ROPE_ATTR"]
+__all__ = ["length_dependent", "updates_per_forward", "rope_types", "tag_ropes", "rope_findings", "rope_reason",
+           "ROPE_ATTR"]
 
 ROPE_ATTR = "_cp_attention_rope"
 _READS_MAX = re.compile(r"\bmax\(\s*position_ids\b|\bposition_ids\.max\(|\bposition_ids\.amax\(")
 _APPENDED = threading.local()  # per thread: a stack of the local lengths the hooks appended to
+_VERDICT = "_cp_attention_rope_verdict"
+_CHECK_TOKENS = 1 << 15  # the longest row the admission check computes
+_THRESHOLDS = ("original_max_seq_len", "max_seq_len_cached", "original_max_position_embeddings",
+               "max_position_embeddings")
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,8 +94,11 @@ def _forward_facts(cls: type) -> tuple[bool, bool, bool]:
     forward = getattr(cls, "forward", None)
     if forward is None:
         return False, False, False
-    wrapped = getattr(forward, "__code__", None) is not None and forward.__code__ is _update_wrapper_code()
-    inner = getattr(forward, "__wrapped__", forward)
+    code, fn, wrapped = _update_wrapper_code(), forward, False
+    while fn is not None and not wrapped:  # the wrapper under other decorators too (5.17: torch.no_grad() outside it)
+        wrapped = code is not None and getattr(fn, "__code__", None) is code
+        fn = getattr(fn, "__wrapped__", None)
+    inner = inspect.unwrap(forward)
     try:
         takes = "position_ids" in inspect.signature(inner).parameters
         source = inspect.getsource(inner)
@@ -98,22 +116,87 @@ def length_dependent(module) -> bool:
 
 def rope_findings(modules) -> list[tuple[str, str]]:
     """``(module name, why)`` for each length-dependent rotary module of ``modules`` ((name, module)
-    pairs) that cannot be given the global maximum: its forward takes no ``position_ids``."""
+    pairs) that cannot be given the global maximum: its forward takes no ``position_ids``, or it does not
+    compute as the hook assumes (:func:`rope_reason`)."""
     found = []
     for name, module in modules:
-        if length_dependent(module) and not _forward_facts(type(module))[1]:
+        if not length_dependent(module):
+            continue
+        if not _forward_facts(type(module))[1]:
             found.append((name or type(module).__name__,
                           f"its {'/'.join(rope_types(module)) or 'rope'} frequencies depend on the sequence "
                           "length, and its forward takes no position_ids through which every rank could be "
                           "given the whole sequence's"))
+        elif rope_reason(module) is not None:
+            cls = type(module)
+            found.append((name or cls.__name__,
+                          f"transformers {transformers_version()}'s {cls.__module__}.{cls.__qualname__} does not "
+                          f"compute its rows as cp_attention's rope hook assumes ({rope_reason(module)}), so "
+                          "every rank would rotate with other frequencies than one device"))
     return found
+
+
+def _threshold(module) -> int:
+    """The longest length the rope's own code compares positions with (its attributes or config)."""
+    config = getattr(module, "config", None)
+    values = [getattr(module, name, None) for name in _THRESHOLDS] + \
+        [getattr(config, name, None) for name in _THRESHOLDS]
+    return max([int(v) for v in values if isinstance(v, (int, float)) and v > 0] or [8])
+
+
+def _rows(module, position_ids: torch.Tensor, keep: int) -> list[torch.Tensor]:
+    """A fresh copy of ``module``'s outputs for ``position_ids`` (1, n), their first ``keep`` rows (dim -2),
+    once per layer type of a rope with several."""
+    kinds = getattr(module, "rope_type", None)
+    layer_types = list(kinds) if isinstance(kinds, dict) else [None]
+    probe = copy.deepcopy(module)
+    buffer = next(iter(probe.buffers()), None)
+    device = buffer.device if buffer is not None else torch.device("cpu")
+    x = torch.zeros(1, position_ids.shape[-1], 1, device=device)
+    out = []
+    for layer_type in layer_types:
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        got = probe(x, position_ids.to(device), **kwargs)
+        out += [t[..., :keep, :] for t in (got if isinstance(got, tuple) else (got,))]
+    return out
+
+
+def rope_reason(module) -> str | None:
+    """None when the length-dependent rotary ``module`` computes each position's rows from that position
+    and the row's largest only (what the hook relies on; see the module docstring), else why not. Once
+    per module object."""
+    verdict = vars(module).get(_VERDICT, ())
+    if verdict != ():
+        return verdict
+    T = min(max(2 * _threshold(module), 16), _CHECK_TOKENS)
+    T -= T % 4
+    whole = torch.arange(T)[None]
+    part = torch.arange(T // 4, 3 * T // 4)[None]  # a rank's positions: not the row's largest
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            one_device = _rows(module, whole, T)
+            ranks = _rows(module, torch.cat([part, whole[:, -1:]], dim=-1), part.shape[-1])
+        verdict = None
+        if len(one_device) != len(ranks):
+            verdict = "its outputs differ in number with the positions given"
+        for a, b in zip(ranks, one_device):
+            b = b[..., T // 4:3 * T // 4, :]
+            if a.shape != b.shape or not torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6):
+                verdict = (f"the rows of positions {T // 4}-{3 * T // 4 - 1} with position {T - 1} appended differ "
+                           f"from those of the whole row of {T}")
+                break
+    except Exception as exc:
+        verdict = f"computing its rows raised {type(exc).__name__}: {str(exc)[:200]}"
+    module.__dict__[_VERDICT] = verdict
+    return verdict
 
 
 def tag_ropes(modules) -> None:
     """Hook the length-dependent rotary modules of ``modules`` ((name, module) pairs) so that, in a
     multi-rank block, they compute from the global largest position (once per module)."""
     for _, module in modules:
-        if getattr(module, ROPE_ATTR, False) or not length_dependent(module) or not _forward_facts(type(module))[1]:
+        if getattr(module, ROPE_ATTR, False) or not length_dependent(module) or not _forward_facts(type(module))[1] \
+                or rope_reason(module) is not None:
             continue
         module.register_forward_pre_hook(_append_largest, with_kwargs=True)
         module.register_forward_hook(_drop_appended, always_call=True)

@@ -21,10 +21,12 @@ CONFIG_CHECKSUMS = WeakIdKeyDictionary()
 config). Guarded by ``CONFIG_LOCK`` (:mod:`.models`)."""
 CONFIG_LOCK = threading.Lock()
 
-INTEGRATIONS: dict = {"registered": set(), "adapted_sites": [], "declined": {}}
+INTEGRATIONS: dict = {"registered": set(), "adapted_sites": [], "declined": {}, "classes": {}}
 """Which integrations registered, the transformers modules adapted for the name ``cp_flash``
-(:mod:`.transformers`), and the foreign functions an adapter's admission check declined:
-{(module name, function name): why} (:mod:`.mixers`). Guarded by ``INTEGRATIONS_LOCK``."""
+(:mod:`.transformers`), the foreign functions and class methods an adapter's admission check declined:
+{(module name, function or ``Class.method`` name): why} (:mod:`.mixers`, :mod:`.class_admission`), and
+every class method checked at its first call under context parallelism: {(module, ``Class.method``): why
+or None}. Guarded by ``INTEGRATIONS_LOCK``."""
 INTEGRATIONS_LOCK = threading.Lock()
 
 MODEL_CHECKS = WeakIdKeyDictionary()

@@ -142,3 +142,125 @@ def test_dsa_padded_rows_cp2():
         ref = eager(input_ids=ids, attention_mask=mask, use_cache=False).logits
     out = run_ranks(2, sc.run_padded, "deepseek_v32", timeout=600)[0]
     assert float((out - ref)[mask.bool()].abs().max()) <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# admitted by behaviour (issue 52): at an indexer class's first call under cp_flash, what a rank's part
+# selects with the adapter's inputs is checked against eager's selection on one device
+
+
+def _planted_forward(cls, plant: str):
+    """The family's own indexer forward with one change: ``"inverted bool"`` reads a boolean mask as True
+    where hidden (the other common convention); ``"own keys"`` scores its own tokens' keys only (whatever
+    ``cache.update_indexer`` returns)."""
+    import functools
+
+    from cp_attention.integrations import indexers
+
+    own = cls.forward.__wrapped__
+
+    class OwnKeys:
+        def update_indexer(self, k, layer_idx):
+            return k
+
+    @functools.wraps(own)
+    def planted(self, *args, **kwargs):
+        bound = indexers.inspect.signature(own).bind(self, *args, **kwargs)
+        mask = bound.arguments.get("attention_mask")
+        if plant == "inverted bool" and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            bound.arguments["attention_mask"] = ~mask
+        if plant == "own keys":
+            name = indexers._cache_name(bound)
+            bound.arguments[name] = OwnKeys()
+        return own(*bound.args, **bound.kwargs)
+
+    return planted
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "qwen4_exp_text"])
+def test_indexers_admitted_and_planted_changes_declined(family, monkeypatch):
+    """Each indexer form (a token-level DSA indexer, Qwen4's block indexer) passes its check at its first
+    call under cp_flash; with a planted change its family is refused there, naming the transformers version
+    and the class, and eager runs the planted forward untouched (bit-identical to calling it directly)."""
+    from cp_attention.integrations import indexers, state
+    from cp_attention.integrations.versions import transformers_version
+
+    eager, model = hybrid_cases.models(family)
+    cls = _indexer_class(model)
+    applies = (lambda m: isinstance(m, indexers.MaskRows)) if family != "qwen4_exp_text" else \
+        (lambda m: isinstance(m, indexers.SelectingMask))
+    run = indexers._token_selection if family != "qwen4_exp_text" else indexers._block_selection
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
+    key = (cls.__module__, f"{cls.__qualname__}.forward")
+    monkeypatch.setitem(state.INTEGRATIONS, "classes", {})
+    monkeypatch.setitem(state.INTEGRATIONS, "declined", {})
+    with torch.no_grad(), cp_attention.context_parallel() as cp:
+        model(**cp.shard_batch(input_ids=ids), use_cache=False)
+    assert state.INTEGRATIONS["classes"] == {key: None}, state.INTEGRATIONS["classes"]
+    for plant in ("inverted bool", "own keys"):
+        planted = _planted_forward(cls, plant)
+        monkeypatch.setattr(cls, "forward", indexers._adapted(planted, applies, run))
+        state.INTEGRATIONS["classes"].clear()
+        with torch.no_grad(), cp_attention.context_parallel() as cp:
+            with pytest.raises(NotImplementedError) as raised:
+                model(**cp.shard_batch(input_ids=ids), use_cache=False)
+        message = str(raised.value)
+        assert f"transformers {transformers_version()}" in message and f"{key[0]}.{key[1]}" in message, message
+        assert "does not do what" in message and state.INTEGRATIONS["classes"][key] is not None, (plant, message)
+        with torch.no_grad():  # eager: the planted forward itself
+            wrapped = eager(input_ids=ids, use_cache=False).logits
+            monkeypatch.setattr(cls, "forward", planted)
+            bare = eager(input_ids=ids, use_cache=False).logits
+        assert torch.equal(wrapped, bare), plant
+
+
+def test_compressors_admitted_and_planted_changes_declined(monkeypatch):
+    """DeepSeek-V4's compressors (CSA, HCA) return what the adapter reads (entries (1, 1, n, head_dim), an
+    additive bias hiding the entries of windows not yet closed); planted, a soft bias (-1 where eager would
+    hide: the adapter would drop entries eager only penalises) and entries along another dimension are
+    declined at the first call under cp_flash, naming the version and the class; eager runs the planted
+    forward untouched."""
+    import functools
+
+    from cp_attention.integrations import compressed, state
+    from cp_attention.integrations.versions import transformers_version
+
+    eager, model = hybrid_cases.models("deepseek_v4")
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setitem(state.INTEGRATIONS, "classes", {})
+    monkeypatch.setitem(state.INTEGRATIONS, "declined", {})
+    with torch.no_grad(), cp_attention.context_parallel() as cp:
+        model(**cp.shard_batch(input_ids=ids), use_cache=False)
+    classes = {type(m) for m in model.modules() if type(m).__name__.endswith("Compressor")}
+    assert {k[1] for k in state.INTEGRATIONS["classes"]} == {f"{c.__qualname__}.forward" for c in classes}
+    assert all(why is None for why in state.INTEGRATIONS["classes"].values())
+    cls = next(c for c in classes if c.__name__.startswith("DeepseekV4HCA"))
+    own = cls.forward.__wrapped__
+
+    def plant(kind):
+        @functools.wraps(own)
+        def planted(self, *args, **kwargs):
+            ckv, bias = own(self, *args, **kwargs)
+            if kind == "soft bias" and bias is not None:
+                bias = torch.where(bias == 0, bias, torch.full_like(bias, -1.0))
+            if kind == "entries along dim 1":
+                ckv = ckv.transpose(1, 2)
+            return ckv, bias
+        return planted
+
+    for kind in ("soft bias", "entries along dim 1"):
+        planted = plant(kind)
+        monkeypatch.setattr(cls, "forward", compressed._wrap_compressor(planted))
+        state.INTEGRATIONS["classes"].clear()
+        with torch.no_grad(), cp_attention.context_parallel() as cp:
+            with pytest.raises(NotImplementedError) as raised:
+                model(**cp.shard_batch(input_ids=ids), use_cache=False)
+        message = str(raised.value)
+        assert f"transformers {transformers_version()}" in message and f"{cls.__qualname__}.forward" in message, \
+            message
+        if kind == "soft bias":
+            with torch.no_grad():  # eager: the planted forward itself
+                wrapped = eager(input_ids=ids, use_cache=False).logits
+                monkeypatch.setattr(cls, "forward", planted)
+                bare = eager(input_ids=ids, use_cache=False).logits
+            assert torch.equal(wrapped, bare)

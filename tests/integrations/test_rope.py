@@ -199,3 +199,70 @@ def test_local_length_planted():
     for family in (*FAMILIES, "phi3 by hand"):
         err = np.abs(results[family][0] - refs[family.split()[0]][0].numpy()).max()
         assert err > 1e-3, (family, err)
+
+
+# ----------------------------------------------------------------------------------------------
+# admitted by behaviour (issue 52): the hook's assumption checked on a copy of each rotary module
+
+
+class _Stand:
+    """Stand-ins of a length-dependent rotary (their forwards read ``position_ids.max()``): frequencies
+    scaled once the row passes 16 tokens, by the row's largest position (what the hook assumes) or, planted,
+    by the count of positions given."""
+
+    def __init__(self, by_count: bool):
+        self.by_count = by_count
+
+    def cls(self):
+        by_count = self.by_count
+
+        class Rotary(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16),
+                                     persistent=False)
+                self.original_max_seq_len = 16
+
+            def forward(self, x, position_ids):
+                longest = position_ids.shape[-1] if by_count else int(position_ids.max()) + 1
+                scale = max(1.0, longest / self.original_max_seq_len)
+                freqs = position_ids[..., None].float() * (self.inv_freq / scale)
+                emb = torch.cat([freqs, freqs], dim=-1)
+                return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+        return Rotary
+
+
+def test_the_rope_hook_admits_by_behaviour():
+    """The families' length-dependent rotaries pass the check; of two stand-ins that read the largest
+    position in their source, the one scaling by the largest passes and the one scaling by the count of
+    positions (a rank would see its shard's count) is declined: not hooked, and the model check refuses it
+    naming the transformers version and the class."""
+    from cp_attention.integrations.versions import transformers_version
+
+    for family in FAMILIES:
+        module = _model(family, "cp_flash").model.rotary_emb
+        assert rope.length_dependent(module) and rope.rope_reason(module) is None, family
+    good, planted = _Stand(False).cls()(), _Stand(True).cls()()
+    assert rope.length_dependent(good) and rope.length_dependent(planted)
+    assert rope.rope_reason(good) is None
+    assert "differ from those of the whole row" in rope.rope_reason(planted)
+    found = rope.rope_findings([("model.rotary_emb", planted), ("other", good)])
+    assert [where for where, _ in found] == ["model.rotary_emb"]
+    assert f"transformers {transformers_version()}" in found[0][1] and "Rotary" in found[0][1]
+    rope.tag_ropes([("model.rotary_emb", planted), ("other", good)])
+    assert not getattr(planted, rope.ROPE_ATTR, False) and getattr(good, rope.ROPE_ATTR, False)
+    assert not planted._forward_pre_hooks and not planted._forward_hooks  # eager runs it untouched
+
+
+def test_a_declined_rope_refuses_its_model():
+    """A phi3 model whose rotary computes from the count of positions: the model check refuses it (before
+    any layer runs), naming the version; its eager forward is untouched."""
+    from cp_attention.integrations.model_check import model_findings
+
+    model = _model("phi3", "cp_flash")
+    assert not [f for f in model_findings(model) if "rope" in f.what]
+    planted = _model("phi3", "cp_flash")
+    planted.model.rotary_emb = _Stand(True).cls()()
+    found = [f for f in model_findings(planted) if "rope" in f.what]
+    assert found and "does not compute its rows as cp_attention's rope hook assumes" in found[0].why, found

@@ -162,6 +162,57 @@ def test_router_loss_functions_checked_against_the_family():
     assert "Switch-Transformer" in losses._fits(squared, 6, 2)
 
 
+def _squared_balance():
+    """A stand-in of mixtral's router loss computing another number: the square of the balance."""
+    import importlib
+
+    mod = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
+    own = getattr(mod.load_balancing_loss_func, "__wrapped__", mod.load_balancing_loss_func)
+
+    def squared(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        return own(gate_logits, num_experts, top_k, attention_mask) ** 2
+
+    squared.__name__ = squared.__qualname__ = "load_balancing_loss_func"  # as a release would ship it
+    squared.__module__ = mod.__name__
+    return mod, squared
+
+
+def _declined_worker(rank: int, world_size: int):
+    import cp_attention
+    from cp_attention.integrations import losses
+    from cp_attention.integrations.versions import transformers_version
+
+    mod, squared = _squared_balance()
+    mod.load_balancing_loss_func = losses._router_loss(squared)
+    model = _model("mixtral", "cp_flash")
+    try:
+        with cp_attention.context_parallel() as cp:
+            model(**cp.shard_batch(**_batch(False)), use_cache=False)
+    except NotImplementedError as exc:
+        return str(exc), transformers_version()
+    return None, transformers_version()
+
+
+def test_a_declined_router_loss_refuses_under_cp_and_leaves_eager_untouched(monkeypatch):
+    """A family's router loss computing another number (planted: the square of the balance) is refused
+    under context parallelism, naming the transformers version and the function; outside the block the
+    wrapper returns the planted function's own value, bit for bit."""
+    from cp_attention.integrations import losses
+
+    mod, squared = _squared_balance()
+    monkeypatch.setattr(mod, "load_balancing_loss_func", losses._router_loss(squared))
+    model = _model("mixtral", "cp_flash")
+    batch = _batch(False)
+    with torch.no_grad():
+        wrapped = model(**batch, use_cache=False)
+        monkeypatch.setattr(mod, "load_balancing_loss_func", squared)
+        bare = model(**batch, use_cache=False)
+    assert torch.equal(wrapped.aux_loss, bare.aux_loss) and torch.equal(wrapped.loss, bare.loss)
+    for message, version in run_ranks(2, _declined_worker, timeout=300):
+        assert message is not None, "the planted router loss ran under context parallelism"
+        assert f"transformers {version}" in message and "load_balancing_loss_func" in message, message
+
+
 def _moe_families() -> list[str]:
     """The causal-LM families whose text config has ``output_router_logits`` (a router auxiliary loss)."""
     import family_sweep as fs

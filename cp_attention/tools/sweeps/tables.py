@@ -236,15 +236,20 @@ def vlm_page(record: dict, data: str = "docs/data/vlms.json", page: str = "docs/
 
 VERSIONS_MODULE = "cp_attention.tools.sweeps.versions"
 VERSION_NOTES = MappingProxyType({  # family -> why its outcome differs between releases, where its reasons do not say
-    "qwen4_exp": "5.17's Qwen4 attention reads the layer's mask as a dense tensor (`.is_floating_point`), which "
-                 "cp_flash hands O(L) metadata: refused there, with that message.",
+    "qwen4_exp": "5.17's Qwen4 block indexer fails its admission check (its code ANDs a float tensor where 5.24 "
+                 "reads a boolean one), and its attention reads the layer's mask as a dense tensor "
+                 "(`.is_floating_point`), which cp_flash hands O(L) metadata: refused there, naming the version.",
+    "moshi": "5.17's eager moshi disagrees with its own sdpa on one document (0.44: the logits of a document's first "
+             "tokens change with the row's length); the sweep's truth there is sdpa (recorded as its oracle), which "
+             "cp_flash equals.",
 })
 
 
 def _cell(outcomes: dict | None) -> str:
     if outcomes is None:
         return "(not in this release)"
-    return " / ".join(outcomes.get(ws, {}).get("outcome", "-") for ws in ("1", "2"))
+    cell = " / ".join(outcomes.get(ws, {}).get("outcome", "-") for ws in ("1", "2"))
+    return cell + (f" (vs {outcomes['truth']})" if outcomes.get("truth") else "")
 
 
 def _why(outcomes: dict | None) -> str:

@@ -32,7 +32,8 @@ def _key(version: str) -> tuple[int, ...]:
 def compact(sweep: dict) -> dict:
     """{family: {"1": outcome record, "2": ...}} of a family sweep's ``--json`` output: the outcome ("as eager" at
     world size 1 where the support table says so), and the reasons (a model check's findings) or the first 120
-    characters of the message."""
+    characters of the message; ``"truth": "sdpa"`` where the sweep's truth was the family's sdpa (its eager
+    disagreed with it on one document)."""
     out = {}
     for r in sweep["results"]:
         outcomes = {}
@@ -47,6 +48,8 @@ def compact(sweep: dict) -> dict:
             outcomes[ws] = slim
         if not outcomes and r.get("outcome"):  # unbuildable: one outcome for the family
             outcomes = {"1": {"outcome": r["outcome"]}, "2": {"outcome": r["outcome"]}}
+        if (r.get("oracle") or {}).get("impl") == "sdpa":  # the family's eager disagreed with its own sdpa
+            outcomes["truth"] = "sdpa"
         out[r["family"]] = outcomes
     return out
 
