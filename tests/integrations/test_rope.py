@@ -180,7 +180,7 @@ def _worker(rank, world_size, layout, plant):
     return results
 
 
-@pytest.mark.parametrize("world_size, layout", [(2, "zigzag"), (4, "contiguous")])
+@pytest.mark.parametrize("world_size, layout", [(2, "zigzag"), pytest.param(4, "contiguous", marks=pytest.mark.slow)])
 def test_length_dependent_rope_under_cp(world_size, layout):
     refs = {family: _reference(family) for family in FAMILIES}
     for rank, results in enumerate(run_ranks(world_size, _worker, layout, False, timeout=600)):

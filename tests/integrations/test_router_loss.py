@@ -106,7 +106,7 @@ def _check(per_rank, refs, what: str) -> None:
         assert float((grads - ref_grads).abs().max()) <= TOL * scale, (case, what)
 
 
-@pytest.mark.parametrize("world_size, layout", [(2, "zigzag"), (4, "contiguous")])
+@pytest.mark.parametrize("world_size, layout", [(2, "zigzag"), pytest.param(4, "contiguous", marks=pytest.mark.slow)])
 def test_router_loss_exact_under_cp(world_size, layout):
     """qwen3_moe, mixtral, gpt_oss, olmoe with output_router_logits: mean over ranks of the loss,
     the auxiliary loss and the gradients equal one-device eager; packed rows and a padded row."""
