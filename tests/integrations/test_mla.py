@@ -326,7 +326,7 @@ def test_ring_world_size_1_triton():
         _assert_ring([run_ring_cases(0, 1, RING_CASES[:3], ("zigzag",), "triton")], tol=1e-9)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_multi_rank(world_size: int):
     per_rank = run_ranks(world_size, run_ring_cases, RING_CASES, ("zigzag", "contiguous"), timeout=600)
     assert all(len(r) == 2 * len(RING_CASES) for r in per_rank)

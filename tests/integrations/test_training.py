@@ -61,6 +61,7 @@ def test_ddp_fsdp2_checkpointing_under_ulysses_and_auto_cp2(strategy):
     _assert_exact(run_ranks(2, tw.run_setups, setups, 1, strategy, timeout=600))
 
 
+@pytest.mark.slow  # CP = 4 (the CP = 2 stacks run by default)
 def test_ddp_cp4():
     """4 ranks, CP = 4 (shards of 24 tokens, window 6, documents across shards)."""
     _assert_exact(run_ranks(4, tw.run_setups, tw.CP2_SETUPS[:3], 1, timeout=900))

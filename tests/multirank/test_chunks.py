@@ -57,7 +57,7 @@ def test_oracle_places_chunk_boundaries_at_position_multiples():
 
 
 @pytest.mark.parametrize("world_size,layout", [(1, "zigzag"), (2, "zigzag"), (2, "contiguous"),
-                                               (4, "zigzag"), (4, "contiguous")])
+                                               (4, "zigzag"), pytest.param(4, "contiguous", marks=pytest.mark.slow)])
 def test_engine_chunks_follow_positions(world_size, layout):
     failures = check_cases(world_size, [dict(c, layout=layout) for c in _cases()], TOL,
                            lambda i, c: f"{c['tag']} causal={c['causal']} window={c['window']} {c['dtype']}")

@@ -47,7 +47,7 @@ def _assert_isolated(per_rank: tuple, variant: str) -> None:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_victim_document_leaves_others_bit_identical(world_size: int, variant: str):
     _assert_isolated(group_report(world_size, "reference"), variant)
 
