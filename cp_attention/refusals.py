@@ -391,6 +391,33 @@ REFUSALS = _catalogue(
                "than on one device, because it has\n{findings}\nRun this model without context_parallel (one "
                "device, or data parallelism only), or with an attention implementation of its own (\"eager\", "
                "\"sdpa\") outside a context_parallel block."),
+    _R(key="verification_differs", exception=NotImplementedError, area="models",
+       what="a model whose outputs under context parallelism differ from one device on the first-use test batch",
+       why="something in it mixes tokens outside the calls cp_attention runs across ranks (its own code, a kernel, "
+           "packed documents read another way)",
+       fix="run it without context_parallel; python -m cp_attention check shows the layers",
+       message="cp_flash cannot run {family} ({model}) under context parallelism: verified at first use on a test "
+               "batch of {tokens} tokens ({batch}), its outputs under the block differ from each document alone "
+               "on one device, first at module {module} (difference {error} of that output's largest value; "
+               "tolerance for {dtype}: {tolerance}). Something in the model mixes tokens along the sequence "
+               "outside the calls cp_attention runs across ranks (its attention interface and adapted mixers): "
+               "its own code (a running sum or mean, a shift, roll, pad, pool, convolution or sort along the "
+               "tokens), a kernel that replaces an attention or mixer class, or positions read another way. Run "
+               "this model without context_parallel (one device, or data parallelism only); `python -m "
+               "cp_attention check` on its checkpoint prints every layer. context_parallel(verify=False) skips "
+               "this test (and its guarantee)."),
+    _R(key="verification_packed_rows", exception=NotImplementedError, area="models",
+       what="packed documents in a row that the model, on one device, does not keep apart",
+       why="under context parallelism each document attends alone, as the batch's position_ids say; on one device "
+           "this model lets them attend to each other, so the two would differ",
+       fix="one document per row (padding instead of packing), or run without context_parallel",
+       message="cp_flash cannot run {family} ({model}) under context parallelism on packed rows: verified at first "
+               "use on a test row of {tokens} tokens packing {documents} documents (position_ids restarting at "
+               "each), its forward on one device differs from each document alone (difference {error} of the "
+               "logits' largest value; tolerance for {dtype}: {tolerance}): on one device this model lets packed "
+               "documents attend to each other (it does not read restarting position_ids as documents), while "
+               "under the block cp_flash keeps them apart. Give each document its own row (pad instead of "
+               "packing), or run this model without context_parallel."),
     _R(key="layers_bypassed_cp_flash", exception=NotImplementedError, area="models",
        what="a forward in which some attention layers did not reach cp_flash",
        why="those layers attended over this rank's shard only",

@@ -63,6 +63,7 @@ _CLASS_ADMISSION = "tests/integrations/test_class_admission.py"
 _INDEXER_ADMISSION = "tests/integrations/test_index_sparse.py::test_indexers_admitted_and_planted_changes_declined"
 _COMPRESSOR_ADMISSION = "tests/integrations/test_index_sparse.py::test_compressors_admitted_and_planted_changes_declined"
 _ROPE_ADMISSION = "tests/integrations/test_rope.py::test_the_rope_hook_admits_by_behaviour"
+_VERIFICATION = "tests/integrations/test_verification.py"
 _ROUTER_DECLINED = ("tests/integrations/test_router_loss.py::"
                     "test_a_declined_router_loss_refuses_under_cp_and_leaves_eager_untouched")
 
@@ -526,6 +527,19 @@ MUTANTS = (
     Mutant("admission: a router loss refused without the transformers version", "heads",
            "cp_attention/refusals_training.py", "{name} (transformers {version}) cannot", "{name} cannot",
            (_ROUTER_DECLINED,)),
+    # issue 53: verification at first use
+    Mutant("verification: a rank whose memo says verified skips the test the others run", "models",
+           "cp_attention/integrations/verification.py", "        if any(int(f) for f in flags):",
+           "        if not known:", (_VERIFICATION,)),
+    Mutant("verification: a tolerance that lets a leak through", "models",
+           "cp_attention/integrations/verification.py", "TOLERANCES = types.MappingProxyType({torch.float64: 1e-6, torch.float32: 1e-3})",
+           "TOLERANCES = types.MappingProxyType({torch.float64: 1.0, torch.float32: 1.0})", (_VERIFICATION,)),
+    Mutant("verification: off by default", "models",
+           "cp_attention/engine/context.py", "cost_model: CostModel | None = None, verify: bool = True):",
+           "cost_model: CostModel | None = None, verify: bool = False):", (_VERIFICATION,)),
+    Mutant("verification: packed rows compared only with each document alone", "models",
+           "cp_attention/integrations/verification.py", "    if row_err > tol:\n", "    if False:\n",
+           (_VERIFICATION,)),
 )
 
 

@@ -122,7 +122,7 @@ class ContextParallel:
 
     def __init__(self, group=None, layout="zigzag", timeout: float | None = None, backend: str = "auto",
                  strategy: str = "ring", ulysses_size: int | None = None, cost_model: CostModel | None = None, *,
-                 single: bool = False):
+                 single: bool = False, verify: bool = True):
         group = as_group(group)
         if backend != "auto" and backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
@@ -131,6 +131,7 @@ class ContextParallel:
             raise ValueError("context_parallel(strategy='usp') needs ulysses_size: the ranks of each head group (a "
                              "divisor of the world size and of the query heads); or use strategy='auto'")
         self.ulysses_size = ulysses_size
+        self.verify = bool(verify)  # verification of a model's first use (integrations.verification)
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a cp_attention.CostModel, got {type(cost_model).__name__}")
         self.cost_model = cost_model or CostModel()
@@ -415,7 +416,7 @@ class ContextParallel:
 @contextlib.contextmanager
 def context_parallel(group=None, layout="zigzag", timeout: float | None = None, *,
                      mesh_dim: str | None = None, backend: str = "auto", strategy: str = "ring",
-                     ulysses_size: int | None = None, cost_model: CostModel | None = None):
+                     ulysses_size: int | None = None, cost_model: CostModel | None = None, verify: bool = True):
     """Make ``group`` (None: the default WORLD group) the context-parallel group of the block.
 
     ``group``: a ProcessGroup, a 1-D ``DeviceMesh`` (e.g. ``mesh["cp"]`` of a (dp, cp) mesh), or a
@@ -430,7 +431,10 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
     ``H / P`` heads; needs ``H`` divisible by ``P``), ``"usp"`` (all-to-all within head groups of
     ``ulysses_size`` consecutive ranks, the ring across the groups) or ``"auto"`` (per layer mask,
     the cheapest of these by ``cost_model``, a :class:`~cp_attention.CostModel`; None: its
-    defaults). See :mod:`cp_attention.strategies.choice`.
+    defaults). See :mod:`cp_attention.strategies.choice`. ``verify``: the first forward of each model
+    (class and configuration) under ``attn_implementation="cp_flash"`` in a multi-rank block first runs a
+    tiny batch under the block and on one device and refuses the model on every rank when they differ
+    (:mod:`cp_attention.integrations.verification`; a few tiny forwards once); False skips it.
 
     Inside, :func:`~cp_attention.attention` with ``group=None`` shards over this group with this layout::
 
@@ -446,7 +450,8 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
     exception escaping the block (or raised inside attention) is recorded for the group, so ranks
     waiting on this one raise at once, naming it, instead of waiting for the timeout.
     """
-    cp = ContextParallel(as_group(group, mesh_dim), layout, timeout, backend, strategy, ulysses_size, cost_model)
+    cp = ContextParallel(as_group(group, mesh_dim), layout, timeout, backend, strategy, ulysses_size, cost_model,
+                         verify=verify)
     # the integrations' guards of the block (the model check of cp_flash models)
     leave = [guard(cp) for guard in list(CONTEXT_GUARDS)]
     token = ACTIVE_CONTEXT.set(cp)

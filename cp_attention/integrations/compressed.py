@@ -31,7 +31,7 @@ from . import source, state
 from .class_admission import first_use
 from .indexers import CanonicalTopk
 
-__all__ = ["COMPRESSOR_SIGNATURE", "adapt_module", "take_selection", "per_token_streams"]
+__all__ = ["COMPRESSOR_SIGNATURE", "adapt_module", "adapted_compressor", "take_selection", "per_token_streams"]
 
 COMPRESSOR_SIGNATURE = ("hidden_states", "q_residual", "position_ids", "cache", "layer_idx")
 _ADAPTED = "_cp_attention_indexer"
@@ -194,6 +194,12 @@ def _params(cls):
         return tuple(inspect.signature(forward).parameters)[1:] if forward is not None else None
     except (TypeError, ValueError):
         return None
+
+
+def adapted_compressor(cls: type) -> bool:
+    """Whether ``cls`` is a compressor (or the attention calling it) this module adapted: it computes over the
+    documents of the batch, across ranks."""
+    return bool(getattr(vars(cls).get("forward"), _ADAPTED, False))
 
 
 def per_token_streams(cls: type) -> bool:

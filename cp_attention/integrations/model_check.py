@@ -81,7 +81,7 @@ from ..engine.context import active_context, register_context_guard
 from ..engine.stats import begin_mixers
 from ..refusals import refuse
 from .heads import call_kwargs, prepare_call
-from .compressed import per_token_streams
+from .compressed import adapted_compressor, per_token_streams
 from .indexers import adapted_indexer
 from .mixers import CONV_FORWARDS, CONVOLUTIONS, MIXER_ATTR, RECURRENCES, SCAN_FORWARDS, declined, handled_calls, \
     tag_mixers
@@ -89,6 +89,7 @@ from .versions import transformers_version
 from .generation import finish_prefill, generation_call, start_decode, start_prefill
 from .recurrent import adapted_class
 from .rope import rope_findings, tag_ropes
+from .verification import verify_first_use
 
 __all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank", "positional_modules",
            "uses_positions", "default_position_start", "unwrap_adapters", "install_guard", "note_cp_flash_call",
@@ -460,6 +461,11 @@ def _before(module, args):
             guard.record, guard.position_start = None, 0
             return None
         check_model(inner)
+        if getattr(active, "verify", True):
+            verify_first_use(inner, active, _packed_call(args, call_kwargs()), lambda: any(
+                getattr(m, MIXER_ATTR, False) or adapted_class(type(m)) or adapted_indexer(type(m)) or
+                adapted_compressor(type(m)) for _, m in _modules(inner)))
+            begin_mixers()
         if gen is not None:  # generate's first forward: sharded here, the cache too (finished in _after)
             guard.prefill = start_prefill(inner, call_kwargs(), gen[1], active)
         try:  # what its head does with the shard (.heads): refused, or the substitutions of this forward
@@ -481,6 +487,12 @@ def _before(module, args):
             not _is_model(module) and uses_attention_interface(type(module)):
         guard.ran.add(id(module))
     return None
+
+
+def _packed_call(args: tuple, kwargs: dict | None) -> bool:
+    """Whether the forward's batch (from ``cp.shard_batch``) packs documents in a row."""
+    record = _call_batch(args, kwargs)
+    return _packed(record.meta) if record is not None and hasattr(record, "meta") else False
 
 
 def _call_batch(args: tuple, kwargs: dict | None):

@@ -14,7 +14,7 @@ import threading
 from ..torch_compat import WeakIdKeyDictionary
 
 __all__ = ["CONFIG_CHECKSUMS", "CONFIG_LOCK", "INTEGRATIONS", "INTEGRATIONS_LOCK", "MODEL_CHECKS", "MODEL_LOCK",
-           "MODEL_GUARD", "MODEL_GUARD_HOOKS", "INDEXER_SELECTIONS", "COMPRESSED_SELECTIONS"]
+           "MODEL_GUARD", "MODEL_GUARD_HOOKS", "INDEXER_SELECTIONS", "COMPRESSED_SELECTIONS", "VERIFIED", "VERIFIED_LOCK"]
 
 CONFIG_CHECKSUMS = WeakIdKeyDictionary()
 """config -> its checksum (agreed across ranks), computed once per config object (weak: dies with the
@@ -48,3 +48,8 @@ indices (:mod:`.indexers`); cp_flash reads only these (weak: dies with the tenso
 COMPRESSED_SELECTIONS = WeakIdKeyDictionary()
 """attention module -> (key_select, entries): what a compressed layer's compressor recorded for the layer's
 cp_flash call, taken by that call (:mod:`.compressed`; weak: dies with the module)."""
+
+VERIFIED: dict = {}
+"""(model class, config checksum, dtype, packed, world size, layout, strategy) -> None (verified) or the refusal
+(its key and fields): verification at first use (:mod:`.verification`). Guarded by ``VERIFIED_LOCK``."""
+VERIFIED_LOCK = threading.Lock()

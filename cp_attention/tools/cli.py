@@ -1,4 +1,4 @@
-"""The ``cp-attention`` command (also ``python -m cp_attention``): ``cp-attention {probe,demo,bench} [options]``.
+"""The ``cp-attention`` command (also ``python -m cp_attention``): ``cp-attention {probe,demo,bench,check} [options]``.
 
 Each command is a module with ``main(argv, prog=...) -> int`` that parses its own options; this
 module lists the commands and hands the rest of the command line to the chosen one.
@@ -20,6 +20,7 @@ COMMANDS = MappingProxyType({
     "probe": ("cp_attention.tools.probe", "does CP keep a tiny model's masks? (the main check)"),
     "demo": ("cp_attention.tools.demo", "attention on gloo ranks: error and K/V traffic"),
     "bench": ("cp_attention.tools.bench", "time cp_attention.attention against dense-mask SDPA"),
+    "check": ("cp_attention.tools.check", "is your model exact under context parallelism? (a checkpoint or config)"),
 })
 
 

@@ -1,0 +1,152 @@
+"""Verification at first use (cp_attention.integrations.verification): a model the library has never seen,
+whose own code mixes tokens along the sequence, is refused on every rank before its first forward under a
+multi-rank block computes; the same model without the term is exact. The truth is each document alone on
+one device under eager (the family sweep's), computed here from the checkpoint, not from the library.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cp_attention
+from cp_attention.integrations import state, verification
+from cp_attention.tools.launch import run_ranks
+
+from vlm_cases import BUILDERS
+from remote_models import MIXING_OPS, load_remote_model, save_remote_model
+
+pytestmark = [pytest.mark.multirank, pytest.mark.transformers]
+
+
+def _docs(world_size: int, packed: bool) -> list[int]:
+    """Document lengths of a 24 * P-token row: three (the first crosses every rank) or one."""
+    n = 24 * world_size
+    return [n // 2 + 5, n // 3, n - n // 2 - 5 - n // 3] if packed else [n]
+
+
+def _batch(world_size: int, packed: bool):
+    docs = _docs(world_size, packed)
+    ids = torch.randint(0, 128, (1, sum(docs)), generator=torch.Generator().manual_seed(7))
+    pos = torch.cat([torch.arange(n) for n in docs])[None]
+    return ids, pos, docs
+
+
+def _alone(path, ids, docs) -> torch.Tensor:
+    """Each document alone on one device, under eager."""
+    model = load_remote_model(path, "eager", dtype=torch.float64)
+    with torch.no_grad():
+        parts, start = [], 0
+        for n in docs:
+            parts.append(model(input_ids=ids[:, start:start + n]).logits)
+            start += n
+    return torch.cat(parts, dim=1)
+
+
+def _remote_worker(rank, world_size, paths: dict, packed: bool, verify: bool = True, known_on: int | None = None):
+    """Every model under one block: its logits in sequence order, or the refusal's message."""
+    ids, pos, docs = _batch(world_size, packed)
+    results = {}
+    with cp_attention.context_parallel(timeout=120, verify=verify) as cp:
+        for op, path in paths.items():
+            model = load_remote_model(path, "cp_flash", dtype=torch.float64)
+            if rank == known_on:  # this rank verified this class and configuration before (its memo says so)
+                key = verification.verification_key(model, cp, packed)
+                state.VERIFIED[key] = None
+            batch = cp.shard_batch(input_ids=ids, position_ids=pos, model=model)
+            try:
+                with torch.no_grad():
+                    results[op] = cp.gather(model(**batch).logits)
+            except NotImplementedError as exc:
+                results[op] = str(exc)
+    return results
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("remote")
+    return {op: str(save_remote_model(root, op, dtype=torch.float64)) for op in (None, *MIXING_OPS)}
+
+
+def _assert_refused_or_exact(per_rank: list[dict], checkpoints: dict, world_size: int, packed: bool) -> None:
+    ids, _, docs = _batch(world_size, packed)
+    for op, path in checkpoints.items():
+        got = [r[op] for r in per_rank]
+        if op is None:
+            want = _alone(path, ids, docs)
+            for logits in got:
+                assert isinstance(logits, torch.Tensor), logits
+                torch.testing.assert_close(logits, want, rtol=1e-6, atol=1e-6)  # eager: a float32 softmax
+            continue
+        assert all(isinstance(m, str) for m in got), (op, got)
+        assert len(set(got)) == 1, f"{op}: the ranks disagree: {got}"  # the same refusal on every rank
+        message = got[0]
+        assert "verified at first use" in message and "model.layers.0.mlp" in message, (op, message)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_remote_code_that_mixes_tokens_is_refused_on_every_rank(checkpoints, world_size):
+    """Each kind of token-mixing op, in a trust_remote_code module: refused alike on every rank at CP = 2 and
+    4, first difference named at the module that holds it; the same checkpoint without the op is exact."""
+    per_rank = run_ranks(world_size, _remote_worker, checkpoints, True, timeout=600)
+    _assert_refused_or_exact(per_rank, checkpoints, world_size, True)
+
+
+def test_remote_code_refused_on_rows_of_one_document(checkpoints):
+    subset = {op: checkpoints[op] for op in (None, "roll", "cumulative_mean", "avg_pool")}
+    per_rank = run_ranks(2, _remote_worker, subset, False, timeout=300)
+    _assert_refused_or_exact(per_rank, subset, 2, False)
+
+
+def test_a_rank_that_verified_before_verifies_with_the_others(checkpoints):
+    """Rank 1's memo says the class and configuration were verified: it must still run the test with rank 0
+    (the ranks agree first), so both refuse instead of one computing and one refusing."""
+    subset = {op: checkpoints[op] for op in (None, "sequence_mean")}
+    per_rank = run_ranks(2, _remote_worker, subset, True, True, 1, timeout=300)
+    _assert_refused_or_exact(per_rank, subset, 2, True)
+
+
+def test_verify_false_skips_the_test(checkpoints):
+    """verify=False: no test batch runs, and the guarantee is off (the roll's model runs, wrongly)."""
+    subset = {op: checkpoints[op] for op in ("roll",)}
+    per_rank = run_ranks(2, _remote_worker, subset, True, False, timeout=300)
+    ids, _, docs = _batch(2, True)
+    want = _alone(checkpoints["roll"], ids, docs)
+    for result in per_rank:
+        assert isinstance(result["roll"], torch.Tensor), result
+        assert not torch.allclose(result["roll"], want, atol=1e-3)  # wrong, as the option says
+
+
+def _vlm_worker(rank, world_size, packed: bool):
+    torch.manual_seed(0)
+    model = BUILDERS["qwen2_5_vl"]().eval()
+    for config in (model.config, model.config.text_config):
+        config._attn_implementation = "cp_flash"
+    docs = [20, 12] if packed else [32]
+    ids = torch.randint(0, 100, (1, 32), generator=torch.Generator().manual_seed(3))
+    pos = torch.cat([torch.arange(n) for n in docs])[None]
+    with torch.no_grad(), cp_attention.context_parallel(timeout=120) as cp:
+        batch = cp.shard_batch(input_ids=ids, position_ids=pos, model=model)
+        try:
+            return cp.gather(model(**batch).logits)
+        except NotImplementedError as exc:
+            return str(exc)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-document"])
+def test_packed_text_read_another_way_on_one_device(packed):
+    """Qwen2.5-VL on packed text with (B, L) position_ids: on one device its documents attend to each other
+    (eager), under the block cp_flash would keep them apart: refused with that reason. One document per
+    row: equal to one device."""
+    per_rank = run_ranks(2, _vlm_worker, packed, timeout=300)
+    if packed:
+        assert all(isinstance(m, str) and "on packed rows" in m and "attend to each other" in m for m in per_rank), \
+            per_rank
+        return
+    torch.manual_seed(0)
+    model = BUILDERS["qwen2_5_vl"]().eval()
+    with torch.no_grad():
+        want = model(input_ids=torch.randint(0, 100, (1, 32), generator=torch.Generator().manual_seed(3))).logits
+    for logits in per_rank:
+        assert isinstance(logits, torch.Tensor), logits
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
