@@ -80,7 +80,9 @@ class Refusal:
             raise TypeError(f"refuse({self.key!r}): its message names the fields {list(self.fields)}; "
                             + (f"missing {missing}" if missing else "")
                             + ("; " if missing and extra else "") + (f"not in the message {extra}" if extra else ""))
-        return self.exception(self.message.format(**fields))
+        exc = self.exception(self.message.format(**fields))
+        exc.refusal = self.key  # which refusal, for tools that report it (python -m cp_attention check)
+        return exc
 
 
 def refuse(key: str, /, **fields) -> Exception:
@@ -476,6 +478,16 @@ REFUSALS = _catalogue(
        message="shard_batch: {named} are a multimodal model's inputs (images, video or audio), which are not along "
                "the sequence: pass the model too, cp.shard_batch(**processor_output, model=model), so that its own "
                "front-end runs on the full batch and its text decoder's inputs are sharded"),
+    _R(key="media_handed_to_the_model", exception=ValueError, area="multimodal",
+       what="images (video, audio) handed to a model directly while its text is sharded",
+       why="the model would merge whole images' features into shards that hold only part of their tokens",
+       fix="cp.shard_batch(**processor_output, model=model), then model(**batch)",
+       message="cp_flash: {named} handed to {model} directly while its text comes sharded from cp.shard_batch: each "
+               "rank holds only part of the image tokens, so the model cannot merge the images' features into its "
+               "shard (transformers then raises \"Image features and image tokens do not match\", or merges them "
+               "at the wrong tokens). Pass the processor's whole output through cp.shard_batch(**processor_output, "
+               "model=model): the model's front-end runs on the full batch on every rank and its text decoder gets "
+               "this rank's shard; then call model(**batch) without the images"),
     _R(key="sub_model_attention", exception=NotImplementedError, area="multimodal",
        what="a sub-model's attention (a vision tower) run inside a multi-rank block",
        why="its tokens are an image's, not the sharded text sequence",

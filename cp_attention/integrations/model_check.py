@@ -83,6 +83,7 @@ from ..refusals import refuse
 from .heads import call_kwargs, prepare_call
 from .compressed import adapted_compressor, per_token_streams
 from .indexers import adapted_indexer
+from .multimodal import refuse_media
 from .mixers import CONV_FORWARDS, CONVOLUTIONS, MIXER_ATTR, RECURRENCES, SCAN_FORWARDS, declined, handled_calls, \
     tag_mixers
 from .versions import transformers_version
@@ -90,6 +91,7 @@ from .generation import finish_prefill, generation_call, start_decode, start_pre
 from .recurrent import adapted_class
 from .rope import rope_findings, tag_ropes
 from .verification import verify_first_use
+from .token_trace import model_trace
 
 __all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank", "positional_modules",
            "uses_positions", "default_position_start", "unwrap_adapters", "install_guard", "note_cp_flash_call",
@@ -257,6 +259,11 @@ def model_findings(model) -> tuple[Finding, ...]:
     # a block that hands a state (a cache) to a handled function mixer inside it (Mamba's on 5.17): the block's
     # own code is per token; its mixer, found after it, computes the sequence across ranks
     findings += [found for name, found in blocks if not any(m.startswith(name + ".") for m in mixers)]
+    if _cp_flash_model(model) and not findings:  # what the model does (.token_trace), when no rule refused it
+        for where, why in model_trace(model, list(_modules(model)),
+                                      lambda m: adapted_class(type(m)) or adapted_compressor(type(m)),
+                                      "position_ids" in _forward_args(type(model))):
+            findings.append(Finding(where, "token mixing outside the calls run across ranks", why))
     for where, why in rope_findings(_modules(model)):
         findings.append(Finding(where, "a rope computed from the shard's length", why))
     forward_args = _forward_args(type(model))
@@ -461,6 +468,8 @@ def _before(module, args):
             guard.record, guard.position_start = None, 0
             return None
         check_model(inner)
+        if gen is None:
+            refuse_media(inner, call_kwargs())
         if getattr(active, "verify", True):
             verify_first_use(inner, active, _packed_call(args, call_kwargs()), lambda: any(
                 getattr(m, MIXER_ATTR, False) or adapted_class(type(m)) or adapted_indexer(type(m)) or

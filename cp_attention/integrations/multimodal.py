@@ -35,7 +35,7 @@ from ..engine.batch import batch_of
 from ..engine.context import outside_context
 from ..refusals import refuse
 
-__all__ = ["media_inputs", "outer_inputs", "decoder_inputs", "shard_decoder_inputs", "install_injection", "NOT_INJECTED"]
+__all__ = ["refuse_media", "media_inputs", "outer_inputs", "decoder_inputs", "shard_decoder_inputs", "install_injection", "NOT_INJECTED"]
 
 NOT_INJECTED = frozenset({"attention_mask", "cache", "past_key_values", "use_cache", "return_dict",
                           "output_attentions", "output_hidden_states", "cache_position", "labels"})
@@ -59,6 +59,14 @@ def _accepted(model) -> set[str] | None:
 MEDIA_NAME = re.compile(r"^(pixel_|image_|video_|audio_|input_features)|_grid_thw$|_sizes$")
 """Names of multimodal inputs, taken as media whatever their shape (a (num_images, patches, dim)
 ``pixel_values`` may happen to have the batch's (B, L) leading dims)."""
+
+
+def refuse_media(model, kwargs: dict | None) -> None:
+    """Images (video, audio) handed to a cp_flash model's forward in a multi-rank block: they belong in
+    ``cp.shard_batch(..., model=model)``, whose front-end runs on the full batch."""
+    named = sorted(k for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor) and MEDIA_NAME.search(k))
+    if named:
+        raise refuse("media_handed_to_the_model", named=", ".join(named), model=type(model).__name__)
 
 
 def media_inputs(model, inputs: dict, B: int, L: int) -> dict:

@@ -14,7 +14,7 @@ import threading
 from ..torch_compat import WeakIdKeyDictionary
 
 __all__ = ["CONFIG_CHECKSUMS", "CONFIG_LOCK", "INTEGRATIONS", "INTEGRATIONS_LOCK", "MODEL_CHECKS", "MODEL_LOCK",
-           "MODEL_GUARD", "MODEL_GUARD_HOOKS", "INDEXER_SELECTIONS", "COMPRESSED_SELECTIONS", "VERIFIED", "VERIFIED_LOCK"]
+           "MODEL_GUARD", "MODEL_GUARD_HOOKS", "INDEXER_SELECTIONS", "COMPRESSED_SELECTIONS", "VERIFIED", "VERIFIED_LOCK", "TRACED"]
 
 CONFIG_CHECKSUMS = WeakIdKeyDictionary()
 """config -> its checksum (agreed across ranks), computed once per config object (weak: dies with the
@@ -50,6 +50,10 @@ COMPRESSED_SELECTIONS = WeakIdKeyDictionary()
 cp_flash call, taken by that call (:mod:`.compressed`; weak: dies with the module)."""
 
 VERIFIED: dict = {}
-"""(model class, config checksum, dtype, packed, world size, layout, strategy) -> None (verified) or the refusal
+"""(model class, config checksum, dtype, packed, world size) -> None (verified) or the refusal
 (its key and fields): verification at first use (:mod:`.verification`). Guarded by ``VERIFIED_LOCK``."""
 VERIFIED_LOCK = threading.Lock()
+
+TRACED: dict = {}
+"""(model class, config checksum, dtype) -> the model check's trace findings (:mod:`.token_trace`), once per
+class and configuration. Guarded by ``MODEL_LOCK``."""

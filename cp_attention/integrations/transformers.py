@@ -51,6 +51,7 @@ from types import MappingProxyType
 
 import torch
 
+from .token_trace import stand_in_attention, tracing
 from . import state
 from ..engine.layer import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
@@ -429,6 +430,8 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
 
     query (B, H, Lq, D), key/value (B, H_kv, Lk, D) (GQA not repeated) -> ((B, Lq, H, D), None).
     """
+    if tracing():  # the model check's trace: the attention answers per token (.token_trace)
+        return stand_in_attention(query, key, value), None
     if dropout and getattr(module, "training", False):
         raise refuse("attention_dropout", dropout=dropout)
     decoding = running_decode()

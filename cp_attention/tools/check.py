@@ -8,19 +8,22 @@ narrower (``--tiny``: widths shrunk as the family sweep shrinks them; random wei
 documents (``--docs 3000,500,500``, or ``--seq-len N`` for one document) runs:
 
 * the ground truth: each document alone on one device under ``attn_implementation="eager"``;
-* ``cp_flash`` in a one-rank ``context_parallel`` block, and on ``--nproc`` ranks (gloo on CPU; NCCL on the
-  visible GPUs with ``--device cuda``) with ``--layout`` and ``--strategy``, through ``cp.shard_batch``.
+* ``cp_flash`` in a one-rank ``context_parallel`` block, and on ``--nproc`` gloo ranks on CPU with ``--layout``
+  and ``--strategy``, through ``cp.shard_batch`` (``--device`` moves the model; a multi-GPU NCCL form is not
+  built yet).
   Verification at first use is off here: the point is to show the layers.
 
 It prints one table per world size (each decoder layer: its kind, mask, strategy, kernel calls and K/V bytes
 received on the busiest rank, largest difference from the truth) and the verdict: ``exact``; ``refused``
-(the reason and the fix, as the run would raise them); ``wrong`` (the first differing layer). ``--json``
+(the reason and the fix, as the run would raise them; when the model check refused it, the table shows what it
+would compute with the check off); ``wrong`` (the first differing layer). ``--json``
 prints the same as data. Exit status 0 only when every world size is exact.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import io
 import json
@@ -164,8 +167,14 @@ def _truth(model, ids, docs) -> tuple[torch.Tensor, dict]:
     return torch.cat(logits, 1), {i: torch.cat(v, 1) for i, v in layers.items()}
 
 
-def _cp_run(rank: int, world_size: int, spec: dict, state_path: str, docs: list[int]) -> dict:
-    """One rank of the run under the block: gathered logits and layer outputs, this rank's plan stats."""
+def _cp_run(rank: int, world_size: int, spec: dict, state_path: str, docs: list[int], unchecked: bool = False) -> dict:
+    """One rank of the run under the block: gathered logits and layer outputs, this rank's plan stats
+    (``unchecked``: with the model check off)."""
+    with _unchecked() if unchecked else contextlib.nullcontext():
+        return _cp_run_checked(rank, world_size, spec, state_path, docs)
+
+
+def _cp_run_checked(rank: int, world_size: int, spec: dict, state_path: str, docs: list[int]) -> dict:
     import cp_attention
 
     model = _build(spec, "cp_flash", state_path)
@@ -179,7 +188,7 @@ def _cp_run(rank: int, world_size: int, spec: dict, state_path: str, docs: list[
             try:
                 logits = cp.gather(model(**batch, use_cache=False).logits)
             except NotImplementedError as exc:
-                return dict(refused=str(exc))
+                return dict(refused=str(exc), refusal=getattr(exc, "refusal", None))
             layers = {i: cp.gather(t).cpu() for i, t in sorted(record.outputs.items())}
             stats = [(layer, dict(kernel_calls=s.kernel_calls, kv_bytes_recv=s.kv_bytes_recv, strategy=s.strategy))
                      for layer, s in cp_attention.forward_plan_stats()]
@@ -227,11 +236,18 @@ def check(spec: dict) -> dict:
         torch.save(eager.state_dict(), state_path)
         del eager
         for world_size in sorted({1, spec["nproc"]}):
-            if world_size == 1:
-                results = [_cp_run(0, 1, spec, state_path, docs)]
-            else:
-                results = run_ranks(world_size, _cp_run, spec, state_path, docs, timeout=spec["timeout"])
-            report["runs"][str(world_size)] = _verdict(results, truth_logits, truth_layers, tol, kinds, masks)
+            def run(unchecked: bool) -> list:
+                if world_size == 1:
+                    return [_cp_run(0, 1, spec, state_path, docs, unchecked)]
+                return run_ranks(world_size, _cp_run, spec, state_path, docs, unchecked, timeout=spec["timeout"])
+
+            verdict = _verdict(run(False), truth_logits, truth_layers, tol, kinds, masks)
+            if verdict["verdict"] == "refused" and verdict["refusal"] == "model_check" and spec.get("explain", True):
+                # what it would compute: the layers with the model check off
+                would = _verdict(run(True), truth_logits, truth_layers, tol, kinds, masks)
+                verdict.update(layers=would.get("layers", []), unchecked=would["verdict"],
+                               first_layer=would.get("first_layer"), logits_error=would.get("logits_error"))
+            report["runs"][str(world_size)] = verdict
     verdicts = {r["verdict"] for r in report["runs"].values()}  # refused anywhere, else wrong anywhere, else exact
     report["verdict"] = next(v for v in ("refused", "wrong", "exact") if v in verdicts)
     report["seconds"] = round(time.monotonic() - t0, 1)
@@ -252,9 +268,9 @@ def _mask_label(mask) -> str:
 
 def _verdict(results: list[dict], truth_logits, truth_layers, tol, kinds, masks) -> dict:
     results = [torch.load(io.BytesIO(r["payload"])) if "payload" in r else r for r in results]
-    refused = next((r["refused"] for r in results if "refused" in r), None)
+    refused = next((r for r in results if "refused" in r), None)
     if refused is not None:
-        return dict(verdict="refused", reason=refused, layers=[])
+        return dict(verdict="refused", reason=refused["refused"], refusal=refused["refusal"], layers=[])
     busiest: dict = {}
     for r in results:
         for layer, s in r["stats"]:
@@ -270,12 +286,25 @@ def _verdict(results: list[dict], truth_logits, truth_layers, tol, kinds, masks)
         rows.append(dict(layer=i, kind=kinds[i] if i < len(kinds) else "", mask=masks[i] if i < len(masks) else "",
                          strategy=stats.get("strategy", "-"), kernel_calls=stats.get("kernel_calls"),
                          kv_bytes_recv=stats.get("kv_bytes_recv"), error=err))
-        if first is None and (err is None or err > tol):
+        if first is None and err is not None and err > tol:
             first = i
     logits_err = _error(results[0]["logits"], truth_logits.cpu())
     if first is None and logits_err <= tol:
         return dict(verdict="exact", logits_error=logits_err, layers=rows)
     return dict(verdict="wrong", logits_error=logits_err, first_layer=first, layers=rows)
+
+
+@contextlib.contextmanager
+def _unchecked():
+    """The model check off (a refused model's run, to show where it would differ)."""
+    from cp_attention.integrations import model_check
+
+    original = model_check.check_model
+    model_check.check_model = lambda model: None
+    try:
+        yield
+    finally:
+        model_check.check_model = original
 
 
 def _print(report: dict) -> None:
@@ -286,7 +315,9 @@ def _print(report: dict) -> None:
         print(f"\nworld size {world_size}: {run['verdict']}")
         if run["verdict"] == "refused":
             print(run["reason"])
-            continue
+            if not run["layers"]:
+                continue
+            print(f"with the model check off it would be {run['unchecked']}:")
         print(f"{'layer':>5}  {'kind':<22} {'mask':<34} {'strategy':<8} {'calls':>5} {'K/V recv':>10} {'difference':>10}")
         for row in run["layers"]:
             err = "-" if row["error"] is None else f"{row['error']:.2e}"
@@ -294,8 +325,9 @@ def _print(report: dict) -> None:
             kv = "-" if row["kv_bytes_recv"] is None else row["kv_bytes_recv"]
             print(f"{row['layer']:>5}  {row['kind'][:22]:<22} {row['mask'][:34]:<34} {row['strategy']:<8} {calls:>5} "
                   f"{kv:>10} {err:>10}")
-        print(f"logits: {run['logits_error']:.2e}")
-        if run["verdict"] == "wrong":
+        if run.get("logits_error") is not None:
+            print(f"logits: {run['logits_error']:.2e}")
+        if run.get("first_layer") is not None:
             print(f"wrong: the first differing layer is {run['first_layer']}")
     print(f"\nverdict: {report['verdict']} ({report['seconds']} s)")
 
@@ -313,16 +345,18 @@ def main(argv=None, *, prog: str = "cp-attention check") -> int:
     parser.add_argument("--layout", default="zigzag")
     parser.add_argument("--strategy", default="ring")
     parser.add_argument("--dtype", default="float32", help="float32 (default on CPU), bfloat16, float64")
-    parser.add_argument("--device", default="cpu", help="cpu (gloo ranks) or cuda")
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu; the ranks are gloo ranks)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds the ranks may take")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--no-explain", action="store_true",
+                        help="when the model check refuses the model, do not run it again with the check off")
     args = parser.parse_args(argv)
     docs = [args.seq_len] if args.seq_len else [int(x) for x in (args.docs or "40,24,16").split(",")]
     if any(n <= 0 for n in docs):
         parser.error("--docs/--seq-len: lengths must be positive")
     spec = dict(model=args.model, trust_remote_code=args.trust_remote_code, random=args.random, layers=args.layers,
                 tiny=args.tiny, docs=docs, nproc=args.nproc, layout=args.layout, strategy=args.strategy,
-                dtype=args.dtype, device=args.device, timeout=args.timeout)
+                dtype=args.dtype, device=args.device, timeout=args.timeout, explain=not args.no_explain)
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, args.nproc)))
     report = check(spec)
     if args.json:

@@ -331,3 +331,25 @@ def test_block_overlay_without_blocks_on_a_rank_opens_nothing():
         fn = mu.or_masks(mu.sliding_window_causal_mask_function(4), mu.blockwise_overlay(ids))
         info = CPMask(1, 10, 10, 0, 0, None, None, batch=batch, mask_function=fn)
         assert info.opens_spans(4) is has_block
+
+
+def _media_worker(rank, world_size, family):
+    model = vlm_cases.model(family, "cp_flash").eval()
+    full, _ = vlm_cases.batch(family)
+    media = {k: v for k, v in full.items() if k != "input_ids"}
+    with cp_attention.context_parallel(timeout=120) as cp:
+        batch = cp.shard_batch(input_ids=full["input_ids"])  # the text only; the images handed to the model
+        try:
+            model(**batch, **media)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_images_handed_to_the_model_past_shard_batch_say_what_to_do(family):
+    """transformers' own "Image features and image tokens do not match" (or a silent merge at the wrong tokens)
+    becomes an error that says to pass the processor's output through cp.shard_batch(..., model=model)."""
+    for message in run_ranks(2, _media_worker, family, timeout=300):
+        assert message and "pixel_values" in message and "cp.shard_batch(**processor_output, model=model)" in message, \
+            message

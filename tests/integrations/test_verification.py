@@ -43,23 +43,38 @@ def _alone(path, ids, docs) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _remote_worker(rank, world_size, paths: dict, packed: bool, verify: bool = True, known_on: int | None = None):
-    """Every model under one block: its logits in sequence order, or the refusal's message."""
+def _remote_worker(rank, world_size, paths: dict, packed: bool, verify: bool = True, known_on: int | None = None,
+                   phases=("check", "verification")):
+    """Every model under one block: its logits in sequence order, or the refusal's message; per phase: the
+    model check as it is ("check"), then with its trace finding nothing ("verification": what is left to
+    verification at first use, as for token mixing the trace cannot see)."""
+    from cp_attention.integrations import token_trace
+
     ids, pos, docs = _batch(world_size, packed)
     results = {}
-    with cp_attention.context_parallel(timeout=120, verify=verify) as cp:
-        for op, path in paths.items():
-            model = load_remote_model(path, "cp_flash", dtype=torch.float64)
-            if rank == known_on:  # this rank verified this class and configuration before (its memo says so)
-                key = verification.verification_key(model, cp, packed)
-                state.VERIFIED[key] = None
-            batch = cp.shard_batch(input_ids=ids, position_ids=pos, model=model)
-            try:
-                with torch.no_grad():
-                    results[op] = cp.gather(model(**batch).logits)
-            except NotImplementedError as exc:
-                results[op] = str(exc)
+    for phase in phases:
+        if phase == "verification":
+            token_trace.trace_findings = lambda *args, **kwargs: []
+            state.TRACED.clear()
+        with cp_attention.context_parallel(timeout=120, verify=verify) as cp:
+            for op, path in paths.items():
+                model = load_remote_model(path, "cp_flash", dtype=torch.float64)
+                if rank == known_on:  # this rank verified this class and configuration before (its memo says so)
+                    key = verification.verification_key(model, cp, packed)
+                    state.VERIFIED[key] = None
+                batch = cp.shard_batch(input_ids=ids, position_ids=pos, model=model)
+                try:
+                    with torch.no_grad():
+                        results[phase, op] = cp.gather(model(**batch).logits)
+                except NotImplementedError as exc:
+                    results[phase, op] = str(exc)
     return results
+
+
+# the operation the model check's trace names for each kind (its source line is in modeling_mixlm.py)
+FIRST_OP = {"cumulative_mean": "cumsum", "previous_token": "__getitem__", "shifted_slice": "__getitem__",
+            "roll": "roll", "sequence_mean": "mean", "avg_pool": "avg_pool1d", "conv": "pad", "sort": "sort",
+            "token_matmul": "matmul", "gather": "index_select"}
 
 
 @pytest.fixture(scope="module")
@@ -70,24 +85,32 @@ def checkpoints(tmp_path_factory):
 
 def _assert_refused_or_exact(per_rank: list[dict], checkpoints: dict, world_size: int, packed: bool) -> None:
     ids, _, docs = _batch(world_size, packed)
+    phases = sorted({phase for phase, _ in per_rank[0]})
     for op, path in checkpoints.items():
-        got = [r[op] for r in per_rank]
-        if op is None:
-            want = _alone(path, ids, docs)
-            for logits in got:
-                assert isinstance(logits, torch.Tensor), logits
-                torch.testing.assert_close(logits, want, rtol=1e-6, atol=1e-6)  # eager: a float32 softmax
-            continue
-        assert all(isinstance(m, str) for m in got), (op, got)
-        assert len(set(got)) == 1, f"{op}: the ranks disagree: {got}"  # the same refusal on every rank
-        message = got[0]
-        assert "verified at first use" in message and "model.layers.0.mlp" in message, (op, message)
+        for phase in phases:
+            got = [r[phase, op] for r in per_rank]
+            if op is None:
+                want = _alone(path, ids, docs)
+                for logits in got:
+                    assert isinstance(logits, torch.Tensor), logits
+                    torch.testing.assert_close(logits, want, rtol=1e-6, atol=1e-6)  # eager: a float32 softmax
+                continue
+            assert all(isinstance(m, str) for m in got), (phase, op, got)
+            assert len(set(got)) == 1, f"{phase} {op}: the ranks disagree: {got}"  # the same refusal on every rank
+            message = got[0]
+            assert "model.layers.0.mlp" in message, (phase, op, message)
+            if phase == "check":  # the model check's trace: the module, the operation and its source line
+                assert "token mixing outside the calls run across ranks" in message, message
+                assert f"the first operation doing it: {FIRST_OP[op]} at modeling_mixlm.py:" in message, message
+            else:
+                assert "verified at first use" in message, message
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_remote_code_that_mixes_tokens_is_refused_on_every_rank(checkpoints, world_size):
     """Each kind of token-mixing op, in a trust_remote_code module: refused alike on every rank at CP = 2 and
-    4, first difference named at the module that holds it; the same checkpoint without the op is exact."""
+    4, by the model check's trace (naming the module, the operation and its line) and, with the trace finding
+    nothing, by verification at first use (naming the module); the same checkpoint without the op is exact."""
     per_rank = run_ranks(world_size, _remote_worker, checkpoints, True, timeout=600)
     _assert_refused_or_exact(per_rank, checkpoints, world_size, True)
 
@@ -102,19 +125,20 @@ def test_a_rank_that_verified_before_verifies_with_the_others(checkpoints):
     """Rank 1's memo says the class and configuration were verified: it must still run the test with rank 0
     (the ranks agree first), so both refuse instead of one computing and one refusing."""
     subset = {op: checkpoints[op] for op in (None, "sequence_mean")}
-    per_rank = run_ranks(2, _remote_worker, subset, True, True, 1, timeout=300)
+    per_rank = run_ranks(2, _remote_worker, subset, True, True, 1, ("verification",), timeout=300)
     _assert_refused_or_exact(per_rank, subset, 2, True)
 
 
 def test_verify_false_skips_the_test(checkpoints):
-    """verify=False: no test batch runs, and the guarantee is off (the roll's model runs, wrongly)."""
+    """verify=False: no test batch runs, and (where the model check's trace finds nothing) the guarantee is off:
+    the roll's model runs, wrongly."""
     subset = {op: checkpoints[op] for op in ("roll",)}
-    per_rank = run_ranks(2, _remote_worker, subset, True, False, timeout=300)
+    per_rank = run_ranks(2, _remote_worker, subset, True, False, None, ("verification",), timeout=300)
     ids, _, docs = _batch(2, True)
     want = _alone(checkpoints["roll"], ids, docs)
     for result in per_rank:
-        assert isinstance(result["roll"], torch.Tensor), result
-        assert not torch.allclose(result["roll"], want, atol=1e-3)  # wrong, as the option says
+        assert isinstance(result["verification", "roll"], torch.Tensor), result
+        assert not torch.allclose(result["verification", "roll"], want, atol=1e-3)  # wrong, as the option says
 
 
 def _vlm_worker(rank, world_size, packed: bool):
@@ -150,3 +174,28 @@ def test_packed_text_read_another_way_on_one_device(packed):
     for logits in per_rank:
         assert isinstance(logits, torch.Tensor), logits
         torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next", "mamba2", "rwkv", "deepseek_v32"])
+def test_the_trace_finds_nothing_in_exact_families(family):
+    """The model check's trace on families the sweep finds exact (attention, adapted mixer functions and
+    classes, an indexer): nothing, since the attention and the adapted mixers answer per token under it."""
+    from cp_attention.integrations import model_check
+    from cp_attention.tools.sweeps.configs import build_model, tiny_config
+
+    model = build_model(tiny_config(family), "cp_flash")
+    assert model_check.model_findings(model) == ()
+
+
+def test_the_trace_names_the_operation_and_its_line(checkpoints):
+    """One process, no ranks: each kind found by the model check's trace, the module, the operation and the
+    line of modeling_mixlm.py that holds it; the checkpoint without the op has no finding."""
+    from cp_attention.integrations import model_check
+
+    for op, path in checkpoints.items():
+        findings = model_check.model_findings(load_remote_model(path, "cp_flash", dtype=torch.float64))
+        if op is None:
+            assert findings == ()
+            continue
+        assert [f.module for f in findings] == ["model.layers.0.mlp"], (op, findings)
+        assert f"the first operation doing it: {FIRST_OP[op]} at modeling_mixlm.py:" in findings[0].why, findings
