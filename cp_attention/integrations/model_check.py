@@ -259,11 +259,6 @@ def model_findings(model) -> tuple[Finding, ...]:
     # a block that hands a state (a cache) to a handled function mixer inside it (Mamba's on 5.17): the block's
     # own code is per token; its mixer, found after it, computes the sequence across ranks
     findings += [found for name, found in blocks if not any(m.startswith(name + ".") for m in mixers)]
-    if _cp_flash_model(model) and not findings:  # what the model does (.token_trace), when no rule refused it
-        for where, why in model_trace(model, list(_modules(model)),
-                                      lambda m: adapted_class(type(m)) or adapted_compressor(type(m)),
-                                      "position_ids" in _forward_args(type(model))):
-            findings.append(Finding(where, "token mixing outside the calls run across ranks", why))
     for where, why in rope_findings(_modules(model)):
         findings.append(Finding(where, "a rope computed from the shard's length", why))
     forward_args = _forward_args(type(model))
@@ -274,6 +269,11 @@ def model_findings(model) -> tuple[Finding, ...]:
     if attention == 0 and not convolving and not mixing:
         findings.append(Finding(type(model).__name__, "no attention layer through cp_flash",
                                 "none of its modules calls transformers' attention interface"))
+    if _cp_flash_model(model) and not findings:  # what the model does (.token_trace), when no rule refused it
+        for where, why in model_trace(model, list(_modules(model)),
+                                      lambda m: adapted_class(type(m)) or adapted_compressor(type(m)),
+                                      "position_ids" in forward_args):
+            findings.append(Finding(where, "token mixing outside the calls run across ranks", why))
     return tuple(dict.fromkeys(findings))
 
 

@@ -52,6 +52,7 @@ log = logging.getLogger("cp_attention.integrations")
 _STATE = threading.local()  # .on: a trace runs in this thread; .owned: depth inside owned calls
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 _LENGTHS = (23, 29, 31, 37, 41, 43, 47, 53, 59, 61)
 
 
@@ -102,7 +103,11 @@ def _tensors(obj, depth: int = 0):
 
 
 def _fingerprint(t: torch.Tensor, n: int):
-    """(token dim or None, float64 per-token sums (n, 2) or whole sums (2,))."""
+    """(token dim or None, float64 per-token sums (n, 2) or whole sums (2,)); None for a tensor that holds no
+    plain local data (a DTensor, FSDP2's unallocated storage, a meta tensor)."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) or t.is_meta or \
+            (t.numel() and t.untyped_storage().nbytes() == 0):
+        return None
     x = t.detach()
     if not (x.is_floating_point() or x.is_complex()):
         x = x.to(torch.float64)
@@ -150,11 +155,12 @@ class _Ops(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(_STATE, "owned", 0):
-            return func(*args, **kwargs)
-        inputs = [_fingerprint(a, self.n) for a in _tensors((args, kwargs)) if id(a) not in self.weights]
+        if getattr(_STATE, "owned", 0) or _DISTRIBUTED in sys._getframe(1).f_code.co_filename:
+            return func(*args, **kwargs)  # the library's own calls; torch.distributed's (FSDP2's storage, DTensor)
+        inputs = [f for f in (_fingerprint(a, self.n) for a in _tensors((args, kwargs)) if id(a) not in self.weights)
+                  if f is not None]
         out = func(*args, **kwargs)
-        outputs = [_fingerprint(o, self.n) for o in _tensors(out)]
+        outputs = [f for f in (_fingerprint(o, self.n) for o in _tensors(out)) if f is not None]
         if outputs:
             name = getattr(func, "__name__", str(func))
             self.ops.append((name, _caller(), inputs, outputs))

@@ -19,6 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import cp_attention
+from cp_attention.integrations import model_check
 import hf_cases
 import hybrid_cases
 
@@ -172,7 +173,9 @@ def run_cases(rank: int, world_size: int, families, refs: dict, layouts, docs=DO
             model.zero_grad(set_to_none=True)
             record: list = []
             try:
-                # verify=False: the hooks record this forward's selections, not the first-use test's
+                # the hooks record this forward's selections: not those of the model check's trace (run first,
+                # here) or of the first-use verification (off)
+                model_check.check_model(model)
                 with cp_attention.context_parallel(layout=layout, verify=False) as cp:
                     batch = cp.shard_batch(input_ids=ids, position_ids=pos)
                     with recording(model, record):
