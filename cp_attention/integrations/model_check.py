@@ -470,7 +470,7 @@ def _before(module, args):
         check_model(inner)
         if gen is None:
             refuse_media(inner, call_kwargs())
-        if getattr(active, "verify", True):
+        if getattr(active, "verify", True) and gen is None:  # (generate's prefill: its plain forwards are verified)
             verify_first_use(inner, active, _packed_call(args, call_kwargs()), lambda: any(
                 getattr(m, MIXER_ATTR, False) or adapted_class(type(m)) or adapted_indexer(type(m)) or
                 adapted_compressor(type(m)) for _, m in _modules(inner)))

@@ -46,7 +46,7 @@ from ..engine.context import outside_context
 from . import state
 from .models import config_crc
 
-__all__ = ["model_trace", "trace_findings", "tracing", "stand_in_attention", "owned", "zeros_like_output"]
+__all__ = ["model_trace", "trace_findings", "kept_module_state", "tracing", "stand_in_attention", "owned", "zeros_like_output"]
 
 log = logging.getLogger("cp_attention.integrations")
 _STATE = threading.local()  # .on: a trace runs in this thread; .owned: depth inside owned calls
@@ -69,6 +69,21 @@ def owned():
         yield
     finally:
         _STATE.owned -= 1
+
+
+@contextlib.contextmanager
+def kept_module_state(model):
+    """The tensors (and None) a model's modules hold as plain attributes, outside their parameters and buffers
+    (RecurrentGemma keeps its recurrent and convolution states there), as they were after the block: a
+    probe's forwards leave no state behind."""
+    saved = [(m, {k: v for k, v in vars(m).items() if not k.startswith("_") and (v is None or isinstance(
+        v, torch.Tensor))}) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attrs in saved:
+            for name, value in attrs.items():
+                module.__dict__[name] = value
 
 
 def zeros_like_output(out):
@@ -252,13 +267,15 @@ def trace_findings(model, modules, is_adapted, takes_positions: bool) -> list[tu
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        ops_a, rec_a, logits_a = _run(model, listed, ids, n, takes_positions)
-        ops_b, rec_b, logits_b = _run(model, listed, changed, n, takes_positions)
-        tol = 1e-7
-        if device.type != "cpu" and logits_a is not None:  # kernels that need not repeat their bits (atomics)
-            _, _, again = _run(model, listed, ids, n, takes_positions)
-            noise = max(float((again[1] - logits_a[1]).abs().max()) / max(float(logits_a[1].abs().max()), 1e-30), 0)
-            tol = max(tol, 10 * noise)
+        with kept_module_state(model):
+            ops_a, rec_a, logits_a = _run(model, listed, ids, n, takes_positions)
+            ops_b, rec_b, logits_b = _run(model, listed, changed, n, takes_positions)
+            tol = 1e-7
+            if device.type != "cpu" and logits_a is not None:  # kernels that need not repeat their bits (atomics)
+                _, _, again = _run(model, listed, ids, n, takes_positions)
+                noise = max(float((again[1] - logits_a[1]).abs().max()) / max(float(logits_a[1].abs().max()), 1e-30),
+                            0)
+                tol = max(tol, 10 * noise)
     finally:
         for module, mode in modes:
             module.training = mode

@@ -40,6 +40,7 @@ from ..plan.cache import PlanCache
 from ..refusals import refuse
 from ..torch_compat import WeakIdKeyDictionary
 from . import state
+from .token_trace import kept_module_state
 from .models import config_crc, layer_masks, text_config
 
 __all__ = ["verify_first_use", "verification_key", "TOLERANCES", "test_batch"]
@@ -131,7 +132,7 @@ def _recording(model, names: dict):
 @contextlib.contextmanager
 def _quiet(cp, model):
     """The block's and the thread's state as they were: its plan cache, live and latest batches, planning counts,
-    the statistics of the latest call and forward; the model's train/eval modes."""
+    the statistics of the latest call and forward; the model's train/eval modes and the states its modules hold."""
     plans, records, batch, counts = cp.plans, cp.records, cp._batch, cp.planning._counts
     last = engine_stats.STATS["last"]
     forward = {k: getattr(engine_stats.FORWARD, k) for k in ("calls", "mixers", "layer_ran")
@@ -141,7 +142,7 @@ def _quiet(cp, model):
     _ACTIVE.on = True
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), kept_module_state(model):
             yield
     finally:
         _ACTIVE.on = False
