@@ -31,11 +31,10 @@ from . import source, state
 from .class_admission import first_use
 from .indexers import CanonicalTopk
 
-__all__ = ["COMPRESSOR_SIGNATURE", "adapt_module", "adapted_compressor", "take_selection", "per_token_streams"]
+__all__ = ["COMPRESSOR_SIGNATURE", "adapt_module", "adapted_compressor", "take_selection"]
 
 COMPRESSOR_SIGNATURE = ("hidden_states", "q_residual", "position_ids", "cache", "layer_idx")
 _ADAPTED = "_cp_attention_indexer"
-_PER_TOKEN = "_cp_attention_per_token_streams"
 _CURRENT: contextvars.ContextVar = contextvars.ContextVar("cp_attention_compressed_layer", default=None)
 """(cp_flash mask, attention module) of the compressed layer whose forward is running (its compressor reads it)."""
 
@@ -202,16 +201,8 @@ def adapted_compressor(cls: type) -> bool:
     return bool(getattr(vars(cls).get("forward"), _ADAPTED, False))
 
 
-def per_token_streams(cls: type) -> bool:
-    """Whether ``cls`` mixes each token's hyper-connection streams (DeepSeek-V4's mHC and the decoder
-    layer that applies it): products over a token's own ``hc_mult`` x ``hc_mult`` streams, none along the
-    sequence. Marked only in a modeling module whose compressed attention is adapted."""
-    return bool(vars(cls).get(_PER_TOKEN, False))
-
-
 def adapt_module(mod) -> bool:
-    """Adapt DeepSeek-V4's compressor classes and the attention that calls them (idempotent); mark its
-    per-token hyper-connection classes (:func:`per_token_streams`)."""
+    """Adapt DeepSeek-V4's compressor classes and the attention that calls them (idempotent)."""
     found = False
     classes = [v for v in list(vars(mod).values()) if isinstance(v, type) and v.__module__ == mod.__name__]
     for cls in classes:
@@ -224,9 +215,4 @@ def adapt_module(mod) -> bool:
         elif cls.__name__.endswith("Attention") and "self.compressor(" in source.class_source(cls):
             cls.forward = _wrap_attention(cls.forward)
             found = True
-    for cls in classes if found else ():
-        code = source.class_source(cls)
-        if (cls.__name__.endswith("HyperConnection") and _params(cls) == ("hidden_streams",)) or \
-                (cls.__name__.endswith("DecoderLayer") and "self.attn_hc(" in code and "self.ffn_hc(" in code):
-            setattr(cls, _PER_TOKEN, True)
     return found

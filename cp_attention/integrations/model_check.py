@@ -1,28 +1,24 @@
-"""The model check: which sequence mixers a transformers model has, and whether "cp_flash" computes
-each of them exactly under context parallelism, decided before any rank computes.
+"""The model check: whether "cp_flash" computes a transformers model exactly under context parallelism,
+decided before any rank computes.
 
 Under context parallelism each rank holds a shard of the sequence. A model is exact only if every
-operation that mixes tokens along the sequence is done by the engine, which sees the whole sequence:
-an attention layer that calls transformers' attention interface (and so "cp_flash") is; anything
-else that looks along the sequence sees its own shard only and is silently wrong. The check reads
-the module tree, the modules' forward signatures and the source of their classes; it lists no
-family. What it refuses, each with the module that has it (:func:`model_findings`):
+operation that mixes tokens along the sequence is done by the library, which sees the whole sequence:
+the attention interface (and so "cp_flash") and the adapted sequence mixers; anything else that looks
+along the sequence sees its own shard only and is silently wrong. The check reads what the model does,
+not what its source looks like (:func:`model_findings`):
 
-* a convolution along the sequence: an ``nn.Conv1d`` with a kernel over more than one token
-  (RecurrentGemma's, Zaya's), unless its mixer computes it through transformers' adapted
-  ``causal_conv1d_fn`` (see below);
-* a token shift: a padding module (RWKV's time shift);
-* a recurrent state: a forward that takes ``cache_params`` / ``state`` / a recurrent state, or a
-  state-space decay parameter (``A_log``, ``time_decay``): state-space, linear-attention and
-  recurrent mixers carry a state from every earlier token; unless the mixer computes it through
-  one of the adapted recurrences (see below);
-* a sequence operation outside the adapted mixer functions: a mixer that calls them but also
-  convolves, cumulates or rolls along the sequence itself;
-* attention outside the attention interface: a class that computes scores itself (a product of
-  activations with a transposed one or a softmax over such a product, ``scaled_dot_product_attention``,
-  flash-attn calls) and never calls the interface (GPT-1, XLNet, lightning attention, ...);
-* a score bias that needs the mask as a dense tensor: an attention forward that takes ``alibi`` or
-  ``position_bias`` (BLOOM, MPT, CPM-Ant);
+* the trace (:mod:`.token_trace`): two tiny forwards on one device, one token changed, with the attention
+  and the adapted mixers answering per token; any other operation that makes one token's output depend on
+  another's is refused, naming the module, the operation and its source line (a convolution or a token
+  shift, a recurrent state, attention computed outside the interface, a running sum, a pool, a roll, a
+  sort, a product contracting the tokens, a gather by position, ...). A forward that cp_flash itself
+  refuses (its code reads the mask as a dense tensor, it hands the attention a score bias or a selection
+  of keys cp_flash cannot apply) is a finding too, with that refusal's message;
+
+and the rules for what a forward on one device cannot show:
+
+* a sequence mixer function that transformers changed (:mod:`.mixers`' admission by behaviour declined it):
+  left unadapted, it would mix only the shard's tokens;
 * a length-dependent rope (``dynamic``, ``longrope``) in a rotary module whose forward takes no
   ``position_ids``: it cannot be given the whole sequence's length (:mod:`.rope`; those that take
   them are hooked on the first forward in a block and computed from the global largest position);
@@ -30,16 +26,12 @@ family. What it refuses, each with the module that has it (:func:`model_findings
   positions (a positional module, or attention layers: :func:`uses_positions`), so each rank would
   number its learned or sinusoidal positions from 0 (the BART-family decoders, XGLM, ...). A model of
   sequence mixers alone (Mamba, Mamba-2, Falcon-Mamba) is not refused for it: it reads no positions,
-  and its mixers take the documents from the batch record;
-* no attention layer at all that reaches cp_flash (and no handled mixer either).
+  and its mixers take the documents from the batch record.
 
-Handled mixers (issue 21): a module of a transformers modeling module whose class calls the
-module-level functions :mod:`.mixers` adapts (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``,
-``mamba2_chunk_scan``, ``mamba_selective_scan``), with its convolution and its recurrence both
-among them and no other sequence operation in its own code: LFM2's ShortConv, Mamba, Mamba-2 and
-gated DeltaNet mixers. They are tagged on the model's first forward in a block; their calls of those
-functions then run across ranks and documents (a halo for the convolution, a scan over pieces for
-the recurrence), so they are exact.
+Handled mixers (issue 21): the module-level functions :mod:`.mixers` adapts (``causal_conv1d_fn``,
+``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``, ``mamba_selective_scan``) and the mixer classes
+:mod:`.recurrent` adapts run across ranks and documents (a halo for the convolution, a scan over pieces for
+the recurrence), so they are exact; the trace lets them answer per token and reads everything around them.
 
 Vision, audio and other sub-models with a configuration of their own are not read: they do not
 run over the text sequence.
@@ -67,13 +59,8 @@ import re
 import sys
 
 import torch
-from torch import nn
 
-from . import source as model_source
-from .source import INLINE_SEQUENCE as _INLINE_SEQUENCE
-from .source import computes_scores as _computes_scores
 from .source import forward_args as _forward_args
-from .source import per_token_part as _per_token_part
 from .source import uses_attention_interface
 from . import state
 from ..engine.batch import batch_of
@@ -81,11 +68,10 @@ from ..engine.context import active_context, register_context_guard
 from ..engine.stats import begin_mixers
 from ..refusals import refuse
 from .heads import call_kwargs, prepare_call
-from .compressed import adapted_compressor, per_token_streams
+from .compressed import adapted_compressor
 from .indexers import adapted_indexer
 from .multimodal import refuse_media
-from .mixers import CONV_FORWARDS, CONVOLUTIONS, MIXER_ATTR, RECURRENCES, SCAN_FORWARDS, declined, handled_calls, \
-    tag_mixers
+from .mixers import MIXER_ATTR, declined, tag_mixers
 from .versions import transformers_version
 from .generation import finish_prefill, generation_call, start_decode, start_prefill
 from .recurrent import adapted_class
@@ -100,11 +86,6 @@ __all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank
 
 NAME = "cp_flash"
 
-_STATE_ARGS = ("cache_params", "state", "recurrent_state", "ssm_state", "conv_state")
-_STATE_PARAMS = ("A_log", "time_decay", "time_first")
-_BIAS_ARGS = ("alibi", "position_bias")
-_SHIFTED_PAD = re.compile(r"\bpad\(\s*[\w.]+\[:,\s*(?:1:|:-1)\]")  # F.pad(x[:, 1:], ...): x shifted a token
-_BIAS_KEYWORD = re.compile(r"\b(alibi|position_bias)\s*=(?!=)")
 # a module that turns positions into a signal: by its class (learned / sinusoidal / rotary / segment
 # position embeddings) or by the attribute it sits in (``embed_positions``, GPT-2's ``wpe``, ``rotary_emb``)
 _POSITIONAL_CLASS = re.compile(r"Positional|PositionEmbedding|Rotary|Sinusoidal|Rope", re.I)
@@ -122,13 +103,6 @@ class Finding(tuple):
     module = property(lambda self: self[0])
     what = property(lambda self: self[1])
     why = property(lambda self: self[2])
-
-
-def _rotary_table(cls: type) -> bool:
-    """A positional module (by its class name) whose product is ``inv_freq @ positions`` (transformers 5.17's rotary
-    classes): a table of frequencies per position, not attention scores (no softmax, no score tensor)."""
-    text = model_source.class_source(cls)
-    return bool(_POSITIONAL_CLASS.search(cls.__name__)) and "softmax" not in text and "inv_freq" in text
 
 
 def _is_model_class(cls: type) -> bool:
@@ -165,15 +139,11 @@ def _modules(model):
 
 
 def model_findings(model) -> tuple[Finding, ...]:
-    """Every reason ``model`` cannot run exactly under context parallelism (empty: it can)."""
+    """Every reason ``model`` cannot run exactly under context parallelism (empty: it can): the rules the trace
+    cannot see (a mixer function transformers changed, a rope from the shard's length, positions numbered from
+    the shard), then, for a cp_flash model none of them refused, what its forward does (:mod:`.token_trace`)."""
     findings: list[Finding] = []
-    attention = 0
-    convolving: dict[str, set] = {}  # mixer -> its convolutions whose weights go to the adapted function
-    mixing = 0  # recurrent mixers computed across ranks
-    mixers: list[str] = []  # handled recurrent mixers: their per-token parts are theirs
-    inside: list[str] = []  # adapted modules (their code runs on the whole row): their submodules are theirs
     seen_modules: set[str] = set()
-    blocks: list[tuple[str, Finding]] = []  # state-carrying blocks of per-token code, decided at the end
     for name, module in _modules(model):
         where = name or type(module).__name__
         cls = type(module)
@@ -184,81 +154,6 @@ def model_findings(model) -> tuple[Finding, ...]:
                                         f"transformers {transformers_version()}'s {cls.__module__}.{function} does "
                                         f"not do what cp_attention's adapter assumes ({why}), so it was left "
                                         "unadapted and would mix only this shard's tokens"))
-        if any(name.startswith(prefix + ".") for prefix in inside):
-            continue
-        if adapted_indexer(cls):
-            inside.append(name)
-        if adapted_class(cls):  # a mixer computed in its class, adapted (.recurrent): its parts are its own
-            inside.append(name)
-            mixing += 1
-            continue
-        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1 and \
-                name.rpartition(".")[2] in convolving.get(name.rpartition(".")[0], ()):
-            pass  # a mixer's short convolution, computed across ranks with its halo (integrations.mixers)
-        elif isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
-            findings.append(Finding(where, "a convolution along the sequence",
-                                    f"its kernel spans {module.kernel_size[0]} tokens, so the first tokens of a "
-                                    "shard need the previous shard's last ones"))
-        elif isinstance(module, (nn.ZeroPad1d, nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d)):
-            findings.append(Finding(where, "a token shift", "it pads the sequence by whole tokens, so a shard's "
-                                    "first token would read a zero instead of the previous shard's last token"))
-        if cls.__module__.startswith("torch."):
-            continue
-        args = _forward_args(cls)
-        own_params = {p for p, _ in module.named_parameters(recurse=False)}
-        if _is_model(module):  # a (sub-)model: its forward only calls its layers
-            continue
-        if cls.__module__.startswith("transformers.models.") and _SHIFTED_PAD.search(model_source.class_source(cls)) and \
-                getattr(module, "trigram_input", True):  # MobileBERT shifts only with its trigram input
-            findings.append(Finding(where, "a token shift", "its forward pads a slice of the sequence shifted by one "
-                                    "token (MobileBERT's trigram input: each token's neighbours' embeddings), so a "
-                                    "shard's first and last tokens would read zeros instead of the next shards' tokens"))
-            continue
-        if uses_attention_interface(cls):
-            attention += 1
-            bias = sorted(args.intersection(_BIAS_ARGS) | set(_BIAS_KEYWORD.findall(model_source.class_source(cls))))
-            if bias:
-                findings.append(Finding(where, "a score bias", f"it computes {', '.join(bias)}: a bias over "
-                                        "(query, key) positions that needs the mask as a dense tensor"))
-            continue
-        state_args = sorted(args.intersection(_STATE_ARGS)) or sorted(own_params.intersection(_STATE_PARAMS))
-        calls = handled_calls(cls, model_source.class_source(cls)) if cls.__module__.startswith("transformers.models.") \
-            else frozenset()
-        inline = _INLINE_SEQUENCE.search(model_source.class_source(cls)) if calls else None
-        if inline:
-            findings.append(Finding(where, "a sequence operation outside the adapted mixer functions",
-                                    f"it calls {', '.join(sorted(calls))} (computed across ranks) but also "
-                                    f"{inline.group(0).strip('(')} itself, over its own shard only"))
-            continue
-        if calls.intersection(CONVOLUTIONS + CONV_FORWARDS):  # only the convolutions whose weight (module) it hands over
-            text = model_source.class_source(cls)
-            convolving[name] = set(re.findall(r"self\.(\w+)\.weight", text)) | \
-                set(re.findall(r"causal_conv1d_forward\(\s*self\.(\w+)\b", text))
-        if calls.intersection(RECURRENCES + SCAN_FORWARDS) and not _computes_scores(cls):
-            mixing += 1
-            mixers.append(name)
-            continue  # a Mamba / Mamba-2 / gated DeltaNet / KDA mixer: the scan over pieces (integrations.mixers)
-        if state_args and _per_token_part(cls) and any(adapted_class(type(m)) for m in module.modules()):
-            continue  # a block that hands a state (a cache) to adapted mixers inside it (RWKV's, xLSTM's)
-        if state_args and not args.intersection(_STATE_ARGS) and _per_token_part(cls) and \
-                any(name.startswith(prefix + ".") for prefix in mixers):
-            continue  # a handled mixer's gate (KDA's forget gate holds A_log): per token, its output feeds the scan
-        if state_args and args.intersection(_STATE_ARGS) and _per_token_part(cls):
-            blocks.append((name, Finding(where, "a recurrent state", f"it carries a state along the sequence "
-                                         f"({', '.join(state_args)}), from every earlier token, across the shards")))
-        elif state_args:
-            findings.append(Finding(where, "a recurrent state", f"it carries a state along the sequence "
-                                    f"({', '.join(state_args)}), from every earlier token, across the shards"))
-        elif _computes_scores(cls) and not adapted_indexer(cls) and not per_token_streams(cls) and \
-                not _rotary_table(cls):
-            bias = sorted(args.intersection(_BIAS_ARGS))
-            findings.append(Finding(where, "attention outside the attention interface",
-                                    "it computes its scores itself instead of calling transformers' attention "
-                                    "interface, so it would attend within its own shard only"
-                                    + (f" (and takes {', '.join(bias)})" if bias else "")))
-    # a block that hands a state (a cache) to a handled function mixer inside it (Mamba's on 5.17): the block's
-    # own code is per token; its mixer, found after it, computes the sequence across ranks
-    findings += [found for name, found in blocks if not any(m.startswith(name + ".") for m in mixers)]
     for where, why in rope_findings(_modules(model)):
         findings.append(Finding(where, "a rope computed from the shard's length", why))
     forward_args = _forward_args(type(model))
@@ -266,14 +161,11 @@ def model_findings(model) -> tuple[Finding, ...]:
         findings.append(Finding(type(model).__name__, "positions computed from the shard",
                                 "its forward takes no position_ids, so every rank would number its positions "
                                 "from 0 instead of the tokens' places in the sequence"))
-    if attention == 0 and not convolving and not mixing:
-        findings.append(Finding(type(model).__name__, "no attention layer through cp_flash",
-                                "none of its modules calls transformers' attention interface"))
-    if _cp_flash_model(model) and not findings:  # what the model does (.token_trace), when no rule refused it
-        for where, why in model_trace(model, list(_modules(model)),
-                                      lambda m: adapted_class(type(m)) or adapted_compressor(type(m)),
-                                      "position_ids" in forward_args):
-            findings.append(Finding(where, "token mixing outside the calls run across ranks", why))
+    if _cp_flash_model(model) and not findings:  # what the model does (.token_trace), unless a rule refused it
+        for where, what, why in model_trace(model, list(_modules(model)),
+                                            lambda m: adapted_class(type(m)) or adapted_compressor(type(m)),
+                                            "position_ids" in forward_args):
+            findings.append(Finding(where, what, why))
     return tuple(dict.fromkeys(findings))
 
 
@@ -292,7 +184,7 @@ def uses_positions(model) -> bool:
     recorded, so its forward needs no ``position_ids``."""
     if positional_modules(model):
         return True
-    return any(uses_attention_interface(type(m)) or _computes_scores(type(m)) for _, m in _modules(model)
+    return any(uses_attention_interface(type(m)) for _, m in _modules(model)
                if not type(m).__module__.startswith("torch."))
 
 
@@ -499,9 +391,14 @@ def _before(module, args):
 
 
 def _packed_call(args: tuple, kwargs: dict | None) -> bool:
-    """Whether the forward's batch (from ``cp.shard_batch``) packs documents in a row."""
+    """Whether the forward's batch (from ``cp.shard_batch``) packs documents in a row: read from its host-side
+    documents once per batch (kept with the record), not once per forward."""
     record = _call_batch(args, kwargs)
-    return _packed(record.meta) if record is not None and hasattr(record, "meta") else False
+    if record is None or not hasattr(record, "meta"):
+        return False
+    if "packed" not in record.extras:
+        record.extras["packed"] = _packed(record.meta)
+    return record.extras["packed"]
 
 
 def _call_batch(args: tuple, kwargs: dict | None):

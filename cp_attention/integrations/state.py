@@ -55,5 +55,5 @@ VERIFIED: dict = {}
 VERIFIED_LOCK = threading.Lock()
 
 TRACED: dict = {}
-"""(model class, config checksum, dtype) -> the model check's trace findings (:mod:`.token_trace`), once per
-class and configuration. Guarded by ``MODEL_LOCK``."""
+"""(model class, config checksum, dtype, module tree checksum) -> the model check's trace findings
+(:mod:`.token_trace`), once per class, configuration and module tree. Guarded by ``MODEL_LOCK``."""

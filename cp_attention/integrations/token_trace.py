@@ -8,8 +8,9 @@ row of ``n`` tokens and on the same row with one token changed, with
 
 * the attention interface answering per token (each query's output from its own query, key and value: a
   stand-in for the attention, which the engine computes across ranks),
-* the adapted mixers (the wrapped mixer functions, the adapted mixer classes) answering zeros (their mixing
-  is the library's; what they read is checked up to their call),
+* the adapted mixers (the wrapped mixer functions, the adapted mixer classes) answering per token too (their
+  mixing is the library's: each token's output from its own input, :func:`stand_in_output`, so what the
+  model does with their outputs is traced as well),
 
 and records every torch operation in between (a ``TorchFunctionMode``): a per-token fingerprint of each
 input and output (the token dimension: the one of size ``n``, an ``n`` no configuration size equals). A model
@@ -21,7 +22,7 @@ top-k along the tokens, a product contracting the tokens, a gather or scatter by
 outside the interface. Found on every rank alike (the same forward on the same weights).
 
 What the trace cannot see, and stays with the model check's other rules: the adapted mixers' own code (it
-answers zeros for them), a rope whose frequencies depend on the sequence's length (a row of ``n`` tokens
+answers per token for them), a rope whose frequencies depend on the sequence's length (a row of ``n`` tokens
 never reaches the threshold), positions a model numbers itself from the shard, score biases handed to the
 interface (refused where cp_flash receives them). Only models under ``attn_implementation="cp_flash"`` are
 traced (the stand-in answers for cp_flash); the trace adds two forwards of ``n`` tokens, once per model class,
@@ -37,6 +38,7 @@ import logging
 import os
 import sys
 import threading
+import zlib
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -46,7 +48,7 @@ from ..engine.context import outside_context
 from . import state
 from .models import config_crc
 
-__all__ = ["model_trace", "trace_findings", "kept_module_state", "tracing", "stand_in_attention", "owned", "zeros_like_output"]
+__all__ = ["MIXING", "REFUSED", "model_trace", "trace_findings", "kept_module_state", "tracing", "stand_in_attention", "owned", "stand_in_output"]
 
 log = logging.getLogger("cp_attention.integrations")
 _STATE = threading.local()  # .on: a trace runs in this thread; .owned: depth inside owned calls
@@ -54,6 +56,8 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _DISTRIBUTED = os.sep + os.path.join("torch", "distributed") + os.sep
 _LENGTHS = (23, 29, 31, 37, 41, 43, 47, 53, 59, 61)
+MIXING = "token mixing outside the calls run across ranks"
+REFUSED = "a forward cp_flash refuses"
 
 
 def tracing() -> bool:
@@ -86,10 +90,30 @@ def kept_module_state(model):
                 module.__dict__[name] = value
 
 
-def zeros_like_output(out):
-    """An adapted mixer's output under a trace: zeros of the same structure (its mixing is the library's)."""
-    return tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-                    out)
+def stand_in_output(out, inputs):
+    """An adapted mixer's output under a trace, of the same structure: its mixing is the library's, so each
+    token's output is a function of that token's input alone (the per-token sum of its first input with a
+    token dimension, broadcast over the output's other dimensions); outputs without a token dimension (final
+    states) are zeros. So the model's own code after the mixer is traced as well: a running sum of the
+    mixer's output is found."""
+    n = getattr(_STATE, "n", None)
+    first = next((t for t in _tensors(inputs) if t.is_floating_point() and n in t.shape), None) if n else None
+    per_token = None
+    if first is not None:
+        d = list(first.shape).index(n)
+        per_token = torch.tanh(first.detach().movedim(d, 0).reshape(n, -1).float().mean(1))
+
+    def stand_in(t):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return t
+        if per_token is None or n not in t.shape:
+            return torch.zeros_like(t)
+        d = list(t.shape).index(n)
+        shape = [1] * t.dim()
+        shape[d] = n
+        return (torch.zeros_like(t) + per_token.to(t.device).reshape(shape)).to(t.dtype)
+
+    return tree_map(stand_in, out)
 
 
 def stand_in_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -218,7 +242,7 @@ def _run(model, modules, ids, n: int, takes_positions: bool):
                     first = next((o for o in _tensors(output) if o.is_floating_point()), None)
                     rec[1] = len(mode.ops)
                     rec[3] = _fingerprint(first, n) if first is not None else None
-                return zeros_like_output(output) if adapted else None
+                return stand_in_output(output, (args,)) if adapted else None
         return before, after
 
     for name, module, adapted in modules:
@@ -228,7 +252,7 @@ def _run(model, modules, ids, n: int, takes_positions: bool):
     kwargs = dict(input_ids=ids)
     if takes_positions:
         kwargs["position_ids"] = torch.arange(n, device=ids.device)[None]
-    _STATE.on = True
+    _STATE.on, _STATE.n = True, n
     try:
         with mode, torch.no_grad(), outside_context():
             try:
@@ -236,7 +260,7 @@ def _run(model, modules, ids, n: int, takes_positions: bool):
             except TypeError:
                 out = model(**kwargs)
     finally:
-        _STATE.on, _STATE.owned = False, 0
+        _STATE.on, _STATE.owned, _STATE.n = False, 0, None
         for handle in handles:
             handle.remove()
     logits = getattr(out, "logits", None) if not isinstance(out, torch.Tensor) else out
@@ -308,18 +332,25 @@ def trace_findings(model, modules, is_adapted, takes_positions: bool) -> list[tu
                     f"the adapted mixers answering per token: it mixes tokens along the sequence itself{op}")]
 
 
-def model_trace(model, modules, is_adapted, takes_positions: bool) -> list[tuple[str, str]]:
-    """:func:`trace_findings`, once per model class, configuration and dtype (:data:`state.TRACED`); a forward
-    the trace cannot run finds nothing (verification at first use then decides)."""
-    key = (type(model), config_crc(model), next((str(p.dtype) for p in model.parameters()), ""))
+def model_trace(model, modules, is_adapted, takes_positions: bool) -> list[tuple[str, str, str]]:
+    """``[(module, what, why)]``: :func:`trace_findings` (``what``: :data:`MIXING`), once per model class,
+    configuration, dtype and module tree (names and classes: a module replaced by another class is traced
+    again; :data:`state.TRACED`). A forward that cp_flash refuses (its code reads the mask as
+    a dense tensor, ...) is a finding (``what``: :data:`REFUSED`, ``why``: the refusal); one the trace cannot run
+    for another reason finds nothing (logged at DEBUG; verification at first use then runs the model)."""
+    tree = zlib.crc32(repr([(name, type(m).__module__, type(m).__qualname__) for name, m in modules]).encode())
+    key = (type(model), config_crc(model), next((str(p.dtype) for p in model.parameters()), ""), tree)
     with state.MODEL_LOCK:
         found = state.TRACED.get(key)
     if found is None:
         try:
-            found = trace_findings(model, modules, is_adapted, takes_positions)
+            found = [(where, MIXING, why) for where, why in trace_findings(model, modules, is_adapted, takes_positions)]
         except Exception as exc:  # noqa: BLE001 - reported at DEBUG; verification at first use runs the model
-            log.debug("the model check's trace of %s could not run: %s", type(model).__name__, exc)
-            found = []
+            if getattr(exc, "refusal", None) is not None:  # cp_flash refuses what its forward does (a dense mask)
+                found = [(type(model).__name__, REFUSED, str(exc))]
+            else:
+                log.debug("the model check's trace of %s could not run: %s", type(model).__name__, exc)
+                found = []
         with state.MODEL_LOCK:
             state.TRACED[key] = found
     return found

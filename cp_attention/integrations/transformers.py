@@ -430,7 +430,12 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
 
     query (B, H, Lq, D), key/value (B, H_kv, Lk, D) (GQA not repeated) -> ((B, Lq, H, D), None).
     """
-    if tracing():  # the model check's trace: the attention answers per token (.token_trace)
+    if tracing():  # the model check's trace: what cp_flash refuses in the call, else it answers per token
+        if isinstance(attention_mask, torch.Tensor):
+            raise refuse("dense_mask", shape=tuple(attention_mask.shape),
+                         family=str(getattr(getattr(module, "config", None), "model_type", "") or "this model"))
+        _refuse_score_tensors(kwargs, query.shape[2], key.shape[2],
+                              attention_mask if isinstance(attention_mask, CPMask) else None)
         return stand_in_attention(query, key, value), None
     if dropout and getattr(module, "training", False):
         raise refuse("attention_dropout", dropout=dropout)

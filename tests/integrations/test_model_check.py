@@ -4,8 +4,8 @@ which an attention layer did not reach cp_flash raises on every rank; a CPMask n
 dense mask silently; name-selected attention classes never pick a FlashAttention-2 class for cp_flash;
 RoBERTa-style default positions; ranks of a sampler loop given different batches raise together.
 
-Oracles: the documented semantics of each mixer (a convolution, a recurrent state... sees the
-previous shard's tokens), and for the exact cases each document run alone under eager.
+Oracles: the documented semantics of each operation (a convolution, a recurrent state... reads other
+tokens, a pointwise one does not), and for the exact cases each document run alone under eager.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import cp_attention
 from cp_attention.integrations import model_check
-from cp_attention.integrations import source as model_source
 from cp_attention.integrations.transformers import CPMask, is_modeling_module
 from cp_attention.tools.launch import run_ranks
 
@@ -31,6 +31,17 @@ from cp_attention.tools.sweeps.configs import build_model, tiny_config
 pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
 
 warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.fixture(autouse=True)
+def fresh_traces():
+    """Each test's models traced afresh (the trace is memoised per class, configuration, dtype and module
+    tree, and the planted modules below share their class)."""
+    from cp_attention.integrations import state
+
+    state.TRACED.clear()
+    yield
+    state.TRACED.clear()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,11 +57,14 @@ def _model(family: str, implementation: str = "eager", seed: int = 0):
     return build_model(tiny_config(family), implementation)
 
 
-REFUSED = {  # family -> what the check must report (from each mixer's documented structure)
-    "openai-gpt": {"attention outside the attention interface", "no attention layer through cp_flash"},
-    "bloom": {"attention outside the attention interface"},
+MIXING, REFUSED_FORWARD = "token mixing outside the calls run across ranks", "a forward cp_flash refuses"
+REFUSED = {  # family -> what the check must report (from each family's documented structure)
+    "openai-gpt": {MIXING},  # attention computed in its own class, outside the interface
+    "xlnet": {MIXING},  # relative attention of its own
+    "bloom": {REFUSED_FORWARD},  # adds its ALiBi to the mask as a dense tensor
+    "inkling_text": {REFUSED_FORWARD},  # hands its attention a (query, key) position bias
     "bart": {"positions computed from the shard"},
-    "minimax_m3_vl_text": {"attention outside the attention interface"},  # its key-block indexer is not adapted
+    "minimax_m3_vl_text": {REFUSED_FORWARD},  # its key-block indexer's selection is not adapted
 }
 EXACT = ("llama", "mistral", "qwen2_moe", "gemma3_text", "gpt2", "deepseek_v3", "roberta", "gpt_oss", "llama4_text",
          "phimoe", "gpt_neox",
@@ -63,7 +77,7 @@ EXACT = ("llama", "mistral", "qwen2_moe", "gemma3_text", "gpt2", "deepseek_v3", 
 
 @pytest.mark.parametrize("family", sorted(REFUSED))
 def test_refused_families_are_found(family):
-    model = _model(family)
+    model = _model(family, "cp_flash")
     found = {f.what for f in model_check.model_findings(model)}
     assert REFUSED[family] <= found, found
     with pytest.raises(NotImplementedError) as info:
@@ -75,137 +89,103 @@ def test_refused_families_are_found(family):
 
 @pytest.mark.parametrize("family", EXACT)
 def test_exact_families_have_no_findings(family):
-    assert model_check.model_findings(_model(family)) == ()
+    assert model_check.model_findings(_model(family, "cp_flash")) == ()
 
 
-def test_each_rule_on_a_planted_mixer():
-    """Each rule on its own, planted into a family that is otherwise exact (llama)."""
-    cases = {
-        "a convolution along the sequence": nn.Conv1d(4, 4, kernel_size=3, groups=4),
-        "a token shift": nn.ZeroPad2d((0, 0, 1, -1)),
-    }
-    for what, plant in cases.items():
-        model = _model("llama")
-        model.model.layers[0].mixer = plant
-        assert what in {f.what for f in model_check.model_findings(model)}
-    # a token shift written inline: MobileBERT's trigram input (its embeddings read each token's neighbours)
+class _Plant(nn.Module):
+    """A module the library has never seen: ``inner`` (a layer's MLP or mixer) and then ``op`` on its output
+    (B, L, D), added to it."""
+
+    def __init__(self, inner, op):
+        super().__init__()
+        self.inner, self.op = inner, op
+
+    def forward(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        y = out[0] if isinstance(out, tuple) else out
+        y = y + self.op(y)
+        return (y, *out[1:]) if isinstance(out, tuple) else y
+
+
+class _Conv(nn.Module):  # a depthwise convolution along the tokens (kernel ``k``)
+    def __init__(self, width: int, k: int):
+        super().__init__()
+        self.conv = nn.Conv1d(width, width, kernel_size=k, groups=width, padding=k // 2)
+
+    def forward(self, y):
+        return self.conv(y.transpose(1, 2)).transpose(1, 2)[:, :y.shape[1]]
+
+
+def _loop(y):  # a recurrent state carried in a loop of the model's own
+    state, out = torch.zeros_like(y[:, 0]), []
+    for i in range(y.shape[1]):
+        state = 0.5 * state + y[:, i]
+        out.append(state)
+    return torch.stack(out, 1)
+
+
+_WEIGHT = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) / 8
+PLANTS = {  # name -> (op on (B, L, D), mixes tokens, the operation the finding names)
+    "convolution": (lambda width: _Conv(width, 3), True, "conv1d"),
+    "pointwise convolution": (lambda width: _Conv(width, 1), False, None),
+    "token shift (padding module)": (lambda width: nn.ZeroPad2d((0, 0, 1, -1)), True, None),
+    "running sum": (lambda width: lambda y: y.cumsum(1), True, "cumsum"),
+    "recurrent state in a loop": (lambda width: _loop, True, None),
+    "attention of its own": (lambda width: lambda y: torch.softmax(y @ y.transpose(-1, -2), -1) @ y, True, "matmul"),
+    # Zamba's per-head projections: a weight times an activation, transposed and back: per token
+    "weight product, transposed": (lambda width: lambda y: (_WEIGHT[:, :1] @ y[..., :1].transpose(-1, -2))
+                                   .transpose(-1, -2).expand_as(y), False, None),
+    "per-token gate": (lambda width: lambda y: -torch.exp(y.mean(-1, keepdim=True)) * F.softplus(y), False, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANTS))
+def test_planted_operations_are_found_by_what_they_do(name):
+    """Each kind of operation, planted after an exact family's MLP (llama): the trace finds those that mix
+    tokens, naming the module (and the operation where it is one torch call), and passes those that do not."""
+    make, mixes, op = PLANTS[name]
+    model = _model("llama", "cp_flash")
+    layer = model.model.layers[0]
+    layer.mlp = _Plant(layer.mlp, make(model.config.hidden_size))
+    found = model_check.model_findings(model)
+    assert bool(found) == mixes, found
+    if mixes:
+        assert len(found) == 1 and found[0].module.startswith("model.layers.0.mlp") and found[0].what == MIXING, found
+        assert op is None or f"operation doing it: {op} at test_model_check.py" in found[0].why, found[0].why
+
+
+def test_mobilebert_trigram_input_is_a_token_shift():
+    """A token shift written inline: MobileBERT's trigram input (its embeddings read each token's neighbours
+    through a shifted slice); without it the family is exact."""
     import transformers as tf
 
-    config = tf.MobileBertConfig(vocab_size=64, hidden_size=32, embedding_size=16, intermediate_size=32,
-                                 num_hidden_layers=1, num_attention_heads=4, intra_bottleneck_size=32,
-                                 true_hidden_size=32)
-    assert "a token shift" in {f.what for f in model_check.model_findings(tf.MobileBertModel(config))}
-    config.trigram_input = False
-    assert "a token shift" not in {f.what for f in model_check.model_findings(tf.MobileBertModel(config))}
-    # a pointwise convolution mixes no tokens
-    model = _model("llama")
-    model.model.layers[0].mixer = nn.Conv1d(4, 4, kernel_size=1)
-    assert model_check.model_findings(model) == ()
+    def findings(trigram: bool):
+        config = tf.MobileBertConfig(vocab_size=64, hidden_size=32, embedding_size=16, intermediate_size=32,
+                                     num_hidden_layers=1, num_attention_heads=4, intra_bottleneck_size=32,
+                                     true_hidden_size=32, trigram_input=trigram)
+        return model_check.model_findings(tf.MobileBertForMaskedLM._from_config(config, attn_implementation="cp_flash"))
+
+    found = findings(True)
+    assert [(f.module, f.what) for f in found] == [("mobilebert.embeddings", MIXING)], found
+    assert "modeling_mobilebert.py" in found[0].why and "inputs_embeds[:, 1:]" in found[0].why
+    assert findings(False) == ()
 
 
-class _StateMixer(nn.Module):
-    def forward(self, hidden_states, cache_params=None):
-        return hidden_states.cumsum(1)
-
-
-class _OwnAttention(nn.Module):
-    def forward(self, q, k, v):
-        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)), -1), v)
-
-
-class _AlibiAttention(nn.Module):
-    def forward(self, hidden_states, alibi=None):
-        attention_interface = None  # noqa: F841 - stands for the dispatch
-        return hidden_states
-
-
-def test_state_bypass_and_bias_rules():
-    for plant, what in ((_StateMixer(), "a recurrent state"), (_OwnAttention(), "attention outside the attention interface"),
-                        (_AlibiAttention(), "a score bias")):
-        model = _model("llama")
-        model.model.layers[0].mixer = plant
-        assert what in {f.what for f in model_check.model_findings(model)}, what
-
-
-class _Hybrid(nn.Module):
-    """A mixer module of a transformers modeling module whose mixer functions cp_attention adapted
-    (its source is set by the test: what it calls decides)."""
-
-    def __init__(self):
-        super().__init__()
-        self.A_log = nn.Parameter(torch.zeros(2))
-        self.conv1d = nn.Conv1d(4, 4, kernel_size=3, groups=4, padding=2)
-
-    def forward(self, hidden_states):
-        return hidden_states
-
-
-_Hybrid.__module__ = "transformers.models.qwen3_next.modeling_qwen3_next"
-
-
-@pytest.mark.parametrize("source, found", [
-    ("causal_conv1d_fn(x, self.conv1d.weight) torch_chunk_gated_delta_rule(q)", set()),
-    # its convolution is not the one it hands over
-    ("causal_conv1d_fn(x, self.other.weight) torch_chunk_gated_delta_rule(q)", {"a convolution along the sequence"}),
-    ("causal_conv1d_fn(x, self.conv1d.weight) torch_chunk_gated_delta_rule(q) y = x.cumsum(1)",
-     {"a sequence operation outside the adapted mixer functions", "a convolution along the sequence"}),
-    ("causal_conv1d_fn(x, self.conv1d.weight) y = F.unfold(x, 3)",
-     {"a sequence operation outside the adapted mixer functions", "a convolution along the sequence"}),
-    ("causal_conv1d_fn(x) y = F.conv1d(x, w)",
-     {"a sequence operation outside the adapted mixer functions", "a convolution along the sequence"}),
-    ("causal_conv1d_fn(x, self.conv1d.weight) inline_scan(q)", {"a recurrent state"}),  # not an adapted scan
-    ("torch_chunk_gated_delta_rule(q) self.conv1d.weight", {"a convolution along the sequence"}),
+@pytest.mark.parametrize("op, mixes", [
+    (lambda y: y.cumsum(1) * 0.1, True),  # a running sum of the mixer's output, in the model's own code
+    (lambda y: torch.cat([torch.zeros_like(y[:, :1]), y[:, :-1]], 1), True),  # a token shift by slicing
+    (lambda y: -torch.exp(y.mean(-1, keepdim=True)) * F.softplus(y), False),  # KDA-like gate: per token
 ])
-def test_hybrid_mixer_rules(monkeypatch, source, found):
-    """A mixer passes only when its convolution and its recurrence both go through adapted functions
-    and it does no other sequence operation itself."""
-    import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401 - adapted as it loads
-
-    original = model_source.class_source
-    monkeypatch.setattr(model_source, "class_source", lambda cls: source if cls is _Hybrid else original(cls))
-    model = _model("llama")
-    model.model.layers[0].mixer = _Hybrid()
-    got = {f.what for f in model_check.model_findings(model)}
-    assert got == found, got
-    # the same class in a module whose functions are not adapted: both refused
-    monkeypatch.setattr(_Hybrid, "__module__", "my_models.hybrid")
-    got = {f.what for f in model_check.model_findings(model)}
-    assert {"a convolution along the sequence", "a recurrent state"} <= got, got
-
-
-class _Scores(nn.Module):
-    """A class outside the attention interface whose source the test sets (what its products are)."""
-
-    def __init__(self):
-        super().__init__()
-        self.x_proj_weight = nn.Parameter(torch.zeros(2, 2))
-
-    def forward(self, hidden_states):
-        return hidden_states
-
-
-@pytest.mark.parametrize("source, scores", [
-    # Zamba's per-head projections: a weight times an activation, transposed
-    ("y = (self.x_proj_weight[:, None] @ h).transpose(-1, -2); t = self.dt_proj_weight[:, None] @ t.transpose(-1, -2)",
-     False),
-    ("w = torch.matmul(self.gate_weight, h.transpose(-1, -2))", False),
-    # two activations: scores
-    ("w = torch.matmul(q, k.transpose(-1, -2))", True),
-    ("w = q @ k.transpose(2, 3); y = self.x_proj_weight @ h", True),
-    ("w = torch.softmax(torch.einsum('bhid,bhjd->bhij', q, k), -1)", True),
-    ("w = torch.softmax(q @ k.transpose(-1, -2) * self.temperature_weight, -1)", True),  # a learnable temperature
-])
-def test_scores_are_a_product_of_two_activations(monkeypatch, source, scores):
-    original = model_source.class_source
-    monkeypatch.setattr(model_source, "class_source", lambda cls: source if cls is _Scores else original(cls))
-    model_check._computes_scores.cache_clear()
-    try:
-        model = _model("llama")
-        model.model.layers[0].mixer = _Scores()
-        found = "attention outside the attention interface" in {f.what for f in model_check.model_findings(model)}
-    finally:
-        model_check._computes_scores.cache_clear()
-    assert found == scores
+def test_operations_around_an_adapted_mixer_are_read(op, mixes):
+    """A hybrid's gated-DeltaNet mixer (its convolution and recurrence through the adapted functions, which
+    the trace lets answer per token) with an operation of the model's own on its output: found when it mixes
+    tokens (the adapted functions' outputs are per token, not zeros, so what follows them is read)."""
+    model = _model("qwen3_next", "cp_flash")
+    layer = next(layer for layer in model.model.layers if hasattr(layer, "linear_attn"))
+    layer.linear_attn = _Plant(layer.linear_attn, op)
+    found = model_check.model_findings(model)
+    assert bool(found) == mixes, found
+    assert not mixes or found[0].module.endswith("linear_attn"), found
 
 
 def test_positions_rule_refuses_only_models_that_use_positions():
@@ -225,45 +205,6 @@ def test_positions_rule_refuses_only_models_that_use_positions():
         del record
     # an attention layer reads positions too: the BART-family decoders stay refused
     assert model_check.uses_positions(_model("bart"))
-
-
-class _Gate(nn.Module):
-    """A mixer's per-token part holding a decay parameter (KDA's forget gate)."""
-
-    def __init__(self):
-        super().__init__()
-        self.A_log = nn.Parameter(torch.zeros(2))
-
-    def forward(self, hidden_states):
-        return -torch.exp(self.A_log) * hidden_states
-
-
-@pytest.mark.parametrize("gate_source, refused", [
-    ("g = -torch.exp(self.A_log) * F.softplus(x)  # Softplus for large values", False),
-    ("for t in range(n):\n    s = s * self.A_log + x[t]", True),  # a loop of its own: a recurrence
-    ("s = x.cumsum(1) * self.A_log", True),
-    ("s = torch.cat([z, x[:, :-1]], 1) * self.A_log", True),  # a token shift by slicing
-])
-def test_a_handled_mixers_per_token_gate(monkeypatch, gate_source, refused):
-    """KDA's forget gate holds ``A_log`` but computes each token alone: inside a handled mixer it passes;
-    with a loop or a sequence operation of its own it is a recurrence, refused."""
-    import transformers.models.qwen3_next.modeling_qwen3_next  # noqa: F401 - adapted as it loads
-
-    original = model_source.class_source
-    sources = {_Hybrid: "causal_conv1d_fn(x, self.conv1d.weight) torch_chunk_gated_delta_rule(q)", _Gate: gate_source}
-    monkeypatch.setattr(model_source, "class_source", lambda cls: sources.get(cls) or original(cls))
-    model_check._per_token_part.cache_clear()
-    try:
-        model = _model("llama")
-        model.model.layers[0].mixer = _Hybrid()
-        model.model.layers[0].mixer.forget_gate = _Gate()
-        got = {f.what for f in model_check.model_findings(model)}
-        model.model.layers[0].gate = _Gate()  # outside any handled mixer: refused whatever its code
-        outside = {f.module for f in model_check.model_findings(model)}
-    finally:
-        model_check._per_token_part.cache_clear()
-    assert ("a recurrent state" in got) == refused, got
-    assert "model.layers.0.gate" in outside
 
 
 # ----------------------------------------------------------------------------------------------
@@ -495,10 +436,11 @@ def test_a_layer_declared_bidirectional_follows_its_causal_mask():
 
 def test_score_tensors_handed_to_the_attention_are_refused():
     """Inkling hands its attention a relative-position ``position_bias`` (a tensor over (query, key)
-    pairs) through the interface's keywords: the model check finds it, and at world size 1 (no
-    check there) the cp_flash layer raises instead of dropping it."""
+    pairs) through the interface's keywords: the model check's trace finds it (cp_flash's refusal of the
+    call, raised in the traced forward), and at world size 1 (no check there) the cp_flash layer raises
+    instead of dropping it."""
     findings = model_check.model_findings(_model("inkling_text", "cp_flash"))
-    assert any(f.what == "a score bias" and "position_bias" in f.why and "self_attn" in f.module for f in findings)
+    assert any(f.what == REFUSED_FORWARD and "'position_bias'" in f.why and "score bias" in f.why for f in findings)
     model = _model("inkling_text", "cp_flash")
     ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(0))
     with pytest.raises(NotImplementedError, match="'position_bias'.*score bias"):
