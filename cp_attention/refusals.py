@@ -148,13 +148,14 @@ REFUSALS = _catalogue(
        message="cp_flash: cu_seq_lens_* are not used under context parallelism; pass the collator's whole batch "
                "(cu_seq_lens_* included) to cp.shard_batch, which takes the documents from them"),
     _R(key="position_start", exception=NotImplementedError, area="context",
-       what="a model numbering positions from padding_idx + 1 on a batch shard_batch numbered from 0",
+       what="a model numbering its default positions from padding_idx + 1 (or its kept position_ids) on a batch "
+            "shard_batch numbered from 0",
        why="the shards' positions would not be the model's own",
        fix="pass position_ids, or model=... to cp.shard_batch",
-       message="cp_flash: {family} numbers its default positions from padding_idx + 1 = {start}, but "
-               "cp.shard_batch was given no position_ids and numbered them from 0: pass position_ids (padding_idx "
-               "+ 1 + each token's offset in its document), or pass model=... to cp.shard_batch so it numbers them "
-               "as the model does"),
+       message="cp_flash: {family} numbers its default positions from {start} (padding_idx + 1, or the "
+               "position_ids it keeps), but cp.shard_batch was given no position_ids and numbered them from 0: pass "
+               "position_ids ({start} + each token's offset in its document), or pass model=... to cp.shard_batch so "
+               "it numbers them as the model does"),
     _R(key="mixer_ambiguous_batch", exception=ValueError, area="context",
        what="a sequence mixer call while several sharded batches are alive",
        why="it cannot tell which batch's documents and layout it runs on",

@@ -296,11 +296,18 @@ def unwrap_adapters(model):
 def default_position_start(model) -> int:
     """Where ``model`` numbers its default positions: 0, or ``padding_idx + 1`` for a position
     embedding with a padding index (RoBERTa, XLM-R, CamemBERT, data2vec-text, X-MOD; the sinusoidal
-    tables of Kosmos-2.5, M2M100 and XGLM)."""
-    for name, module in _modules(model):
+    tables of Kosmos-2.5, M2M100 and XGLM), or the first of the default positions a module keeps as its
+    ``position_ids`` buffer when that is not 0 (MRA's and YOSO's, from 2)."""
+    modules = list(_modules(model))
+    for name, module in modules:
         padding_idx = getattr(module, "padding_idx", None)
         if "position" in name.rsplit(".", 1)[-1] and isinstance(padding_idx, int) and not isinstance(padding_idx, bool):
             return padding_idx + 1  # a learned (nn.Embedding) or sinusoidal table (Kosmos-2.5, M2M100, XGLM)
+    for _, module in modules:  # the default positions themselves, as the model keeps them
+        kept = getattr(module, "_buffers", {}).get("position_ids")
+        if isinstance(kept, torch.Tensor) and kept.numel() and not kept.is_floating_point() and not kept.is_meta \
+                and int(kept.reshape(-1)[0]):
+            return int(kept.reshape(-1)[0])
     return 0
 
 
@@ -374,10 +381,13 @@ def _before(module, args):
         except BaseException:
             guard.prefill = None
             raise
-        guard.model, guard.ran, guard.reached, guard.counting = module, set(), set(), True
         # the batch this forward runs on, named by its tensors: a mixer asks for it (several may be alive)
-        guard.record = _call_batch(new_args or args, call_kwargs())
-        guard.position_start = default_position_start(inner)
+        record, start = _call_batch(new_args or args, call_kwargs()), default_position_start(inner)
+        if record is not None and not getattr(record, "positions_given", True) and start:
+            guard.prefill = guard.head = None  # (a model whose attention never reaches cp_flash: refused here)
+            raise refuse("position_start", family=_family(inner), start=start)
+        guard.model, guard.ran, guard.reached, guard.counting = module, set(), set(), True
+        guard.record, guard.position_start = record, start
         return new_args
     if getattr(guard, "record", None) is None and _is_model(module):  # a wrapper's forward shards, then calls
         guard.record = _call_batch(args, call_kwargs())                   # its model (TRL's fused head)

@@ -345,8 +345,18 @@ def test_name_selected_classes_never_pick_flash_attention_2(family):
         assert family in str(exc)
 
 
-def _roberta_worker(rank, world_size, with_model: bool):
-    model = _model("roberta", "cp_flash")
+def _default_positions_model(family: str, implementation: str):
+    """RoBERTa (positions from padding_idx + 1, through its attention interface) or MRA's token classifier
+    (from 2, its ``position_ids`` buffer; its attention, which never reaches cp_flash, is zeros on CPU)."""
+    if family == "roberta":
+        return _model("roberta", implementation)
+    from cp_attention.tools.sweeps import heads as head_sweep
+
+    return head_sweep.build("MraForTokenClassification", head_sweep.tiny_config("mra", "token"), implementation)
+
+
+def _default_positions_worker(rank, world_size, family: str, with_model: bool):
+    model = _default_positions_model(family, "cp_flash")
     ids, _ = sweep.make_inputs()
     starts = torch.zeros_like(ids, dtype=torch.bool)
     offsets = torch.tensor(sweep.DOCS).cumsum(0)[:-1]
@@ -359,18 +369,22 @@ def _roberta_worker(rank, world_size, with_model: bool):
             return str(exc)
 
 
-def test_roberta_default_positions():
-    eager = _model("roberta")
+@pytest.mark.parametrize("family", ["roberta", "mra"])
+def test_default_positions(family):
+    """A model numbering its default positions from 2 (RoBERTa's padding_idx + 1; MRA's kept position_ids,
+    whose attention never reaches cp_flash): with model= shard_batch numbers them as the model does (each
+    document alone with its own default positions), without it the forward is refused on every rank."""
+    eager = _default_positions_model(family, "eager")
     ids, _ = sweep.make_inputs()
     start, pieces = 0, []
     for n in sweep.DOCS:  # each document alone, with the model's own default positions
         pieces.append(eager(input_ids=ids[:, start:start + n]).logits.detach())
         start += n
     truth = torch.cat(pieces, dim=1)
-    for out in run_ranks(2, _roberta_worker, True, timeout=240):
+    for out in run_ranks(2, _default_positions_worker, family, True, timeout=240):
         assert (torch.tensor(out) - truth).abs().max() < 1e-4
-    for out in run_ranks(2, _roberta_worker, False, timeout=240):
-        assert isinstance(out, str) and "padding_idx + 1" in out and "position_ids" in out, out
+    for out in run_ranks(2, _default_positions_worker, family, False, timeout=240):
+        assert isinstance(out, str) and "numbers its default positions from" in out and "position_ids" in out, out
 
 
 def test_mixed_dtypes_under_autocast():

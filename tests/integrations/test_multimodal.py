@@ -220,7 +220,7 @@ FAMILIES = ("gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl", "llava")
 
 @pytest.mark.parametrize("world_size, layout, families", [
     (2, "zigzag", FAMILIES),
-    (4, "contiguous", ("gemma3", "gemma4")),
+    pytest.param(4, "contiguous", ("gemma3", "gemma4"), marks=pytest.mark.slow),  # P = 4: with the slow suite
 ])
 def test_vision_language_models_under_cp(world_size, layout, families):
     """Images through cp.shard_batch(..., model=model): logits and gradients equal one-device eager."""

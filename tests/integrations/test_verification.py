@@ -141,39 +141,38 @@ def test_verify_false_skips_the_test(checkpoints):
         assert not torch.allclose(result["verification", "roll"], want, atol=1e-3)  # wrong, as the option says
 
 
-def _vlm_worker(rank, world_size, packed: bool):
+def _vlm_worker(rank, world_size):
     torch.manual_seed(0)
     model = BUILDERS["qwen2_5_vl"]().eval()
     for config in (model.config, model.config.text_config):
         config._attn_implementation = "cp_flash"
-    docs = [20, 12] if packed else [32]
     ids = torch.randint(0, 100, (1, 32), generator=torch.Generator().manual_seed(3))
-    pos = torch.cat([torch.arange(n) for n in docs])[None]
-    with torch.no_grad(), cp_attention.context_parallel(timeout=120) as cp:
-        batch = cp.shard_batch(input_ids=ids, position_ids=pos, model=model)
-        try:
-            return cp.gather(model(**batch).logits)
-        except NotImplementedError as exc:
-            return str(exc)
+    out = {}
+    for packed, docs in ((True, [20, 12]), (False, [32])):
+        pos = torch.cat([torch.arange(n) for n in docs])[None]
+        with torch.no_grad(), cp_attention.context_parallel(timeout=120) as cp:
+            batch = cp.shard_batch(input_ids=ids, position_ids=pos, model=model)
+            try:
+                out[packed] = cp.gather(model(**batch).logits)
+            except NotImplementedError as exc:
+                out[packed] = str(exc)
+    return out
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-document"])
-def test_packed_text_read_another_way_on_one_device(packed):
+def test_packed_text_read_another_way_on_one_device():
     """Qwen2.5-VL on packed text with (B, L) position_ids: on one device its documents attend to each other
     (eager), under the block cp_flash would keep them apart: refused with that reason. One document per
-    row: equal to one device."""
-    per_rank = run_ranks(2, _vlm_worker, packed, timeout=300)
-    if packed:
-        assert all(isinstance(m, str) and "on packed rows" in m and "attend to each other" in m for m in per_rank), \
-            per_rank
-        return
+    row (the same model, after the refusal): equal to one device."""
+    per_rank = run_ranks(2, _vlm_worker, timeout=300)
+    assert all(isinstance(r[True], str) and "on packed rows" in r[True] and "attend to each other" in r[True]
+               for r in per_rank), per_rank
     torch.manual_seed(0)
     model = BUILDERS["qwen2_5_vl"]().eval()
     with torch.no_grad():
         want = model(input_ids=torch.randint(0, 100, (1, 32), generator=torch.Generator().manual_seed(3))).logits
-    for logits in per_rank:
-        assert isinstance(logits, torch.Tensor), logits
-        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5)
+    for result in per_rank:
+        assert isinstance(result[False], torch.Tensor), result[False]
+        torch.testing.assert_close(result[False], want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next", "mamba2", "rwkv", "deepseek_v32"])

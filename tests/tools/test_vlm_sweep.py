@@ -52,11 +52,11 @@ UNBUILDABLE = {  # family, or family/kind -> why no tiny model or batch of it ca
     "molmo2/image": "its crops, pooling indices and grids have no recipe yet",
 }
 
-# one image-text family per kind of path (a CLIP tower with a projector and Qwen-style patches with M-RoPE
-# positions run in tests/integrations/test_multimodal.py): Gemma 3's image blocks (token_type_ids), M-RoPE
-# rows handed to the layers as position_ids (GLM-4V-MoE), a sinusoidal position table numbered from
-# padding_idx + 1 (Kosmos-2.5), and a family refused at both world sizes
-FAST = ("gemma3", "glm4v_moe", "kosmos-2.5", "paligemma")
+# one image-text family per kind of path (a CLIP tower with a projector, Qwen-style patches with M-RoPE
+# positions and Gemma 3's image blocks run in tests/integrations/test_multimodal.py): M-RoPE rows handed to the
+# layers as position_ids (GLM-4V-MoE), a sinusoidal position table numbered from padding_idx + 1 (Kosmos-2.5),
+# and a family refused at both world sizes
+FAST = ("glm4v_moe", "kosmos-2.5", "paligemma")
 
 
 def _allowed_unbuildable(family: str, slot: str) -> bool:

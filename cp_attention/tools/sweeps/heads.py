@@ -32,6 +32,7 @@ import torch
 from cp_attention.tools.launch import run_ranks
 
 from . import runner
+from .compare import indexer_ties_to_earliest
 from .configs import OVERRIDES, drop_derived, shrink
 from .tables import heads_page
 
@@ -138,7 +139,8 @@ def _reference(kind: str, family: str, name: str):
             raise ValueError(f"the tiny model still has {size / 1e6:.0f}M parameters")
         eager = build(name, config, "eager")
         shard, extra = batch(kind)
-        out = eager(**shard, **extra)
+        with indexer_ties_to_earliest(eager):  # index-sparse families: cp_flash's rule for ties at the k-th place
+            out = eager(**shard, **extra)
         out.loss.backward()
     except Exception as exc:  # noqa: BLE001 - no tiny model or eager loss of this family
         return dict(kind=kind, family=family, cls=name, outcome="unbuildable",
