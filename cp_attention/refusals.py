@@ -409,6 +409,17 @@ REFUSALS = _catalogue(
                "this model without context_parallel (one device, or data parallelism only); `python -m "
                "cp_attention check` on its checkpoint prints every layer. context_parallel(verify=False) skips "
                "this test (and its guarantee)."),
+    _R(key="verification_could_not_run", exception=NotImplementedError, area="models",
+       what="a model whose forward fails on the first-use test batch (plain input_ids and position_ids)",
+       why="without that comparison nothing shows that the model computes under context parallelism what it "
+           "computes on one device",
+       fix="context_parallel(verify=False) after checking the model another way (python -m cp_attention check)",
+       message="cp_flash cannot verify {family} ({model}) under context parallelism: its forward on the first-use "
+               "test batch ({tokens} tokens of input_ids with position_ids, nothing else) raised {error}. The test "
+               "compares the model under the block with each document alone on one device; a model that needs "
+               "other inputs (bounding boxes, images, ...) cannot take it. Check it another way (`python -m "
+               "cp_attention check` on its checkpoint, or your own comparison with one device), then pass "
+               "context_parallel(verify=False), which skips this test and its guarantee."),
     _R(key="verification_packed_rows", exception=NotImplementedError, area="models",
        what="packed documents in a row that the model, on one device, does not keep apart",
        why="under context parallelism each document attends alone, as the batch's position_ids say; on one device "

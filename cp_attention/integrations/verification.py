@@ -252,6 +252,9 @@ def verify_first_use(model, cp, packed: bool, mixers=lambda: False) -> None:
     if verdict is None:
         return
     f = verdict[1]
+    if verdict[0] == "unverifiable":
+        raise refuse("verification_could_not_run", family=f["family"], model=f["model"], tokens=f["tokens"],
+                     error=f["error"])
     if verdict[0] == "packed_rows":
         raise refuse("verification_packed_rows", family=f["family"], model=f["model"], tokens=f["tokens"],
                      documents=f["documents"], error=f["error"], dtype=f["dtype"], tolerance=f["tolerance"])
@@ -273,8 +276,21 @@ def _verdict(model, cp, packed: bool, mixers) -> tuple[str, dict] | None:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids, pos, docs = test_batch(model.config, cp.world_size, packed, device)
     with _quiet(cp, model):
-        got = _under_cp(model, cp, ids, pos)
-        truth, names = _alone(model, ids, docs)
+        failed = None
+        try:
+            got = _under_cp(model, cp, ids, pos)
+            truth, names = _alone(model, ids, docs)
+        except Exception as exc:  # noqa: BLE001 - a refusal is the model's; anything else: it cannot be verified
+            if getattr(exc, "refusal", None) is not None:
+                raise
+            failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
+        # the ranks agree whether the test ran (the error vectors below have one length only where it did)
+        failures = cp.comm.all_gather(torch.tensor([0 if failed is None else 1], device=cp.comm.device),
+                                      "whether the verification's test batch ran")
+        if any(int(f) for f in failures):
+            family = getattr(text_config(model.config), "model_type", "") or type(model).__name__
+            return "unverifiable", dict(family=family, model=type(model).__name__, tokens=ids.shape[1],
+                                        error=failed or "an error on another rank")
         errs = _errors(cp, got, truth, names, ids.shape[1])
         del got
         row = None

@@ -141,6 +141,41 @@ def test_verify_false_skips_the_test(checkpoints):
         assert not torch.allclose(result["verification", "roll"], want, atol=1e-3)  # wrong, as the option says
 
 
+def _needs_more_worker(rank, world_size, path: str, verify: bool):
+    """A model whose forward raises on the first-use test batch (as UDOP's does without bounding boxes): the
+    length of the test batch stands for the input it lacks."""
+    ids, pos, _ = _batch(world_size, False)
+    ids, pos = ids[:, :-4], pos[:, :-4]  # the user's batch: another length than the test's 16 * P tokens
+    model = load_remote_model(path, "cp_flash", dtype=torch.float64)
+    embed, test_length = model.model.embed_tokens, 16 * world_size
+
+    def lacking(module, args):
+        if args[0].shape[1] == test_length:
+            raise ValueError("Bbox is required for this model's relative position bias")
+
+    embed.register_forward_pre_hook(lacking)
+    with cp_attention.context_parallel(timeout=120, verify=verify) as cp:
+        batch = cp.shard_batch(input_ids=ids, position_ids=pos, model=model)
+        try:
+            with torch.no_grad():
+                return cp.gather(model(**batch).logits)
+        except NotImplementedError as exc:
+            return str(exc)
+
+
+def test_a_model_the_test_batch_cannot_run_is_refused_with_the_way_out(checkpoints):
+    """Verification cannot run the test batch (the model needs inputs it lacks): refused on every rank, naming
+    the model's error and verify=False; with verify=False the user's batch runs (and equals one device)."""
+    for result in run_ranks(2, _needs_more_worker, checkpoints[None], True, timeout=300):
+        assert isinstance(result, str) and "cannot verify" in result and "Bbox is required" in result and \
+            "verify=False" in result, result
+    ids, _, _ = _batch(2, False)
+    want = _alone(checkpoints[None], ids[:, :-4], [ids.shape[1] - 4])
+    for result in run_ranks(2, _needs_more_worker, checkpoints[None], False, timeout=300):
+        assert isinstance(result, torch.Tensor), result
+        torch.testing.assert_close(result, want, rtol=1e-5, atol=1e-6)  # (eager's float32 softmax)
+
+
 def _vlm_worker(rank, world_size):
     torch.manual_seed(0)
     model = BUILDERS["qwen2_5_vl"]().eval()
