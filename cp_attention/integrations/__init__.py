@@ -12,6 +12,7 @@ import warnings
 
 from ..engine.context import register_batch_convention
 from . import state
+from .patches import record
 
 __all__ = ["install"]
 
@@ -96,8 +97,12 @@ def install() -> None:
     register_batch_convention("transformers", shard_batch)
     if not any(isinstance(f, _ModelingImports) for f in sys.meta_path):
         sys.meta_path.insert(0, _ModelingImports())
+        record("import_hooks", "sys.meta_path: the modeling-module finder", sys.meta_path[0],
+               admitted="the module's name")
     if _TRIGGER in sys.modules:
         _register_transformers()
     elif importlib.util.find_spec("transformers") is not None and not any(
             isinstance(f, _AfterTransformersImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterTransformersImport())
+        record("import_hooks", "sys.meta_path: the one-shot registration finder", sys.meta_path[0],
+               admitted="transformers importable, its modeling code not loaded yet")

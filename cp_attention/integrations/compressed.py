@@ -29,6 +29,7 @@ from ..engine.local import local_meta
 from ..layout import global_index, local_lengths, unshard
 from . import source, state
 from .class_admission import first_use
+from .patches import patch
 from .indexers import CanonicalTopk
 
 __all__ = ["COMPRESSOR_SIGNATURE", "adapt_module", "adapted_compressor", "take_selection"]
@@ -210,9 +211,11 @@ def adapt_module(mod) -> bool:
             found = True
         elif cls.__name__.endswith("Compressor") and _params(cls) == COMPRESSOR_SIGNATURE and \
                 "compress_rate" in source.class_source(cls):
-            cls.forward = _wrap_compressor(cls.forward)
+            patch(cls, "forward", _wrap_compressor(cls.forward), site="compressors",
+                  admitted="the compressor's signature and structure")
             found = True
         elif cls.__name__.endswith("Attention") and "self.compressor(" in source.class_source(cls):
-            cls.forward = _wrap_attention(cls.forward)
+            patch(cls, "forward", _wrap_attention(cls.forward), site="compressors",
+                  admitted="an attention class calling its compressor")
             found = True
     return found

@@ -66,6 +66,7 @@ from ..plan.select import visible_rows
 from ..refusals import refuse
 from . import source, state
 from .class_admission import first_use
+from .patches import patch
 
 __all__ = ["MaskRows", "SelectingMask", "KeySelection", "CanonicalTopk", "adapt_module", "adapted_indexer",
            "canonical_topk",
@@ -479,15 +480,18 @@ def adapt_module(mod) -> bool:
         if adapted_indexer(value):
             found = True
         elif _fits(value):
-            value.forward = _adapted(value.forward, lambda m: isinstance(m, MaskRows), _token_selection)
+            patch(value, "forward", _adapted(value.forward, lambda m: isinstance(m, MaskRows), _token_selection),
+                  site="indexers", admitted="indexers._fits (signature and structure)")
             found = True
         elif _fits_blocks(value):
-            value.forward = _adapted(value.forward, lambda m: isinstance(m, SelectingMask), _block_selection)
+            patch(value, "forward", _adapted(value.forward, lambda m: isinstance(m, SelectingMask), _block_selection),
+                  site="indexers", admitted="indexers._fits_blocks (signature and structure)")
             blocks.append(value)
             found = True
     for value in classes if blocks else ():
         if not adapted_indexer(value) and _calls_block_indexer(value, blocks):
-            value.forward = _adapted(value.forward, _cp_flash_mask, _selecting)
+            patch(value, "forward", _adapted(value.forward, _cp_flash_mask, _selecting), site="indexers",
+                  admitted="indexers._calls_block_indexer (it calls an adapted block indexer)")
     return found
 
 

@@ -40,6 +40,7 @@ import torch
 from ..engine.batch import AMBIGUOUS, batch_of, live_records
 from ..engine.context import active_context
 from ..refusals import refuse
+from .patches import patch
 from .versions import transformers_version
 
 __all__ = ["LOSS_FUNCTIONS", "adapt_module", "router_balance_parts", "LOSS_SCALE"]
@@ -174,5 +175,6 @@ def adapt_module(mod) -> bool:
             continue
         found = True
         if not getattr(original, _WRAPPED, False):
-            setattr(mod, fname, _router_loss(original))
+            patch(mod, fname, _router_loss(original), site="router_loss",
+                  admitted="none when wrapped: losses._fits at each call under context parallelism")
     return found

@@ -36,6 +36,8 @@ from types import MappingProxyType
 
 import torch
 
+from .patches import temporarily
+
 __all__ = ["ADAPTERS", "CONVENTIONS", "GatedDelta", "Mamba2", "Mamba", "admit", "bind", "call_kwargs",
            "agrees", "composition_reason"]
 
@@ -355,12 +357,9 @@ def _forward_reason(original, mod) -> str | None:
         seen.append(y)
         return y
 
-    setattr(mod, "causal_conv1d_fn", spy)
-    try:
-        with torch.no_grad():
-            got = original(conv, x, None, 0, activation="silu")
-    finally:
-        setattr(mod, "causal_conv1d_fn", inner)
+    with temporarily(mod, "causal_conv1d_fn", spy, site="admission_probe", admitted="mixer_adapters.admit"), \
+            torch.no_grad():
+        got = original(conv, x, None, 0, activation="silu")
     if len(seen) != 1:
         return f"with no cache it called the module's causal_conv1d_fn {len(seen)} times (one expected)"
     want = _conv_oracle(x, conv.weight.detach().squeeze(1), conv.bias.detach(), "silu")

@@ -47,6 +47,7 @@ from ..engine.layer import compiling_outside_cp
 from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan
 from .generation import running_decode
 from .mixer_adapters import ADAPTERS, CONVENTIONS, admit, bind, call_kwargs
+from .patches import patch
 from .versions import transformers_version
 from ..engine.stats import note_mixer
 from ..refusals import refuse
@@ -302,8 +303,9 @@ def adapt_module(mod) -> bool:
         if not callable(original) or getattr(original, _WRAPPED, False):
             adapted_any = adapted_any or original is not None
             continue
+        admitted = "none when wrapped: refused per call where it cannot compute"
         if name in CONVENTIONS:
-            reason = admit(name, original, mod)
+            reason, admitted = admit(name, original, mod), "mixer_adapters.admit (behaviour on synthetic inputs)"
             if reason is not None:
                 with state.INTEGRATIONS_LOCK:
                     state.INTEGRATIONS["declined"][(mod.__name__, name)] = reason
@@ -319,7 +321,7 @@ def adapt_module(mod) -> bool:
         else:
             wrapper = _decoding(name, original)
         setattr(wrapper, _WRAPPED, True)
-        setattr(mod, name, wrapper)
+        patch(mod, name, wrapper, site="mixer_functions", admitted=admitted)
         adapted_any = True
     return adapted_any
 

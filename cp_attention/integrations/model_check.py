@@ -63,6 +63,7 @@ import torch
 from .source import forward_args as _forward_args
 from .source import uses_attention_interface
 from . import state
+from .patches import record
 from ..engine.batch import batch_of
 from ..engine.context import active_context, register_context_guard
 from ..engine.stats import begin_mixers
@@ -484,6 +485,8 @@ def _enter(cp):
         if not state.MODEL_GUARD_HOOKS:
             state.MODEL_GUARD_HOOKS[:] = [module_mod.register_module_forward_pre_hook(_before),
                                           module_mod.register_module_forward_hook(_after, always_call=True)]
+            record("guard_hooks", "torch.nn.modules.module: global forward hooks", tuple(state.MODEL_GUARD_HOOKS),
+                   admitted="the first multi-rank context_parallel block")
 
     def leave() -> None:
         state.MODEL_GUARD.model = state.MODEL_GUARD.head = state.MODEL_GUARD.record = None

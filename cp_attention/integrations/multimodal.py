@@ -34,6 +34,7 @@ import torch
 from ..engine.batch import batch_of
 from ..engine.context import outside_context
 from ..refusals import refuse
+from .patches import record
 
 __all__ = ["refuse_media", "media_inputs", "outer_inputs", "decoder_inputs", "shard_decoder_inputs", "install_injection", "NOT_INJECTED"]
 
@@ -165,5 +166,7 @@ def install_injection(decoder) -> None:
             return None
         return args, {**kwargs, **extras}
 
-    decoder.register_forward_pre_hook(inject, with_kwargs=True)
+    hook = decoder.register_forward_pre_hook(inject, with_kwargs=True)
+    record("decoder_injection", f"{type(decoder).__module__}.{type(decoder).__qualname__} (an instance): a forward "
+           "pre-hook", hook, admitted="multimodal's refusals")
     setattr(decoder, _INJECT_ATTR, True)

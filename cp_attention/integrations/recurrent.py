@@ -47,6 +47,7 @@ from . import source
 from ..engine.stats import note_mixer
 from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan, token_windows
 from .class_admission import admitted
+from .patches import patch
 from .generation import hand_over
 from .mixers import CLASS_MIXER_ATTR, batch_for, class_mixer, compiled_wrapper, refuse_cache
 
@@ -574,8 +575,9 @@ def adapt_module(mod) -> bool:
         if not getattr(vars(cls)[name], CLASS_MIXER_ATTR, False):
             wrapper = factory(vars(cls)[name])
             setattr(wrapper, CLASS_MIXER_ATTR, True)
-            setattr(cls, name, wrapper)
-            setattr(cls, CLASS_MIXER_ATTR, name)  # tagged as a mixer (.mixers.class_mixer)
+            patch(cls, name, wrapper, site="mixer_classes", admitted="recurrent._match (signature and structure)")
+            patch(cls, CLASS_MIXER_ATTR, name, site="mixer_classes",  # tagged as a mixer (.mixers.class_mixer)
+                  admitted="recurrent._match (signature and structure)")
         found = True
     return found
 

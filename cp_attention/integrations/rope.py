@@ -50,6 +50,7 @@ import torch
 from ..engine.context import active_context
 from ..refusals import refuse
 from .versions import transformers_version
+from .patches import record
 
 __all__ = ["length_dependent", "updates_per_forward", "rope_types", "tag_ropes", "rope_findings", "rope_reason",
            "ROPE_ATTR"]
@@ -198,8 +199,10 @@ def tag_ropes(modules) -> None:
         if getattr(module, ROPE_ATTR, False) or not length_dependent(module) or not _forward_facts(type(module))[1] \
                 or rope_reason(module) is not None:
             continue
-        module.register_forward_pre_hook(_append_largest, with_kwargs=True)
-        module.register_forward_hook(_drop_appended, always_call=True)
+        hooks = (module.register_forward_pre_hook(_append_largest, with_kwargs=True),
+                 module.register_forward_hook(_drop_appended, always_call=True))
+        record("rope_hooks", f"{type(module).__module__}.{type(module).__qualname__} (an instance): forward hooks",
+               hooks, admitted="rope.rope_reason")
         setattr(module, ROPE_ATTR, True)
 
 

@@ -53,6 +53,7 @@ import torch
 
 from .token_trace import stand_in_attention, tracing
 from . import state
+from .patches import patch, record
 from ..engine.layer import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
 from ..masks import MaskSpec
 from ..refusals import refuse
@@ -520,7 +521,8 @@ def _wrap_flash_name_check(mod) -> bool:
 
     is_flash_attention_requested._cp_attention_wrapped = True
     is_flash_attention_requested.__wrapped__ = original
-    mod.is_flash_attention_requested = is_flash_attention_requested
+    patch(mod, "is_flash_attention_requested", is_flash_attention_requested, site="flash_name_check",
+          admitted="versions.check_version")
     return True
 
 
@@ -551,6 +553,8 @@ def adapt_modeling_module(mod) -> bool:
     for value in list(vars(mod).values()):
         if _is_class_table(value):
             value[NAME] = value["eager"]
+            record("class_tables", f"{mod.__name__} (a table of attention classes)[{NAME!r}]", value[NAME],
+                   admitted="transformers._is_class_table")
             adapted = True
     if adapted:
         with state.INTEGRATIONS_LOCK:
@@ -578,6 +582,10 @@ def register() -> None:
 
     AttentionInterface.register(NAME, cp_flash_attention)
     AttentionMaskInterface.register(NAME, cp_flash_mask)
+    record("attention_registration", f"transformers.AttentionInterface[{NAME!r}]", cp_flash_attention,
+           admitted="versions.check_version")
+    record("attention_registration", f"transformers.AttentionMaskInterface[{NAME!r}]", cp_flash_mask,
+           admitted="versions.check_version")
     adapted = [site for site in FLASH_NAME_SITES if _adapt_flash_name_check(site)]
     with state.INTEGRATIONS_LOCK:
         sites = state.INTEGRATIONS["adapted_sites"]

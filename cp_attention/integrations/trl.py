@@ -67,6 +67,7 @@ from ..refusals import refuse
 from .heads import head_kind
 from .model_check import check_model, unwrap_adapters
 from .packed_rows import packed_fused_forward
+from .patches import patch
 from .trainer import CPTrainerMixin, MixinBeforeTrainer, check_cp_options, to_cpu
 
 __all__ = ["CPDPOTrainer", "CPGRPOTrainer", "CPRLOOTrainer", "CPRLTrainerMixin", "CPSFTTrainer", "join_pairs",
@@ -238,7 +239,8 @@ class CPRLTrainerMixin(metaclass=MixinBeforeTrainer):
             for owner in owners:
                 fn = owner.__dict__["forward"]
                 if not getattr(fn, "_cp_attention_routed", False):
-                    owner.forward = _routed(fn, owner, weakref.ref(self))
+                    patch(owner, "forward", _routed(fn, owner, weakref.ref(self)), site="trl_fused_head",
+                          admitted="the CP trainer's refusals (cp_flash, the model check, a fused head)")
         self._cp_checked = True
 
     @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""The ``cp-attention`` command (also ``python -m cp_attention``): ``cp-attention {probe,demo,bench,check} [options]``.
+"""The ``cp-attention`` command (also ``python -m cp_attention``): ``cp-attention {probe,demo,bench,check,patches} [options]``.
 
 Each command is a module with ``main(argv, prog=...) -> int`` that parses its own options; this
 module lists the commands and hands the rest of the command line to the chosen one.
@@ -21,6 +21,7 @@ COMMANDS = MappingProxyType({
     "demo": ("cp_attention.tools.demo", "attention on gloo ranks: error and K/V traffic"),
     "bench": ("cp_attention.tools.bench", "time cp_attention.attention against dense-mask SDPA"),
     "check": ("cp_attention.tools.check", "is your model exact under context parallelism? (a checkpoint or config)"),
+    "patches": ("cp_attention.tools.patches", "what cp_attention changes in transformers, TRL and torch"),
 })
 
 
