@@ -549,6 +549,18 @@ MUTANTS = (
            "        _refuse_score_tensors(kwargs, query.shape[2], key.shape[2],\n"
            "                              attention_mask if isinstance(attention_mask, CPMask) else None)\n", "",
            ("tests/integrations/test_model_check.py::test_refused_families_are_found",)),
+    Mutant("model check: generate's prefill refused for what the trace met on the plain forward", "models",
+           "cp_attention/integrations/model_check.py",
+           "    if not plain:\n        findings = tuple(f for f in findings if f.what != TRACE_REFUSED)\n", "",
+           ("tests/multirank/test_generate.py::test_mixer_states_and_shared_kv_generate_equal_one_device",)),
+    Mutant("verification: cp_attention's own errors in the test reported as the model's", "models",
+           "cp_attention/integrations/verification.py", "            if _from_the_library(exc):",
+           '            if getattr(exc, "refusal", None) is not None:',
+           ("tests/multirank/test_collectives.py::test_models_that_differ_between_ranks_raise_on_every_rank",)),
+    Mutant("verification: a test batch the model cannot run lets the model through", "models",
+           "cp_attention/integrations/verification.py", "        if any(int(f) for f in failures):",
+           "        if False:", ("tests/integrations/test_verification.py::"
+                                "test_a_model_the_test_batch_cannot_run_is_refused_with_the_way_out",)),
     Mutant("verification: packed rows compared only with each document alone", "models",
            "cp_attention/integrations/verification.py", "    if row_err > tol:\n", "    if False:\n",
            (_VERIFICATION,)),

@@ -78,7 +78,7 @@ from .generation import finish_prefill, generation_call, start_decode, start_pre
 from .recurrent import adapted_class
 from .rope import rope_findings, tag_ropes
 from .verification import verify_first_use
-from .token_trace import model_trace
+from .token_trace import REFUSED as TRACE_REFUSED, model_trace
 
 __all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank", "positional_modules",
            "uses_positions", "default_position_start", "unwrap_adapters", "install_guard", "note_cp_flash_call",
@@ -205,10 +205,14 @@ def _cached_findings(model) -> tuple[Finding, ...]:
     return findings
 
 
-def check_model(model) -> None:
+def check_model(model, plain: bool = True) -> None:
     """Raise ``NotImplementedError`` naming the family, the modules and why, if ``model`` cannot run
-    exactly under context parallelism (see the module docstring). Cached per model object."""
+    exactly under context parallelism (see the module docstring). Cached per model object. ``plain=False``
+    (generate's prefill, which runs with a cache): a refusal the trace met on the plain forward without a cache
+    is not counted (the cache path is another; cp_flash still refuses at run time what it cannot apply there)."""
     findings = _cached_findings(model)
+    if not plain:
+        findings = tuple(f for f in findings if f.what != TRACE_REFUSED)
     if not findings:
         return
     lines = []
@@ -367,7 +371,7 @@ def _before(module, args):
             guard.model, guard.ran, guard.reached, guard.counting, guard.decode = module, set(), set(), False, gen[1]
             guard.record, guard.position_start = None, 0
             return None
-        check_model(inner)
+        check_model(inner, plain=gen is None)
         if gen is None:
             refuse_media(inner, call_kwargs())
         if getattr(active, "verify", True) and gen is None:  # (generate's prefill: its plain forwards are verified)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import types
 
@@ -51,6 +52,7 @@ TOLERANCES = types.MappingProxyType({torch.float64: 1e-6, torch.float32: 1e-3})
 """Relative tolerance per dtype (the rest, half types: 5e-2), of an output's largest value in the truth."""
 _HALF_TOLERANCE = 5e-2
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _ACTIVE = threading.local()  # .on: a verification runs in this thread (its own forwards do not verify)
 
 
@@ -262,6 +264,17 @@ def verify_first_use(model, cp, packed: bool, mixers=lambda: False) -> None:
                  module=f["module"], error=f["error"], dtype=f["dtype"], tolerance=f["tolerance"])
 
 
+def _from_the_library(exc: BaseException) -> bool:
+    """Whether ``exc`` is cp_attention's (a refusal, a collective's error, or raised in the package's code)
+    rather than the model's own code failing on the test batch."""
+    if getattr(exc, "refusal", None) is not None or getattr(exc, "cp_collective", False):
+        return True
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
+
+
 def _causal(model) -> bool:
     """Whether every attention layer of ``model`` is causal (a decoder: transformers' own mask keeps packed
     documents apart on one device, from restarting position_ids; a bidirectional encoder's does not, and its
@@ -280,8 +293,8 @@ def _verdict(model, cp, packed: bool, mixers) -> tuple[str, dict] | None:
         try:
             got = _under_cp(model, cp, ids, pos)
             truth, names = _alone(model, ids, docs)
-        except Exception as exc:  # noqa: BLE001 - a refusal is the model's; anything else: it cannot be verified
-            if getattr(exc, "refusal", None) is not None:
+        except Exception as exc:  # noqa: BLE001 - the model's own error: it cannot be verified
+            if _from_the_library(exc):  # a refusal, ranks that disagree, a timeout: the user's to see as it is
                 raise
             failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
         # the ranks agree whether the test ran (the error vectors below have one length only where it did)
