@@ -192,7 +192,8 @@ def test_strategies_exact_against_the_oracle(world_size, strategy, ulysses_size)
         assert len(chosen) >= 2, chosen
 
 
-@pytest.mark.parametrize("ulysses_size", [2, pytest.param(3, marks=pytest.mark.strategies)])
+@pytest.mark.parametrize("ulysses_size", [pytest.param(2, marks=pytest.mark.slow),  # six ranks: with -m slow
+                                          pytest.param(3, marks=pytest.mark.strategies)])
 def test_usp_at_six_ranks_exact(ulysses_size):
     """usp with a ring of 3 head groups (its rounds send and receive with different head groups) and
     with head groups of 3 (K/V heads shared by two members), against the float64 oracle."""

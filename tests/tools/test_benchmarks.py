@@ -464,6 +464,7 @@ def test_stream_benchmark_smoke(tmp_path):
 # bench_strategies.py: ring, ulysses, usp and auto per layer
 
 
+@pytest.mark.slow  # about 16 s; the strategies' exactness: tests/multirank/test_ulysses.py
 def test_strategies_smoke(tmp_path):
     """``bench_strategies.py --smoke``: each configuration's step time per strategy is the sum over
     its layers of that strategy's modeled layer time; auto's pick per mask is the engine's choice and

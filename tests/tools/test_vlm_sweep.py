@@ -107,6 +107,7 @@ def _differences(results: list[dict]) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # about 50 s: the sweep tool end to end (the VLM paths themselves: test_multimodal.py)
 def test_fast_subset_matches_the_table(tmp_path):
     """A few families rerun: every outcome exact or refused, and equal to their rows of the table."""
     results = _sweep(FAST, tmp_path, timeout=150)
