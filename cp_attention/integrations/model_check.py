@@ -302,7 +302,18 @@ def default_position_start(model) -> int:
     """Where ``model`` numbers its default positions: 0, or ``padding_idx + 1`` for a position
     embedding with a padding index (RoBERTa, XLM-R, CamemBERT, data2vec-text, X-MOD; the sinusoidal
     tables of Kosmos-2.5, M2M100 and XGLM), or the first of the default positions a module keeps as its
-    ``position_ids`` buffer when that is not 0 (MRA's and YOSO's, from 2)."""
+    ``position_ids`` buffer when that is not 0 (MRA's and YOSO's, from 2). Read once per model object
+    (:data:`state.POSITION_STARTS`)."""
+    with state.MODEL_LOCK:
+        start = state.POSITION_STARTS.get(model)
+    if start is None:
+        start = _position_start(model)
+        with state.MODEL_LOCK:
+            state.POSITION_STARTS[model] = start
+    return start
+
+
+def _position_start(model) -> int:
     modules = list(_modules(model))
     for name, module in modules:
         padding_idx = getattr(module, "padding_idx", None)

@@ -13,7 +13,7 @@ import threading
 
 from ..torch_compat import WeakIdKeyDictionary
 
-__all__ = ["CONFIG_CHECKSUMS", "CONFIG_LOCK", "INTEGRATIONS", "INTEGRATIONS_LOCK", "MODEL_CHECKS", "MODEL_LOCK",
+__all__ = ["CONFIG_CHECKSUMS", "CONFIG_LOCK", "INTEGRATIONS", "INTEGRATIONS_LOCK", "MODEL_CHECKS", "MODEL_LOCK", "POSITION_STARTS",
            "MODEL_GUARD", "MODEL_GUARD_HOOKS", "INDEXER_SELECTIONS", "COMPRESSED_SELECTIONS", "VERIFIED", "VERIFIED_LOCK", "TRACED"]
 
 CONFIG_CHECKSUMS = WeakIdKeyDictionary()
@@ -33,6 +33,10 @@ MODEL_CHECKS = WeakIdKeyDictionary()
 """model -> its check result (its findings, a tuple), computed once per model object (weak: dies with
 the model). Guarded by ``MODEL_LOCK`` (:mod:`.model_check`)."""
 MODEL_LOCK = threading.Lock()
+
+POSITION_STARTS = WeakIdKeyDictionary()
+"""model -> where it numbers its default positions, read once per model object (the guard asks on every
+forward; the read of a kept ``position_ids`` buffer would sync with the device). Guarded by ``MODEL_LOCK``."""
 
 MODEL_GUARD = threading.local()
 """Per thread: the outermost cp_flash model forward running under the guard of :mod:`.model_check`, how
