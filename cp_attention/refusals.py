@@ -11,7 +11,7 @@ new entry here, then ``refuse("its_key", ...)`` where it is detected; the page `
 is generated from this catalogue (``python -m cp_attention.tools.refusal_page docs/refusals.md``)
 and a test keeps it current and checks that every key is raised somewhere and every raise site
 names a key. Plain argument validation (a wrong shape, dtype or option value) is not a refusal and
-stays where it is checked; so do the model check's findings (:mod:`cp_attention.integrations.model_check`
+stays where it is checked; so do the model check's findings (:mod:`cp_attention.integrations.hf.check`
 keeps its own table of rules; its verdict is the ``model_check`` refusal).
 
 A ground-layer module: it imports nothing from the package but the rest of its catalogue
@@ -117,7 +117,7 @@ REFUSALS = _catalogue(
        message="cp_flash: torch's context_parallel (accelerate's ParallelismConfig(cp_size > 1)) is active: it "
                "shards the sequence itself and cp_flash would attend within one shard. cp_flash does its own "
                "context parallelism: use cp_attention.context_parallel() + cp.shard_batch(), or CPTrainer from "
-               "cp_attention.integrations.trainer, without torch's context_parallel (or use "
+               "cp_attention.integrations.trainers.trainer, without torch's context_parallel (or use "
                "attn_implementation='sdpa' with torch's context_parallel, for plain causal masks only)"),
     _R(key="unsharded_inputs", exception=ValueError, area="context",
        what="a cp_flash layer under context parallelism on tensors cp.shard_batch did not return",

@@ -32,7 +32,7 @@ import torch
 from datasets import Dataset, load_from_disk
 from trl import DPOConfig, DPOTrainer
 
-from cp_attention.integrations.trl import CPDPOTrainer  # CP
+from cp_attention.integrations.trainers import CPDPOTrainer  # CP
 from train_grpo import VOCAB, Logs, cases, common_arguments, cp_group, evaluation, finish, lora, tokenizer, train
 
 

@@ -40,7 +40,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 import cp_attention
-from cp_attention.integrations.trl import CPGRPOTrainer, CPRLOOTrainer  # CP
+from cp_attention.integrations.trainers import CPGRPOTrainer, CPRLOOTrainer  # CP
 from cp_attention.tools.tiny_models import tiny_model
 from train_sft import VOCAB
 from train_sft import tokenizer as word_tokenizer

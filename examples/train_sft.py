@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
 import cp_attention
-from cp_attention.integrations.trl import CPSFTTrainer  # CP
+from cp_attention.integrations.trainers import CPSFTTrainer  # CP
 from cp_attention.tools.tiny_models import tiny_model
 
 VOCAB = 128

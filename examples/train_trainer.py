@@ -22,7 +22,7 @@ import os
 import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
-from cp_attention.integrations.trainer import CPTrainer  # CP
+from cp_attention.integrations.trainers import CPTrainer  # CP
 from cp_attention.tools.tiny_models import tiny_config, tiny_model
 
 

@@ -131,7 +131,7 @@ class ContextParallel:
             raise ValueError("context_parallel(strategy='usp') needs ulysses_size: the ranks of each head group (a "
                              "divisor of the world size and of the query heads); or use strategy='auto'")
         self.ulysses_size = ulysses_size
-        self.verify = bool(verify)  # verification of a model's first use (integrations.verification)
+        self.verify = bool(verify)  # verification of a model's first use (integrations.hf.verification)
         if cost_model is not None and not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a cp_attention.CostModel, got {type(cost_model).__name__}")
         self.cost_model = cost_model or CostModel()
@@ -139,7 +139,7 @@ class ContextParallel:
         # comm opens its failure scope, so a bad layout opens none (the ranks' scope counts stay equal)
         self.layout = layout_mod.as_policy(layout)
         # single: a one-rank context on this process alone, whatever group is initialised (a check that runs
-        # one rank's path of a mixer on its own, :mod:`cp_attention.integrations.class_admission`)
+        # one rank's path of a mixer on its own, :mod:`cp_attention.integrations.hf.class_admission`)
         self.comm = Comm(single=True, timeout=timeout) if single else Comm(group, timeout=timeout, fresh_scope=True)
         self.group = group
         self.backend = backend
@@ -434,7 +434,7 @@ def context_parallel(group=None, layout="zigzag", timeout: float | None = None, 
     defaults). See :mod:`cp_attention.strategies.choice`. ``verify``: the first forward of each model
     (class and configuration) under ``attn_implementation="cp_flash"`` in a multi-rank block first runs a
     tiny batch under the block and on one device and refuses the model on every rank when they differ
-    (:mod:`cp_attention.integrations.verification`; a few tiny forwards once); False skips it.
+    (:mod:`cp_attention.integrations.hf.verification`; a few tiny forwards once); False skips it.
 
     Inside, :func:`~cp_attention.attention` with ``group=None`` shards over this group with this layout::
 

@@ -182,8 +182,8 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
         warnings.warn(
             f"cp_flash: a training forward on {process_count()} processes without context parallelism: no "
             "cp_attention.context_parallel block is active, so this is data parallelism and no sequence is split. "
-            "For context parallelism train with CPTrainer (cp_attention.integrations.trainer) or CPSFTTrainer "
-            "(cp_attention.integrations.trl) instead of Trainer / SFTTrainer, or run the step inside "
+            "For context parallelism train with CPTrainer (cp_attention.integrations.trainers.trainer) or CPSFTTrainer "
+            "(cp_attention.integrations.trainers.trl) instead of Trainer / SFTTrainer, or run the step inside "
             "cp_attention.context_parallel() on inputs from cp.shard_batch(...)", UserWarning, stacklevel=3)
     if batch is None and multi_rank_context:
         local_error = local_error or refuse("unsharded_inputs")

@@ -11,7 +11,7 @@ import sys
 import warnings
 
 from ..engine.context import register_batch_convention
-from . import state
+from .hf import state
 from .patches import record
 
 __all__ = ["install"]
@@ -21,7 +21,7 @@ _TRIGGER = "transformers.modeling_utils"
 
 def _register_transformers() -> None:
     try:
-        from .transformers import register
+        from .hf.registry import register
 
         register()
     except ImportError as exc:  # an unsupported transformers version: say so, do not break transformers
@@ -50,7 +50,7 @@ class _LoaderThenAdapt(_LoaderThenRegister):
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        from .transformers import NAME, adapt_modeling_module
+        from .hf.registry import NAME, adapt_modeling_module
 
         if NAME in state.INTEGRATIONS["registered"]:
             adapt_modeling_module(module)
@@ -92,7 +92,7 @@ class _AfterTransformersImport(importlib.abc.MetaPathFinder):
 def install() -> None:
     """Register transformers' batch conventions for ``cp.shard_batch`` (plain torch, no transformers
     import) and "cp_flash" now if transformers' modeling code is loaded, else when it loads."""
-    from .hf_batch import shard_batch
+    from .hf.batch import shard_batch
 
     register_batch_convention("transformers", shard_batch)
     if not any(isinstance(f, _ModelingImports) for f in sys.meta_path):

@@ -59,14 +59,14 @@ SITES = MappingProxyType({
         target="transformers.AttentionInterface and AttentionMaskInterface: the entries \"cp_flash\"",
         kind="registration",
         reason="attn_implementation=\"cp_flash\" selects cp_flash_attention and its mask function",
-        admission="integrations.versions.check_version (the transformers releases the suite runs)",
+        admission="integrations.hf.versions.check_version (the transformers releases the suite runs)",
         tests=("tests/integrations/test_transformers.py",)),
     "flash_name_check": Site(
         target="is_flash_attention_requested of transformers' modules that choose a class or a path by the "
                "implementation's name (modeling_utils, masking_utils, generation, modeling modules)",
         kind="function",
         reason="a name check that reads \"flash\" in \"cp_flash\" would pick a FlashAttention-2 class or path",
-        admission="integrations.versions.check_version; the wrapper answers False for cp_flash only and calls the "
+        admission="integrations.hf.versions.check_version; the wrapper answers False for cp_flash only and calls the "
                   "original for every other name",
         tests=("tests/integrations/test_model_check.py::test_name_selected_classes_never_pick_flash_attention_2",
                "tests/integrations/test_model_check.py::test_every_name_selecting_modeling_module_is_adapted")),
@@ -76,7 +76,7 @@ SITES = MappingProxyType({
         kind="table entry",
         reason="a family that picks its attention class by name needs one for cp_flash; the model check then "
                "reads whether that class reaches cp_flash",
-        admission="integrations.transformers._is_class_table (a dict of implementation names to nn.Module classes)",
+        admission="integrations.hf.registry._is_class_table (a dict of implementation names to nn.Module classes)",
         tests=("tests/integrations/test_model_check.py::test_every_name_selecting_modeling_module_is_adapted",)),
     "mixer_functions": Site(
         target="a hybrid modeling module's sequence-mixer functions (causal_conv1d_fn, the gated delta rule, the "
@@ -84,7 +84,7 @@ SITES = MappingProxyType({
         kind="function",
         reason="under context parallelism the convolution needs the previous shard's tokens and the recurrence "
                "the state of every earlier token: the wrapper computes both across ranks and documents",
-        admission="integrations.mixer_adapters.admit (the function's behaviour on synthetic inputs against a "
+        admission="integrations.hf.function_admission.admit (the function's behaviour on synthetic inputs against a "
                   "float64 oracle) for the functions with a calling convention; the step and decoding forms refuse "
                   "per call what they cannot compute",
         tests=("tests/integrations/test_admission.py", "tests/integrations/test_hybrids.py")),
@@ -93,22 +93,22 @@ SITES = MappingProxyType({
                "RG-LRU scan, Zaya's projection, xLSTM's mLSTM backend, RWKV's time and channel mixing",
         kind="method",
         reason="their recurrences and token shifts run across ranks through the adapter's scan over pieces",
-        admission="integrations.recurrent._match (signature and structure) when the module loads; "
-                  "integrations.class_admission at the first call under context parallelism (refused if it fails)",
+        admission="integrations.hf.adapters.mixer_classes._match (signature and structure) when the module loads; "
+                  "integrations.hf.class_admission at the first call under context parallelism (refused if it fails)",
         tests=("tests/integrations/test_class_admission.py", "tests/integrations/test_class_mixers.py")),
     "indexers": Site(
         target="the forward of DeepSeek Sparse Attention's token indexers, Qwen4's block indexer and the attention "
                "class that calls it",
         kind="method",
         reason="an indexer scores every earlier key of the whole row, not the shard's",
-        admission="integrations.indexers._fits / _fits_blocks (signature and structure); the instance's selection "
+        admission="integrations.hf.adapters.indexers._fits / _fits_blocks (signature and structure); the instance's selection "
                   "against eager's at its first call under context parallelism",
         tests=("tests/integrations/test_index_sparse.py",)),
     "compressors": Site(
         target="the forward of DeepSeek-V4's compressor classes and of the attention class that calls them",
         kind="method",
         reason="compressed entries are computed per document over the whole row",
-        admission="the compressor's signature and structure; integrations.compressed._compressor_reason at its "
+        admission="the compressor's signature and structure; integrations.hf.adapters.compressed._compressor_reason at its "
                   "first call under context parallelism",
         tests=("tests/integrations/test_index_sparse.py",)),
     "router_loss": Site(
@@ -116,7 +116,7 @@ SITES = MappingProxyType({
         kind="function",
         reason="the router's auxiliary loss averages over the batch's tokens, which under context parallelism "
                "are spread over the ranks",
-        admission="integrations.losses._fits (the function's behaviour, memoised) at each call under context "
+        admission="integrations.hf.adapters.router_loss._fits (the function's behaviour, memoised) at each call under context "
                   "parallelism; outside a block the original runs",
         tests=("tests/integrations/test_router_loss.py",)),
     "guard_hooks": Site(
@@ -131,40 +131,40 @@ SITES = MappingProxyType({
         target="a length-dependent rotary module instance: a forward pre-hook and forward hook",
         kind="hook",
         reason="each rank's rotary must read the whole sequence's largest position, not its shard's",
-        admission="integrations.rope.rope_reason (a copy computes a rank's rows as the whole row's)",
+        admission="integrations.hf.adapters.rope.rope_reason (a copy computes a rank's rows as the whole row's)",
         tests=("tests/integrations/test_rope.py",)),
     "decoder_injection": Site(
         target="a vision-language model's text decoder instance: a forward pre-hook",
         kind="hook",
         reason="the text decoder receives the sharded inputs its multimodal front-end computed on the full batch",
-        admission="integrations.multimodal's refusals (a decoder without inputs_embeds is refused first)",
+        admission="integrations.hf.multimodal's refusals (a decoder without inputs_embeds is refused first)",
         tests=("tests/integrations/test_multimodal.py",)),
     "trl_fused_head": Site(
         target="the forward TRL's add_fused_lm_head put on a model instance (or its PEFT base model)",
         kind="method",
         reason="TRL's fused head computes per-token log-probabilities from the hidden states; under the CP "
                "trainers it runs on each rank's shard and the rows are gathered",
-        admission="integrations.trl: the trainer's refusals (cp_flash, the model check, a fused head to route)",
+        admission="integrations.trainers.trl: the trainer's refusals (cp_flash, the model check, a fused head to route)",
         tests=("tests/integrations/test_trl_rl.py",)),
     "admission_probe": Site(
         target="causal_conv1d_fn of a modeling module, for the duration of an admission check's probe",
         kind="function (restored)",
         reason="the check observes which convolution a step function calls",
-        admission="part of integrations.mixer_adapters.admit; restored in a finally",
+        admission="part of integrations.hf.function_admission.admit; restored in a finally",
         tests=("tests/integrations/test_admission.py",)),
 })
 """Every kind of change to foreign code, by key (docs/patches.md)."""
 
 PENDING = (  # (module of the package, the object its setattr writes onto, what it writes)
-    ("integrations/mixers.py", "module", "the mixer tag (`_cp_attention_mixer`) on a model's mixer modules"),
-    ("integrations/rope.py", "module", "the tag (`_cp_attention_rope`) on a hooked rotary module"),
-    ("integrations/multimodal.py", "decoder", "the tag (`_cp_attention_injects`) on a text decoder with the "
+    ("integrations/hf/adapters/mixer_functions.py", "module", "the mixer tag (`_cp_attention_mixer`) on a model's mixer modules"),
+    ("integrations/hf/adapters/rope.py", "module", "the tag (`_cp_attention_rope`) on a hooked rotary module"),
+    ("integrations/hf/multimodal.py", "decoder", "the tag (`_cp_attention_injects`) on a text decoder with the "
      "injection hook"),
-    ("integrations/generation.py", "holder", "a mixer's states handed back to the module that keeps them after "
+    ("integrations/hf/generation.py", "holder", "a mixer's states handed back to the module that keeps them after "
      "generate's prefill (RecurrentGemma)"),
-    ("integrations/class_admission.py", "obj", "the states a mixer instance held, restored after its admission "
+    ("integrations/hf/class_admission.py", "obj", "the states a mixer instance held, restored after its admission "
      "check"),
-    ("integrations/indexers.py", "self", "an indexer instance's top-k, lowered for its admission check and "
+    ("integrations/hf/adapters/indexers.py", "self", "an indexer instance's top-k, lowered for its admission check and "
      "restored"),
 )
 """Writes onto foreign instances not routed through :func:`patch` yet (tags and states of model instances); the
@@ -237,7 +237,7 @@ def page() -> str:
     lines += ["", "## Not yet recorded", "",
               "Writes onto model instances that do not go through `patch` yet (tags and states; the layering test "
               "`tests/meta/test_patches.py` allows exactly these), and the one read of a foreign frame: "
-              "`integrations/heads.py`'s `call_kwargs` takes a module call's keyword arguments from torch's "
+              "`integrations/hf/heads.py`'s `call_kwargs` takes a module call's keyword arguments from torch's "
               "`_call_impl` frame, and the guard, the heads and generation write into them.", "",
               "| module | object | what |", "|---|---|---|"]
     lines += [f"| `cp_attention/{rel}` | `{owner}` | {what} |" for rel, owner, what in PENDING]

@@ -208,7 +208,7 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
 def check(spec: dict) -> dict:
     """Run the check described by ``spec`` (the command line's options as a dict); returns the report."""
     import cp_attention  # noqa: F401 - registers cp_flash
-    from cp_attention.integrations.models import layer_masks
+    from cp_attention.integrations.hf.models import layer_masks
     from cp_attention.tools.launch import run_ranks
 
     t0 = time.monotonic()
@@ -297,7 +297,7 @@ def _verdict(results: list[dict], truth_logits, truth_layers, tol, kinds, masks)
 @contextlib.contextmanager
 def _unchecked():
     """The model check off (a refused model's run, to show where it would differ)."""
-    from cp_attention.integrations import model_check
+    from cp_attention.integrations.hf import check as model_check
 
     original = model_check.check_model
     model_check.check_model = lambda model, plain=True: None

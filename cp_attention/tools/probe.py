@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 import cp_attention
-from cp_attention.integrations.models import layer_masks
+from cp_attention.integrations.hf.models import layer_masks
 from cp_attention.tools.launch import run_ranks
 from cp_attention.tools.tiny_models import FAMILIES, is_causal_lm, tiny_config, tiny_model
 
@@ -111,7 +111,7 @@ def _register_plain_causal() -> None:
     dropped by not giving position_ids to shard_batch). Only in the probe's rank processes."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    from cp_attention.integrations.transformers import cp_flash_attention, cp_flash_mask
+    from cp_attention.integrations.hf.registry import cp_flash_attention, cp_flash_mask
 
     class _NoChunk:  # the layer as cp_flash sees it, minus the layer index that selects chunking
         def __init__(self, module):

@@ -26,7 +26,7 @@ anything is computed, with one error that names what, why and what to do instead
 every such refusal of the library's run time, by area. The key is the name the library raises it
 by (`refuse("key", ...)` in `cp_attention/refusals.py`, the one catalogue of them); the exception
 is the type raised. Models the model check refuses before anything runs are one entry here
-(`model_check`); its rules, one per kind of module, are in `cp_attention/integrations/model_check.py`.
+(`model_check`); its rules, one per kind of module, are in `cp_attention/integrations/hf/check.py`.
 Plain argument validation (a wrong shape, dtype or option value) raises `ValueError` or
 `TypeError` where it is checked and is not listed."""
 

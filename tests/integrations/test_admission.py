@@ -1,6 +1,6 @@
-"""Adapters admit a foreign function by its behaviour (issue 52): before :mod:`cp_attention.integrations.mixers`
+"""Adapters admit a foreign function by its behaviour (issue 52): before :mod:`cp_attention.integrations.hf.adapters.mixer_functions`
 wraps a transformers mixer function, it runs it on synthetic inputs and checks that it does what the adapter
-assumes (:func:`cp_attention.integrations.mixer_adapters.admit`).
+assumes (:func:`cp_attention.integrations.hf.function_admission.admit`).
 
 * every mixer function of the installed transformers' hybrid families is admitted (none declined);
 * stand-ins written here from each function's definition (a float64 loop) are admitted, and the same
@@ -18,8 +18,9 @@ import pytest
 
 import cp_attention  # noqa: F401  (registers cp_flash and adapts modeling modules as they load)
 from admission_cases import conv_fn, declined_family_worker, delta_rule, mamba2_scan, selective_scan
-from cp_attention.integrations import mixers, state
-from cp_attention.integrations.mixer_adapters import admit
+from cp_attention.integrations.hf.adapters import mixer_functions as mixers
+from cp_attention.integrations.hf import state
+from cp_attention.integrations.hf.function_admission import admit
 from cp_attention.tools.launch import run_ranks
 
 pytestmark = pytest.mark.transformers
@@ -116,7 +117,7 @@ def test_the_version_range_is_the_tested_releases_and_a_newer_one_warns():
     import os
     import re
 
-    from cp_attention.integrations.versions import TESTED_VERSIONS, parse, untested_warning
+    from cp_attention.integrations.hf.versions import TESTED_VERSIONS, parse, untested_warning
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "pyproject.toml")) as f:

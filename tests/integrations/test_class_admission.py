@@ -1,5 +1,5 @@
-"""The mixer classes :mod:`cp_attention.integrations.recurrent` adapts are admitted by their behaviour
-(issue 52; :mod:`cp_attention.integrations.class_admission`): at a class's first call under context
+"""The mixer classes :mod:`cp_attention.integrations.hf.adapters.mixer_classes` adapts are admitted by their behaviour
+(issue 52; :mod:`cp_attention.integrations.hf.class_admission`): at a class's first call under context
 parallelism, the original method on a synthetic document is compared with the adapter's path on one rank,
 and, where the adapter calls the class's recurrence from a state, that recurrence over two pieces with
 one call.
@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import cp_attention
-from cp_attention.integrations import recurrent, state
-from cp_attention.integrations.versions import transformers_version
+from cp_attention.integrations.hf.adapters import mixer_classes as recurrent
+from cp_attention.integrations.hf import state
+from cp_attention.integrations.hf.versions import transformers_version
 from test_class_mixers import DOCS, L, MIXERS, _inputs, _module
 
 pytestmark = pytest.mark.transformers
@@ -202,7 +203,7 @@ def test_a_planted_change_is_declined_and_refused_under_cp_and_untouched_outside
 def test_a_declined_class_refuses_later_models_at_the_model_check(monkeypatch):
     import transformers as tf
 
-    from cp_attention.integrations.model_check import model_findings
+    from cp_attention.integrations.hf.check import model_findings
 
     cfg = tf.MiniMaxConfig(hidden_size=16, num_attention_heads=2, head_dim=4, num_hidden_layers=2, block_size=4,
                            layer_types=["linear_attention", "full_attention"], num_local_experts=2,

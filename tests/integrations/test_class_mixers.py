@@ -1,4 +1,4 @@
-"""Sequence mixers computed in their own classes (cp_attention.integrations.recurrent) across ranks, against
+"""Sequence mixers computed in their own classes (cp_attention.integrations.hf.adapters.mixer_classes) across ranks, against
 float64 oracles, with packed documents (one-token documents, documents crossing ranks) and zigzag, contiguous
 and random layouts, forward and backward:
 
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import cp_attention
-from cp_attention.integrations.mixers import MIXER_ATTR
-from cp_attention.integrations.recurrent import decayed_linear_attention
+from cp_attention.integrations.hf.adapters.mixer_functions import MIXER_ATTR
+from cp_attention.integrations.hf.adapters.mixer_classes import decayed_linear_attention
 from cp_attention.tools.launch import run_ranks
 from plan_cases import random_layout
 
@@ -412,7 +412,7 @@ def test_rglru_resets_at_the_batchs_documents_whatever_positions_it_is_given(wan
 def test_a_subclass_overriding_the_adapted_method_is_not_adapted():
     """The model check skips an adapted class's insides and its mixers are tagged: a subclass that replaces
     the adapted method computes something of its own and is neither."""
-    from cp_attention.integrations.recurrent import adapted_class
+    from cp_attention.integrations.hf.adapters.mixer_classes import adapted_class
     from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
     from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
 

@@ -1,4 +1,4 @@
-"""Heads under context parallelism (cp_attention.integrations.heads): the heads that read positions of
+"""Heads under context parallelism (cp_attention.integrations.hf.heads): the heads that read positions of
 the sequence are exact (their outputs, loss and gradients equal one-device eager), what a head would
 compute from a rank's shard alone is refused before the forward, alike on every rank.
 

@@ -24,7 +24,8 @@ import hf_cases
 import hybrid_cases
 import sparse_cases as sc
 from rank_pool import single_thread
-from cp_attention.integrations import model_check, state
+from cp_attention.integrations.hf import check as model_check
+from cp_attention.integrations.hf import state
 from cp_attention.tools.launch import run_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.transformers]
@@ -157,7 +158,7 @@ def _planted_forward(cls, plant: str):
     ``cache.update_indexer`` returns)."""
     import functools
 
-    from cp_attention.integrations import indexers
+    from cp_attention.integrations.hf.adapters import indexers
 
     own = cls.forward.__wrapped__
 
@@ -184,8 +185,9 @@ def test_indexers_admitted_and_planted_changes_declined(family, monkeypatch):
     """Each indexer form (a token-level DSA indexer, Qwen4's block indexer) passes its check at its first
     call under cp_flash; with a planted change its family is refused there, naming the transformers version
     and the class, and eager runs the planted forward untouched (bit-identical to calling it directly)."""
-    from cp_attention.integrations import indexers, state
-    from cp_attention.integrations.versions import transformers_version
+    from cp_attention.integrations.hf.adapters import indexers
+    from cp_attention.integrations.hf import state
+    from cp_attention.integrations.hf.versions import transformers_version
 
     eager, model = hybrid_cases.models(family)
     cls = _indexer_class(model)
@@ -224,8 +226,9 @@ def test_compressors_admitted_and_planted_changes_declined(monkeypatch):
     forward untouched."""
     import functools
 
-    from cp_attention.integrations import compressed, state
-    from cp_attention.integrations.versions import transformers_version
+    from cp_attention.integrations.hf.adapters import compressed
+    from cp_attention.integrations.hf import state
+    from cp_attention.integrations.hf.versions import transformers_version
 
     eager, model = hybrid_cases.models("deepseek_v4")
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(0))

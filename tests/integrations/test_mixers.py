@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cp_attention
-from cp_attention.integrations.mixers import MIXER_ATTR
+from cp_attention.integrations.hf.adapters.mixer_functions import MIXER_ATTR
 from cp_attention.strategies.scan import geometry_of, halo_plan, make_geometry, scan_plan
 from cp_attention.tools.launch import run_ranks
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cp_attention
-from cp_attention.integrations import model_check
-from cp_attention.integrations.transformers import CPMask, is_modeling_module
+from cp_attention.integrations.hf import check as model_check
+from cp_attention.integrations.hf.registry import CPMask, is_modeling_module
 from cp_attention.tools.launch import run_ranks
 
 from cp_attention.tools.sweeps import family as sweep
@@ -37,7 +37,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 def fresh_traces():
     """Each test's models traced afresh (the trace is memoised per class, configuration, dtype and module
     tree, and the planted modules below share their class)."""
-    from cp_attention.integrations import state
+    from cp_attention.integrations.hf import state
 
     state.TRACED.clear()
     yield
@@ -212,7 +212,7 @@ def test_positions_rule_refuses_only_models_that_use_positions():
 
 
 def _count_layer_calls():
-    from cp_attention.integrations import transformers as adapter
+    from cp_attention.integrations.hf import registry as adapter
 
     calls = []
     original = adapter.attend_layer
@@ -317,7 +317,7 @@ def _name_selected_modules() -> list[str]:
 def test_every_name_selecting_modeling_module_is_adapted():
     import importlib
 
-    from cp_attention.integrations.transformers import adapted_sites
+    from cp_attention.integrations.hf.registry import adapted_sites
 
     modules = _name_selected_modules()
     assert len(modules) > 20
@@ -465,7 +465,7 @@ def test_score_tensors_refused_by_name_whatever_their_shape():
     """Inkling2 hands its attention per-query sinks as ``sinks`` (B, H, Lq, 1): not a (query, key)
     shape, and not cp_flash's own per-head ``s_aux``, so only the name tells it is added to the
     scores; the layer raises instead of dropping it (the same call also hands ``position_bias`` today)."""
-    from cp_attention.integrations.transformers import cp_flash_attention
+    from cp_attention.integrations.hf.registry import cp_flash_attention
 
     layer = nn.Linear(2, 2)
     q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)

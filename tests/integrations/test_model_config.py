@@ -1,4 +1,4 @@
-"""The one reading of a transformers config into per-layer masks (``integrations/models.py``), used by
+"""The one reading of a transformers config into per-layer masks (``integrations/hf/models.py``), used by
 the cp_flash adapter (chunks), the balanced layout of ``shard_batch(model=...)`` and the probe.
 
 Expected masks are written from transformers' config conventions: ``layer_types[i]`` names layer
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from cp_attention.integrations.models import layer_masks, model_masks
-from cp_attention.integrations.transformers import layer_mask_spec
+from cp_attention.integrations.hf.models import layer_masks, model_masks
+from cp_attention.integrations.hf.registry import layer_mask_spec
 from cp_attention.masks import MaskSpec
 from cp_attention.tools.tiny_models import tiny_config, tiny_model
 

@@ -115,7 +115,7 @@ def test_span_shape_checked_against_the_mask_function():
     """check_spans reads a span's corners from the mask function, row by row: a block overlay passes
     (under a window too), a chain (each token sees only the next), a block in the wrong row, or a
     window the overlay ignores are refused."""
-    from cp_attention.integrations.overlays import check_spans
+    from cp_attention.integrations.hf.overlays import check_spans
 
     spans = {0: [(2, 5)], 1: [(1, 3), (6, 7)]}  # row -> (first, last) tokens of its spans
     span_next = torch.zeros(2, 9, dtype=torch.bool)
@@ -176,7 +176,7 @@ def _cp_worker(rank, world_size, families, layout, plant):
 
     torch.set_num_threads(1)
     if plant == "no-deepstack":  # the decoder gets only what the shard computes
-        from cp_attention.integrations import multimodal
+        from cp_attention.integrations.hf import multimodal
         multimodal.NOT_INJECTED = multimodal.NOT_INJECTED | {"deepstack_visual_embeds", "visual_pos_masks"}
     results = {}
     for family in families:
@@ -256,7 +256,7 @@ def test_window_overlays_and_spans_past_the_window_are_refused():
     (its composition with the window is not read from a shard), one that fits passes."""
     from types import SimpleNamespace
 
-    from cp_attention.integrations.transformers import CPMask, _refuse_spans_past_window
+    from cp_attention.integrations.hf.registry import CPMask, _refuse_spans_past_window
 
     def sliding(window, overlay=False):
         return lambda b, h, q, k: (k <= q) & ((q - k < window) | overlay)
@@ -285,7 +285,7 @@ def test_window_cut_read_from_the_mask_structure(monkeypatch, padded):
     from transformers import Gemma3TextConfig
     from transformers import masking_utils as mu
 
-    from cp_attention.integrations.overlays import overlay_structure
+    from cp_attention.integrations.hf.overlays import overlay_structure
 
     got = []
     monkeypatch.setitem(mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "capture",
@@ -322,7 +322,7 @@ def test_block_overlay_without_blocks_on_a_rank_opens_nothing():
 
     from transformers import masking_utils as mu
 
-    from cp_attention.integrations.transformers import CPMask
+    from cp_attention.integrations.hf.registry import CPMask
 
     batch = SimpleNamespace(cp=SimpleNamespace(world_size=2), spans_read=False, meta=SimpleNamespace(spans=None))
     for has_block in (False, True):

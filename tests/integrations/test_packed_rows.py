@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from cp_attention.integrations.packed_rows import pack_rows, unpack_rows  # noqa: E402
+from cp_attention.integrations.trainers.packed_rows import pack_rows, unpack_rows  # noqa: E402
 from cp_attention.tools.launch import run_ranks  # noqa: E402
 from cp_attention.tools.tiny_models import tiny_model  # noqa: E402
 
@@ -123,7 +123,7 @@ row attending to nothing)."""
 
 def _cp_worker(rank, world_size, state, rows_mode, layout):
     import cp_attention
-    from cp_attention.integrations.packed_rows import packed_fused_forward
+    from cp_attention.integrations.trainers.packed_rows import packed_fused_forward
 
     torch.set_num_threads(1)
     model = _fused(tiny_model("gpt_oss", "cp_flash", seed=0, window=4))
@@ -177,7 +177,7 @@ def test_packed_fused_forward_equals_the_padded_call(rows_mode, layout):
 def test_join_rows_equals_padding_every_row_at_once():
     from trl.trainer.utils import pad
 
-    from cp_attention.integrations.trl import join_rows
+    from cp_attention.integrations.trainers.trl import join_rows
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 100, (n,), generator=g) for n in (3, 7, 2, 5, 9)]
@@ -212,7 +212,7 @@ def test_join_pairs_equals_the_collator_on_every_pair():
 
     examples = [example() for _ in range(5)]
     collate = DataCollatorForPreference(pad_token_id=0)
-    from cp_attention.integrations.trl import join_pairs
+    from cp_attention.integrations.trainers.trl import join_pairs
 
     joined = join_pairs([collate(examples[:2]), collate(examples[2:])], 0)
     want = collate(examples)
@@ -239,7 +239,7 @@ def _quantile_worker(rank, world_size, entropies, mask, threshold):
     import types
 
     import cp_attention
-    from cp_attention.integrations.trl import CPRLTrainerMixin
+    from cp_attention.integrations.trainers.trl import CPRLTrainerMixin
 
     with cp_attention.context_parallel() as cp:
         trainer = types.SimpleNamespace(accelerator=_Gathering(cp.comm))

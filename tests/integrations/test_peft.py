@@ -95,7 +95,7 @@ def test_prompt_learning_refused_by_name(tmp_path, kind, name):
     import cp_attention
     from transformers import TrainingArguments
 
-    from cp_attention.integrations.trainer import CPTrainer
+    from cp_attention.integrations.trainers.trainer import CPTrainer
 
     model = _peft_model(kind, "cp_flash")
     with cp_attention.context_parallel() as cp:

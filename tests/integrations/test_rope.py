@@ -2,7 +2,7 @@
 
 * Which rotary modules depend on the length: for every rope type of transformers' rope registry, a
   rotary module is computed twice, on positions 0..3 alone and with a far position appended; its rows
-  for 0..3 change exactly when :func:`~cp_attention.integrations.rope.length_dependent` says so (the
+  for 0..3 change exactly when :func:`~cp_attention.integrations.hf.adapters.rope.length_dependent` says so (the
   oracle is the module's own output, not the rule). A type added to the registry without parameters
   here fails the test, so the rule cannot silently fall behind the registry.
 * Phi-3 ``longrope``, Phi-MoE ``longrope`` (its own length-dependent attention scale) and Llama
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import cp_attention
-from cp_attention.integrations import rope
+from cp_attention.integrations.hf.adapters import rope
 from cp_attention.tools.launch import run_ranks
 
 from hf_cases import TOL, grad_tol
@@ -238,7 +238,7 @@ def test_the_rope_hook_admits_by_behaviour():
     position in their source, the one scaling by the largest passes and the one scaling by the count of
     positions (a rank would see its shard's count) is declined: not hooked, and the model check refuses it
     naming the transformers version and the class."""
-    from cp_attention.integrations.versions import transformers_version
+    from cp_attention.integrations.hf.versions import transformers_version
 
     for family in FAMILIES:
         module = _model(family, "cp_flash").model.rotary_emb
@@ -258,7 +258,7 @@ def test_the_rope_hook_admits_by_behaviour():
 def test_a_declined_rope_refuses_its_model():
     """A phi3 model whose rotary computes from the count of positions: the model check refuses it (before
     any layer runs), naming the version; its eager forward is untouched."""
-    from cp_attention.integrations.model_check import model_findings
+    from cp_attention.integrations.hf.check import model_findings
 
     model = _model("phi3", "cp_flash")
     assert not [f for f in model_findings(model) if "rope" in f.what]

@@ -1,4 +1,4 @@
-"""The MoE router's load-balancing loss under context parallelism (cp_attention.integrations.losses).
+"""The MoE router's load-balancing loss under context parallelism (cp_attention.integrations.hf.adapters.router_loss).
 
 Ground truth: the same tiny model with eager attention on one process over the full batch, its
 loss including ``router_aux_loss_coef * aux_loss`` (transformers' own ``load_balancing_loss_func``
@@ -74,7 +74,7 @@ def _reference(family: str, padded: bool):
 
 def _worker(rank: int, world_size: int, cases, layout: str, planted: bool):
     import cp_attention
-    from cp_attention.integrations import losses
+    from cp_attention.integrations.hf.adapters import router_loss as losses
 
     results = {}
     for family, padded in cases:
@@ -135,7 +135,7 @@ def test_router_loss_functions_checked_against_the_family():
 
     import transformers.models as tm
 
-    from cp_attention.integrations import losses
+    from cp_attention.integrations.hf.adapters import router_loss as losses
 
     fitted, refused = [], []
     for info in pkgutil.iter_modules(tm.__path__):
@@ -179,8 +179,8 @@ def _squared_balance():
 
 def _declined_worker(rank: int, world_size: int):
     import cp_attention
-    from cp_attention.integrations import losses
-    from cp_attention.integrations.versions import transformers_version
+    from cp_attention.integrations.hf.adapters import router_loss as losses
+    from cp_attention.integrations.hf.versions import transformers_version
 
     mod, squared = _squared_balance()
     mod.load_balancing_loss_func = losses._router_loss(squared)
@@ -197,7 +197,7 @@ def test_a_declined_router_loss_refuses_under_cp_and_leaves_eager_untouched(monk
     """A family's router loss computing another number (planted: the square of the balance) is refused
     under context parallelism, naming the transformers version and the function; outside the block the
     wrapper returns the planted function's own value, bit for bit."""
-    from cp_attention.integrations import losses
+    from cp_attention.integrations.hf.adapters import router_loss as losses
 
     mod, squared = _squared_balance()
     monkeypatch.setattr(mod, "load_balancing_loss_func", losses._router_loss(squared))

@@ -187,7 +187,7 @@ def test_import_leaves_an_eager_models_trainer_loss_unchanged(tmp_path):
 def test_join_micro_batches_keeps_parts_apart():
     """CPTrainer's join of the ranks' micro-batches: part boundaries open documents, the first label
     of a later part is never predicted, positions restart per part, collator keys are translated."""
-    from cp_attention.integrations.trainer import join_micro_batches
+    from cp_attention.integrations.trainers.trainer import join_micro_batches
 
     a = dict(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]), labels=torch.tensor([[5, 6, 7], [8, 9, 10]]),
              attention_mask=torch.tensor([[1, 1, 1], [0, 1, 1]]))

@@ -17,7 +17,7 @@ from cp_attention.tools.tiny_models import FAMILIES, is_causal_lm, tiny_config, 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface  # noqa: E402  loading the modeling code registers cp_flash
 
-from cp_attention.integrations import transformers as integ  # noqa: E402
+from cp_attention.integrations.hf import registry as integ  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.transformers]  # spawns gloo ranks; builds transformers models
 
@@ -27,7 +27,7 @@ def test_import_registers_lazily_and_idempotently():
             "from transformers import AttentionInterface, AttentionMaskInterface; "
             "assert 'cp_flash' in AttentionInterface._global_mapping; "
             "assert 'cp_flash' in AttentionMaskInterface._global_mapping; "
-            "import cp_attention.integrations.transformers as t; t.register(); t.register(); print('ok')")
+            "import cp_attention.integrations.hf.registry as t; t.register(); t.register(); print('ok')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
 

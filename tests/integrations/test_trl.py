@@ -85,8 +85,8 @@ def _sft_args(out, **kw):
 def _trainer_classes():
     from trl import SFTTrainer
 
-    from cp_attention.integrations.trainer import CPTrainerMixin
-    from cp_attention.integrations.trl import CPSFTTrainer
+    from cp_attention.integrations.trainers.trainer import CPTrainerMixin
+    from cp_attention.integrations.trainers.trl import CPSFTTrainer
 
     class MixinFirst(CPTrainerMixin, SFTTrainer):
         pass
@@ -103,7 +103,7 @@ def test_both_base_orders_accept_the_cp_options_and_train_the_same(tmp_path):
     import train_sft
     from trl import SFTTrainer
 
-    from cp_attention.integrations.trainer import CPTrainerMixin
+    from cp_attention.integrations.trainers.trainer import CPTrainerMixin
 
     classes = _trainer_classes()
     assert classes["mixin first"].__mro__[1:] == classes["mixin last"].__mro__[1:] == classes["CPSFTTrainer"].__mro__[1:]
@@ -138,7 +138,7 @@ def _sequence_classifier():
 def test_cp_trainer_refuses_heads_that_read_one_output_per_row(tmp_path):
     """The CP trainers join the ranks' rows along the sequence: a pooled or span head is refused at
     construction (it runs exactly through cp.shard_batch, tests/integrations/test_heads.py)."""
-    from cp_attention.integrations.trainer import CPTrainer
+    from cp_attention.integrations.trainers.trainer import CPTrainer
 
     with pytest.raises(ValueError, match="one output per row"):
         CPTrainer(model=_sequence_classifier(), args=_sft_args(tmp_path))

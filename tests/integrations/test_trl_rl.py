@@ -195,7 +195,7 @@ def _grpo(tmp_path, attention="cp_flash", **config):
     import train_grpo
     from trl import GRPOConfig
 
-    from cp_attention.integrations.trl import CPGRPOTrainer
+    from cp_attention.integrations.trainers.trl import CPGRPOTrainer
 
     path = train_grpo.model_dir(str(tmp_path), "gpt_oss", 0)
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
@@ -209,7 +209,7 @@ def test_the_post_training_trainers_refuse_what_they_cannot_make_exact(tmp_path)
     """A policy without cp_flash (the reference model is loaded like it); paged generation through
     cp_flash (untested); inputs besides the tokens, and rows that are not one span, in the scoring."""
     import cp_attention
-    from cp_attention.integrations.packed_rows import packed_fused_forward
+    from cp_attention.integrations.trainers.packed_rows import packed_fused_forward
 
     with pytest.raises(ValueError, match="cp_flash"):
         _grpo(tmp_path, attention="eager")

@@ -1,4 +1,4 @@
-"""Verification at first use (cp_attention.integrations.verification): a model the library has never seen,
+"""Verification at first use (cp_attention.integrations.hf.verification): a model the library has never seen,
 whose own code mixes tokens along the sequence, is refused on every rank before its first forward under a
 multi-rank block computes; the same model without the term is exact. The truth is each document alone on
 one device under eager (the family sweep's), computed here from the checkpoint, not from the library.
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import cp_attention
-from cp_attention.integrations import state, verification
+from cp_attention.integrations.hf import state
+from cp_attention.integrations.hf import verification
 from cp_attention.tools.launch import run_ranks
 
 from vlm_cases import BUILDERS
@@ -48,7 +49,7 @@ def _remote_worker(rank, world_size, paths: dict, packed: bool, verify: bool = T
     """Every model under one block: its logits in sequence order, or the refusal's message; per phase: the
     model check as it is ("check"), then with its trace finding nothing ("verification": what is left to
     verification at first use, as for token mixing the trace cannot see)."""
-    from cp_attention.integrations import token_trace
+    from cp_attention.integrations.hf import token_trace
 
     ids, pos, docs = _batch(world_size, packed)
     results = {}
@@ -214,7 +215,7 @@ def test_packed_text_read_another_way_on_one_device():
 def test_the_trace_finds_nothing_in_exact_families(family):
     """The model check's trace on families the sweep finds exact (attention, adapted mixer functions and
     classes, an indexer): nothing, since the attention and the adapted mixers answer per token under it."""
-    from cp_attention.integrations import model_check
+    from cp_attention.integrations.hf import check as model_check
     from cp_attention.tools.sweeps.configs import build_model, tiny_config
 
     model = build_model(tiny_config(family), "cp_flash")
@@ -224,7 +225,7 @@ def test_the_trace_finds_nothing_in_exact_families(family):
 def test_the_trace_names_the_operation_and_its_line(checkpoints):
     """One process, no ranks: each kind found by the model check's trace, the module, the operation and the
     line of modeling_mixlm.py that holds it; the checkpoint without the op has no finding."""
-    from cp_attention.integrations import model_check
+    from cp_attention.integrations.hf import check as model_check
 
     for op, path in checkpoints.items():
         findings = model_check.model_findings(load_remote_model(path, "cp_flash", dtype=torch.float64))

@@ -46,7 +46,7 @@ GENERATED_ELSEWHERE = {"docs/supported_models.md", "docs/supported_heads.md", "d
                        "docs/mutants.md"}
 # the public functions whose signatures the docs must show
 REQUIRED_SIGNATURES = {"cp_attention.attention", "cp_attention.context_parallel",
-                       "cp_attention.ContextParallel.shard_batch", "cp_attention.integrations.trainer.CPTrainer"}
+                       "cp_attention.ContextParallel.shard_batch", "cp_attention.integrations.trainers.trainer.CPTrainer"}
 BENCHMARKS_PAGE, BENCHMARKS_FOLDER = "docs/benchmarks.md", "benchmarks/results/cpu"
 
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*(.*)$")

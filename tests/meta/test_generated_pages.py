@@ -122,7 +122,7 @@ def test_a_record_changed_without_its_page_makes_the_page_stale(tmp_path, name):
 def test_the_versions_record_holds_tested_releases_and_the_support_tables_one():
     """docs/data/versions.json holds the family sweep of every tested transformers release and no other, nothing
     wrong or crashing on any, and its release of the support tables is docs/data/families.json's."""
-    from cp_attention.integrations.versions import TESTED_VERSIONS
+    from cp_attention.integrations.hf.versions import TESTED_VERSIONS
     from cp_attention.tools.sweeps.versions import compact
 
     record = tables.read_record(os.path.join(ROOT, tables.PAGES["versions"][1]))

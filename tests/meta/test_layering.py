@@ -202,10 +202,10 @@ def layering_violations(modules: dict[str, str] = MODULES) -> list[str]:
     return problems
 
 
-def adapter_engine_names(path: str = MODULES["cp_attention.integrations.transformers"]) -> set[str]:
+def adapter_engine_names(path: str = MODULES["cp_attention.integrations.hf.registry"]) -> set[str]:
     """The engine names the transformers adapter uses: names it imports from the package outside
     ``integrations``, and the attributes it reads on engine modules it imports."""
-    module = "cp_attention.integrations.transformers"
+    module = "cp_attention.integrations.hf.registry"
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     names, engine_modules = set(), set()

@@ -23,9 +23,9 @@ while not os.path.exists(os.path.join(ROOT, "pyproject.toml")):
 PACKAGE = os.path.join(ROOT, "cp_attention")
 PAGE = os.path.join(ROOT, "docs", "refusals.md")
 # the modules whose refusals go through the catalogue: no NotImplementedError of their own
-CONVERTED = ["engine/layer.py", "engine/local.py"] + [
-    f"integrations/{name}.py" for name in ("heads", "hf_batch", "losses", "mixers", "model_check", "multimodal",
-                                           "overlays", "rope", "transformers", "trainer")]
+CONVERTED = ["engine/layer.py", "engine/local.py"] + sorted(
+    os.path.relpath(os.path.join(folder, name), PACKAGE).replace(os.sep, "/")
+    for folder, _, files in os.walk(os.path.join(PACKAGE, "integrations")) for name in files if name.endswith(".py"))
 
 
 def _sources(package: str = PACKAGE):
@@ -256,12 +256,12 @@ def test_torch_context_parallel_is_refused(monkeypatch):
         "cp_flash: torch's context_parallel (accelerate's ParallelismConfig(cp_size > 1)) is active: it shards the "
         "sequence itself and cp_flash would attend within one shard. cp_flash does its own context parallelism: "
         "use cp_attention.context_parallel() + cp.shard_batch(), or CPTrainer from "
-        "cp_attention.integrations.trainer, without torch's context_parallel (or use attn_implementation='sdpa' "
+        "cp_attention.integrations.trainers.trainer, without torch's context_parallel (or use attn_implementation='sdpa' "
         "with torch's context_parallel, for plain causal masks only)")
 
 
 def test_cp_flash_refuses_dropout_and_a_dense_mask():
-    from cp_attention.integrations.transformers import cp_flash_attention
+    from cp_attention.integrations.hf.registry import cp_flash_attention
 
     module = torch.nn.Module().train()
     q = torch.randn(1, 2, 4, 8)
@@ -282,7 +282,7 @@ def test_cp_flash_refuses_dropout_and_a_dense_mask():
 def test_cp_trainer_refuses_a_model_without_cp_flash(tmp_path):
     from transformers import TrainingArguments
 
-    from cp_attention.integrations.trainer import CPTrainer
+    from cp_attention.integrations.trainers.trainer import CPTrainer
     from cp_attention.tools.tiny_models import tiny_model
 
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1,

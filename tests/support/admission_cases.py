@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import cp_attention
-from cp_attention.integrations import mixers, state
+from cp_attention.integrations.hf.adapters import mixer_functions as mixers
+from cp_attention.integrations.hf import state
 
 
 

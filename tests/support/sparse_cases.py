@@ -19,7 +19,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import cp_attention
-from cp_attention.integrations import model_check
+from cp_attention.integrations.hf import check as model_check
 import hf_cases
 import hybrid_cases
 

@@ -1,4 +1,4 @@
-"""The sharded KV cache layer (cp_attention.integrations.generation), simulated for P ranks in one process: the
+"""The sharded KV cache layer (cp_attention.integrations.hf.generation), simulated for P ranks in one process: the
 union of the ranks' keys is every position exactly once (or, with a window or chunks, every position a later
 query may see), each key equal to one device's at its position; the one-device lengths reported; balance."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cp_attention import layout
-from cp_attention.integrations.generation import ShardedCacheLayer, decode_owner
+from cp_attention.integrations.hf.generation import ShardedCacheLayer, decode_owner
 
 
 def _run(P: int, N: int, steps: int, layout_name: str, **mask):

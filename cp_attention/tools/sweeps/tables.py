@@ -290,7 +290,7 @@ def versions_page(record: dict, data: str = "docs/data/versions.json",
         "crash on any release; what differs is listed below with the reason each release gives.", "",
         "| release | families | world size 1 | CP = 2 |", "|---|---|---|---|",
     ]
-    from ...integrations.versions import TESTED_VERSIONS
+    from ...integrations.hf.versions import TESTED_VERSIONS
 
     missing = [v for v in TESTED_VERSIONS if v not in releases]
     for version, results in releases.items():

@@ -1,7 +1,7 @@
 """The family sweep on every tested transformers release, side by side: what differs, and why.
 
 The family sweep (:mod:`.family`) runs on one installed transformers. Its ``--json`` output on each tested
-release (``cp_attention.integrations.versions.TESTED_VERSIONS``) is added to one record,
+release (``cp_attention.integrations.hf.versions.TESTED_VERSIONS``) is added to one record,
 ``docs/data/versions.json`` (each family's outcome at world size 1 and CP = 2, with the refusal's reasons or
 message), and ``docs/supported_versions.md`` is rendered from it: the counts per release, and every family
 whose outcomes differ between releases with the reason each release gives.

@@ -37,10 +37,10 @@ from typing import Callable
 import torch
 
 from . import state
-from ..engine import stats as engine_stats
-from ..engine.context import ACTIVE_CONTEXT, ContextParallel
-from ..refusals import refuse
-from .mixer_adapters import agrees, composition_reason
+from ...engine import stats as engine_stats
+from ...engine.context import ACTIVE_CONTEXT, ContextParallel
+from ...refusals import refuse
+from .function_admission import agrees, composition_reason
 from .versions import transformers_version
 
 __all__ = ["Check", "CHECKS", "TOKENS", "admitted", "class_reason", "first_use"]

@@ -17,7 +17,7 @@ returns this rank's term, linear in its own differentiable ``R_r``::
 
 ``s`` follows the loss convention of the batch: ``P`` for a batch of ``cp.shard_batch`` (each
 rank's loss is P times its share, so the mean over ranks of the loss and of the gradients is the
-single-device one), 1 under :class:`~cp_attention.integrations.trainer.CPTrainerMixin`, where
+single-device one), 1 under :class:`~cp_attention.integrations.trainers.trainer.CPTrainerMixin`, where
 Trainer multiplies each process's loss by the process count itself. ``T`` is a count (no gradient),
 as in the original.
 
@@ -37,11 +37,11 @@ import inspect
 
 import torch
 
-from ..engine.batch import AMBIGUOUS, batch_of, live_records
-from ..engine.context import active_context
-from ..refusals import refuse
-from .patches import patch
-from .versions import transformers_version
+from ....engine.batch import AMBIGUOUS, batch_of, live_records
+from ....engine.context import active_context
+from ....refusals import refuse
+from ...patches import patch
+from ..versions import transformers_version
 
 __all__ = ["LOSS_FUNCTIONS", "adapt_module", "router_balance_parts", "LOSS_SCALE"]
 

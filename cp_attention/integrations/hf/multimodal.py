@@ -31,10 +31,10 @@ import re
 
 import torch
 
-from ..engine.batch import batch_of
-from ..engine.context import outside_context
-from ..refusals import refuse
-from .patches import record
+from ...engine.batch import batch_of
+from ...engine.context import outside_context
+from ...refusals import refuse
+from ..patches import record
 
 __all__ = ["refuse_media", "media_inputs", "outer_inputs", "decoder_inputs", "shard_decoder_inputs", "install_injection", "NOT_INJECTED"]
 

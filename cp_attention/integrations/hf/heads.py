@@ -48,11 +48,11 @@ import sys
 
 import torch
 
-from .. import layout as layout_mod
+from ... import layout as layout_mod
 from . import source
-from ..engine.batch import AMBIGUOUS, batch_of
-from ..refusals import refuse
-from .losses import LOSS_SCALE
+from ...engine.batch import AMBIGUOUS, batch_of
+from ...refusals import refuse
+from .adapters.router_loss import LOSS_SCALE
 
 __all__ = ["HeadCall", "call_kwargs", "gather_rows", "prepare_call"]
 

@@ -44,7 +44,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from ..engine.context import outside_context
+from ...engine.context import outside_context
 from . import state
 from .models import config_crc
 

@@ -23,13 +23,14 @@ import inspect
 
 import torch
 
-from ..engine.batch import resolve
-from ..engine.context import active_context
-from ..engine.local import local_meta
-from ..layout import global_index, local_lengths, unshard
-from . import source, state
-from .class_admission import first_use
-from .patches import patch
+from ....engine.batch import resolve
+from ....engine.context import active_context
+from ....engine.local import local_meta
+from ....layout import global_index, local_lengths, unshard
+from .. import source
+from .. import state
+from ..class_admission import first_use
+from ...patches import patch
 from .indexers import CanonicalTopk
 
 __all__ = ["COMPRESSOR_SIGNATURE", "adapt_module", "adapted_compressor", "take_selection"]

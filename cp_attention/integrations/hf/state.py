@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from ..torch_compat import WeakIdKeyDictionary
+from ...torch_compat import WeakIdKeyDictionary
 
 __all__ = ["CONFIG_CHECKSUMS", "CONFIG_LOCK", "INTEGRATIONS", "INTEGRATIONS_LOCK", "MODEL_CHECKS", "MODEL_LOCK", "POSITION_STARTS",
            "MODEL_GUARD", "MODEL_GUARD_HOOKS", "INDEXER_SELECTIONS", "COMPRESSED_SELECTIONS", "VERIFIED", "VERIFIED_LOCK", "TRACED"]

@@ -41,7 +41,7 @@ In a one-rank block only one finding changes the result: a model whose forward t
 ``position_ids`` such a family receives through keyword arguments are not its positions: its layers
 treat the row as one sequence, as its own eager does (:func:`layer_position_ids`).
 
-Checked once per model object (:data:`cp_attention.integrations.state.MODEL_CHECKS`) when a multi-rank
+Checked once per model object (:data:`cp_attention.integrations.hf.state.MODEL_CHECKS`) when a multi-rank
 :func:`~cp_attention.context_parallel` block runs its first forward, on every rank alike (the
 model is the same everywhere), so every rank raises the same ``NotImplementedError`` before a K/V
 block moves. A second guard counts, during each forward of a cp_flash model inside such a block,
@@ -63,20 +63,20 @@ import torch
 from .source import forward_args as _forward_args
 from .source import uses_attention_interface
 from . import state
-from .patches import record
-from ..engine.batch import batch_of
-from ..engine.context import active_context, register_context_guard
-from ..engine.stats import begin_mixers
-from ..refusals import refuse
+from ..patches import record
+from ...engine.batch import batch_of
+from ...engine.context import active_context, register_context_guard
+from ...engine.stats import begin_mixers
+from ...refusals import refuse
 from .heads import call_kwargs, prepare_call
-from .compressed import adapted_compressor
-from .indexers import adapted_indexer
+from .adapters.compressed import adapted_compressor
+from .adapters.indexers import adapted_indexer
 from .multimodal import refuse_media
-from .mixers import MIXER_ATTR, declined, tag_mixers
+from .adapters.mixer_functions import MIXER_ATTR, declined, tag_mixers
 from .versions import transformers_version
 from .generation import finish_prefill, generation_call, start_decode, start_prefill
-from .recurrent import adapted_class
-from .rope import rope_findings, tag_ropes
+from .adapters.mixer_classes import adapted_class
+from .adapters.rope import rope_findings, tag_ropes
 from .verification import verify_first_use
 from .token_trace import REFUSED as TRACE_REFUSED, model_trace
 

@@ -10,7 +10,7 @@ import json
 import zlib
 
 from . import state
-from ..masks import MaskSpec
+from ...masks import MaskSpec
 
 __all__ = ["text_config", "layer_mask", "layer_masks", "model_masks", "attention_shapes", "config_crc"]
 
@@ -115,7 +115,7 @@ def config_crc(module) -> int:
     transformers version), agreed by the ranks on a batch's first call: two ranks whose models
     differ (a window, the layer types) then raise together instead of one of them waiting for an
     agreement the others skip. -1 when the module has no config. Computed once per config object
-    (:data:`cp_attention.integrations.state.CONFIG_CHECKSUMS`)."""
+    (:data:`cp_attention.integrations.hf.state.CONFIG_CHECKSUMS`)."""
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return -1

@@ -37,11 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.batch import batch_of
-from ..layout import layouts as layout_mod
-from ..refusals import refuse
-from .heads import gather_rows
-from .model_check import unwrap_adapters
+from ...engine.batch import batch_of
+from ...layout import layouts as layout_mod
+from ...refusals import refuse
+from ..hf.heads import gather_rows
+from ..hf.check import unwrap_adapters
 
 __all__ = ["FIELDS", "PackedRows", "pack_rows", "packed_fused_forward", "unpack_rows"]
 

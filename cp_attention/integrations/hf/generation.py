@@ -23,7 +23,7 @@ import functools
 import torch
 
 from . import state as guard_state
-from ..refusals import refuse
+from ...refusals import refuse
 
 __all__ = ["ShardedCacheLayer", "GenState", "decode_attention", "decode_owner", "finish_prefill", "generation_call",
            "generation_state", "hand_over", "running_decode", "start_decode", "start_prefill"]
@@ -257,7 +257,7 @@ def generation_call(model, kwargs: dict | None, attends) -> tuple | None:
     ("prefill", cache) for a call with an empty transformers cache and unsharded ``input_ids`` (generate's
     first forward), ("decode", state) for a call continuing a cache :func:`start_prefill` sharded, else
     None. Refuses a model with attention (``attends()``) whose forward builds a cache of its own class."""
-    from ..engine.batch import batch_of
+    from ...engine.batch import batch_of
 
     if not kwargs:
         return None
@@ -330,8 +330,8 @@ def start_prefill(model, kwargs: dict, cache, cp) -> GenState:
     """Shard generate's first forward: its ``input_ids`` / ``position_ids`` / ``attention_mask`` become
     this rank's shard (``cp.shard_batch``, in the call's own dict), and each attention layer of ``cache``
     a :class:`ShardedCacheLayer` of this rank's tokens. Every rank must be handed the same prompt."""
-    from .. import layout as layout_mod
-    from ..engine.batch import batch_of
+    from ... import layout as layout_mod
+    from ...engine.batch import batch_of
     from .models import layer_mask, text_config
 
     ids = kwargs["input_ids"]
@@ -430,7 +430,7 @@ def decode_attention(state: GenState, spec, query: torch.Tensor, key: torch.Tens
     over the ranks by :func:`cp_attention.engine.decode.attend_sharded_cache`. ``cached``: the key tensor
     as the attention was handed it (a layer sharing another's K/V hands that layer's). Returns
     (B, Lq, H, Dv)."""
-    from ..engine.decode import attend_sharded_cache
+    from ...engine.decode import attend_sharded_cache
 
     layer = state.updated
     if cached is not None and (layer is None or layer.keys is not cached):  # a layer sharing another's K/V

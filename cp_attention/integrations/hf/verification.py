@@ -34,12 +34,12 @@ import types
 
 import torch
 
-from ..engine.context import outside_context
-from ..engine import stats as engine_stats
-from ..engine.batch import LiveRecords
-from ..plan.cache import PlanCache
-from ..refusals import refuse
-from ..torch_compat import WeakIdKeyDictionary
+from ...engine.context import outside_context
+from ...engine import stats as engine_stats
+from ...engine.batch import LiveRecords
+from ...plan.cache import PlanCache
+from ...refusals import refuse
+from ...torch_compat import WeakIdKeyDictionary
 from . import state
 from .token_trace import kept_module_state
 from .models import config_crc, layer_masks, text_config

@@ -53,19 +53,19 @@ import torch
 
 from .token_trace import stand_in_attention, tracing
 from . import state
-from .patches import patch, record
-from ..engine.layer import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
-from ..masks import MaskSpec
-from ..refusals import refuse
-from .indexers import MaskRows, SelectingMask, global_selection
-from .compressed import adapt_module as adapt_compressed
-from .compressed import take_selection
+from ..patches import patch, record
+from ...engine.layer import LayerDocs, attend_layer, compiling_outside_cp, layer_mask_batch
+from ...masks import MaskSpec
+from ...refusals import refuse
+from .adapters.indexers import MaskRows, SelectingMask, global_selection
+from .adapters.compressed import adapt_module as adapt_compressed
+from .adapters.compressed import take_selection
 from .generation import decode_attention, running_decode
-from .indexers import adapt_module as adapt_indexers
-from .losses import adapt_module as adapt_loss_functions
-from .mixers import adapt_module as adapt_mixer_functions
-from .recurrent import adapt_module as adapt_mixer_classes
-from .model_check import guard_position_start, guard_sub_model, install_guard, layer_position_ids, note_cp_flash_call
+from .adapters.indexers import adapt_module as adapt_indexers
+from .adapters.router_loss import adapt_module as adapt_loss_functions
+from .adapters.mixer_functions import adapt_module as adapt_mixer_functions
+from .adapters.mixer_classes import adapt_module as adapt_mixer_classes
+from .check import guard_position_start, guard_sub_model, install_guard, layer_position_ids, note_cp_flash_call
 from .models import config_crc, layer_mask, text_config
 from .versions import check_version
 from .overlays import check_spans, mask_pairs, overlay_structure, probe_adjacent, probe_whole_mask

@@ -4,7 +4,7 @@ An ordinary Trainer script changes two lines (the class and the attention implem
 launched with ``torchrun``; every rank of a context-parallel group then trains on one shard of each
 sequence::
 
-    from cp_attention.integrations.trainer import CPTrainer
+    from cp_attention.integrations.trainers.trainer import CPTrainer
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="cp_flash")
     trainer = CPTrainer(model=model, args=args, train_dataset=ds,
                         data_collator=DataCollatorWithFlattening())     # or any padding collator
@@ -35,15 +35,15 @@ from __future__ import annotations
 import torch
 from transformers import Trainer
 
-from ..engine.agreement import check_strategy
-from ..engine.context import context_parallel
-from ..strategies.choice import CostModel
-from ..engine.batch import batch_of
-from ..refusals import refuse
-from .hf_batch import DOCUMENT_KEYS
-from .losses import LOSS_SCALE
-from .heads import head_kind
-from .model_check import check_model, unwrap_adapters
+from ...engine.agreement import check_strategy
+from ...engine.context import context_parallel
+from ...strategies.choice import CostModel
+from ...engine.batch import batch_of
+from ...refusals import refuse
+from ..hf.batch import DOCUMENT_KEYS
+from ..hf.adapters.router_loss import LOSS_SCALE
+from ..hf.heads import head_kind
+from ..hf.check import check_model, unwrap_adapters
 
 __all__ = ["CPTrainer", "CPTrainerMixin", "MixinBeforeTrainer", "check_cp_options", "join_micro_batches", "to_cpu"]
 

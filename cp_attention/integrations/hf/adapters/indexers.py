@@ -57,16 +57,17 @@ import inspect
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..engine.batch import resolve
-from ..engine.context import active_context
-from ..engine.local import local_meta
-from ..layout import global_index, local_lengths, unshard
-from ..masks import MaskSpec
-from ..plan.select import visible_rows
-from ..refusals import refuse
-from . import source, state
-from .class_admission import first_use
-from .patches import patch
+from ....engine.batch import resolve
+from ....engine.context import active_context
+from ....engine.local import local_meta
+from ....layout import global_index, local_lengths, unshard
+from ....masks import MaskSpec
+from ....plan.select import visible_rows
+from ....refusals import refuse
+from .. import source
+from .. import state
+from ..class_admission import first_use
+from ...patches import patch
 
 __all__ = ["MaskRows", "SelectingMask", "KeySelection", "CanonicalTopk", "adapt_module", "adapted_indexer",
            "canonical_topk",

@@ -29,8 +29,8 @@ import sys
 
 import torch
 
-from ..engine.local import multi_rank_context_active
-from ..refusals import refuse
+from ...engine.local import multi_rank_context_active
+from ...refusals import refuse
 
 __all__ = ["mask_pairs", "probe_adjacent", "probe_whole_mask", "overlay_structure", "check_spans", "batch_span_next"]
 

@@ -39,19 +39,20 @@ import functools
 
 import torch
 
-from .token_trace import owned, stand_in_output, tracing
-from . import source, state
-from ..engine.batch import AMBIGUOUS, recomputed_batch
-from ..engine.context import active_context
-from ..engine.layer import compiling_outside_cp
-from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan
-from .generation import running_decode
-from .mixer_adapters import ADAPTERS, CONVENTIONS, admit, bind, call_kwargs
-from .patches import patch
-from .versions import transformers_version
-from ..engine.stats import note_mixer
-from ..refusals import refuse
-from ..torch_compat import assume_constant_result, in_backward
+from ..token_trace import owned, stand_in_output, tracing
+from .. import source
+from .. import state
+from ....engine.batch import AMBIGUOUS, recomputed_batch
+from ....engine.context import active_context
+from ....engine.layer import compiling_outside_cp
+from ....strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan
+from ..generation import running_decode
+from ..function_admission import ADAPTERS, CONVENTIONS, admit, bind, call_kwargs
+from ...patches import patch
+from ..versions import transformers_version
+from ....engine.stats import note_mixer
+from ....refusals import refuse
+from ....torch_compat import assume_constant_result, in_backward
 
 __all__ = ["CONVOLUTIONS", "CONV_FORWARDS", "SCAN_FORWARDS", "FORWARDS", "RECURRENCES", "SHORTCUTS", "DECODING",
            "adapt_module", "adapted", "handled_calls", "tag_mixers", "MIXER_ATTR", "CLASS_MIXER_ATTR", "class_mixer", "batch_for", "compiled_wrapper",

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.batch import batch_of
-from ..refusals import refuse
-from .model_check import default_position_start, unwrap_adapters
+from ...engine.batch import batch_of
+from ...refusals import refuse
+from .check import default_position_start, unwrap_adapters
 from .models import attention_shapes, model_masks
 from .multimodal import MEDIA_NAME, decoder_inputs, install_injection, media_inputs, outer_inputs, shard_decoder_inputs
 from .overlays import batch_span_next

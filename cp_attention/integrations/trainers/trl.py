@@ -5,13 +5,13 @@ Importing this module imports ``trl`` (``import cp_attention`` never does: trl s
 script changes two lines (the class and the attention implementation) and is launched with
 ``torchrun``::
 
-    from cp_attention.integrations.trl import CPSFTTrainer
+    from cp_attention.integrations.trainers.trl import CPSFTTrainer
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="cp_flash")
     args = SFTConfig(..., padding_free=True)         # or packing=True (BFD packing is padding-free)
     trainer = CPSFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer)
     trainer.train()                                  # torchrun --nproc_per_node=N sft.py
 
-**SFT.** A training step is :class:`~cp_attention.integrations.trainer.CPTrainerMixin`'s: the CP
+**SFT.** A training step is :class:`~cp_attention.integrations.trainers.trainer.CPTrainerMixin`'s: the CP
 group's micro-batches are joined along the sequence, sharded, and ``SFTTrainer``'s own step (its fused
 LM head scores the pre-shifted ``shift_labels`` of the shard, its loss is normalised by Trainer's
 ``num_items_in_batch`` of the global batch) runs on this rank's shard. ``class X(CPTrainerMixin,
@@ -62,12 +62,12 @@ from types import MappingProxyType
 import torch
 from trl import DPOTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer
 
-from ..engine.context import active_context, context_parallel, outside_context
-from ..refusals import refuse
-from .heads import head_kind
-from .model_check import check_model, unwrap_adapters
+from ...engine.context import active_context, context_parallel, outside_context
+from ...refusals import refuse
+from ..hf.heads import head_kind
+from ..hf.check import check_model, unwrap_adapters
 from .packed_rows import packed_fused_forward
-from .patches import patch
+from ..patches import patch
 from .trainer import CPTrainerMixin, MixinBeforeTrainer, check_cp_options, to_cpu
 
 __all__ = ["CPDPOTrainer", "CPGRPOTrainer", "CPRLOOTrainer", "CPRLTrainerMixin", "CPSFTTrainer", "join_pairs",
@@ -79,7 +79,7 @@ class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
 
     Takes SFTTrainer's arguments and ``cp_group``, ``cp_mesh_dim``, ``cp_layout``, ``cp_timeout``,
     ``cp_strategy``, ``cp_ulysses_size``, ``cp_cost_model`` (see
-    :class:`~cp_attention.integrations.trainer.CPTrainerMixin`). The model must use
+    :class:`~cp_attention.integrations.trainers.trainer.CPTrainerMixin`). The model must use
     ``attn_implementation="cp_flash"``; ``padding_free=True`` is recommended (module docstring).
     """
 
@@ -190,7 +190,7 @@ class CPRLTrainerMixin(metaclass=MixinBeforeTrainer):
 
     Args (besides the trainer's own): ``cp_group``, ``cp_mesh_dim``, ``cp_layout``, ``cp_timeout``,
     ``cp_strategy``, ``cp_ulysses_size``, ``cp_cost_model``, as for
-    :class:`~cp_attention.integrations.trainer.CPTrainerMixin`. Either base order works.
+    :class:`~cp_attention.integrations.trainers.trainer.CPTrainerMixin`. Either base order works.
     """
 
     _cp_trainer_mixin = True

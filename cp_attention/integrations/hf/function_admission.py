@@ -36,7 +36,7 @@ from types import MappingProxyType
 
 import torch
 
-from .patches import temporarily
+from ..patches import temporarily
 
 __all__ = ["ADAPTERS", "CONVENTIONS", "GatedDelta", "Mamba2", "Mamba", "admit", "bind", "call_kwargs",
            "agrees", "composition_reason"]

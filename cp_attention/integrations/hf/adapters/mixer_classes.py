@@ -43,13 +43,13 @@ from types import MappingProxyType
 
 import torch
 
-from . import source
-from ..engine.stats import note_mixer
-from ..strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan, token_windows
-from .class_admission import admitted
-from .patches import patch
-from .generation import hand_over
-from .mixers import CLASS_MIXER_ATTR, batch_for, class_mixer, compiled_wrapper, refuse_cache
+from .. import source
+from ....engine.stats import note_mixer
+from ....strategies.scan import agree, causal_conv, geometry_of, halo_plan, plan_for, scan, scan_plan, token_windows
+from ..class_admission import admitted
+from ...patches import patch
+from ..generation import hand_over
+from .mixer_functions import CLASS_MIXER_ATTR, batch_for, class_mixer, compiled_wrapper, refuse_cache
 
 __all__ = ["adapt_module", "adapted_class", "decayed_linear_attention"]
 

@@ -47,10 +47,10 @@ import threading
 
 import torch
 
-from ..engine.context import active_context
-from ..refusals import refuse
-from .versions import transformers_version
-from .patches import record
+from ....engine.context import active_context
+from ....refusals import refuse
+from ..versions import transformers_version
+from ...patches import record
 
 __all__ = ["length_dependent", "updates_per_forward", "rope_types", "tag_ropes", "rope_findings", "rope_reason",
            "ROPE_ATTR"]
