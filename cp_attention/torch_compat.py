@@ -7,12 +7,13 @@ fixed here alone. Tested on torch 2.11-2.13.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import torch
 import torch._dynamo
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["WeakIdKeyDictionary", "assume_constant_result", "in_backward", "tensor_version", "cpu_flash_kernels",
+__all__ = ["WeakIdKeyDictionary", "caller_locations", "has_forward_pre_hook", "assume_constant_result", "in_backward", "tensor_version", "cpu_flash_kernels",
            "torch_context_parallel_active", "default_store"]
 
 assume_constant_result = torch._dynamo.assume_constant_result
@@ -70,3 +71,20 @@ def default_store():
         return getter() if getter is not None else None
     except Exception:
         return None
+
+
+def caller_locations():
+    """Where the function calling this one was called from, then each frame further out: ``(filename, line,
+    function name)``, innermost first. Locations only, never a frame's values: the library's one read of the
+    interpreter's stack (the model check names the line of an operation it refuses; its trace skips
+    torch.distributed's own operations). Iterate it in the function that called it."""
+    frame = sys._getframe(2)  # 0: this generator, 1: the function iterating it, 2: that function's caller
+    while frame is not None:
+        yield frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
+        frame = frame.f_back
+
+
+def has_forward_pre_hook(module: torch.nn.Module, hook) -> bool:
+    """Whether ``hook`` is among ``module``'s own forward pre-hooks (kept by a deep copy or a pickle of the module,
+    which run no registration hook)."""
+    return any(h is hook for h in module._forward_pre_hooks.values())

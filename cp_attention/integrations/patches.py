@@ -20,7 +20,7 @@ import types
 from dataclasses import dataclass
 from types import MappingProxyType
 
-__all__ = ["Site", "Patch", "SITES", "PENDING", "patch", "record", "temporarily", "applied", "page"]
+__all__ = ["Site", "Patch", "SITES", "patch", "record", "temporarily", "applied", "page"]
 
 
 @dataclass(frozen=True)
@@ -120,13 +120,26 @@ SITES = MappingProxyType({
                   "parallelism; outside a block the original runs",
         tests=("tests/integrations/test_router_loss.py",)),
     "guard_hooks": Site(
-        target="torch.nn.modules.module: a global forward pre-hook and forward hook",
+        target="torch.nn.modules.module: a global forward pre-hook and forward hook, and a global module registration "
+               "hook",
         kind="hook",
-        reason="the guard of a multi-rank block: the model check before a cp_flash model's first forward, the count "
-               "of attention layers that reached cp_flash, the heads' and generation's substitutions",
-        admission="installed by the first multi-rank context_parallel block; they return at once for every other "
-                  "module",
+        reason="the guard of a multi-rank block: the count of attention layers that reached cp_flash and of the "
+               "running mixers, a head's gathered outputs, the end of a forward; the registration hook gives each "
+               "transformers model built from then on its call hook (call_hooks)",
+        admission="the forward hooks: installed by the first multi-rank context_parallel block, they return at once "
+                  "for every other module; the registration hook: installed when cp_flash registers with "
+                  "transformers, it returns at once for every module that is not and holds no transformers model",
         tests=("tests/integrations/test_model_check.py",)),
+    "call_hooks": Site(
+        target="a transformers model instance, and a module holding one (PEFT's, torch.compile's, DDP's wrappers): a "
+               "forward pre-hook with the call's keyword arguments",
+        kind="hook",
+        reason="the outermost cp_flash forward of a block starts with its call's keyword arguments: generate's "
+               "cache, the media inputs, a head's labels and logits_to_keep, the base model's ids substituted",
+        admission="the instance is a transformers model (its class has base_model_prefix) or registers one as a "
+                  "child; the hook returns at once outside a block and for a model that does not use cp_flash",
+        tests=("tests/integrations/test_model_check.py::test_the_call_hook_reads_the_calls_keyword_arguments",
+               "tests/integrations/test_heads.py")),
     "rope_hooks": Site(
         target="a length-dependent rotary module instance: a forward pre-hook and forward hook",
         kind="hook",
@@ -152,26 +165,30 @@ SITES = MappingProxyType({
         reason="the check observes which convolution a step function calls",
         admission="part of integrations.hf.function_admission.admit; restored in a finally",
         tests=("tests/integrations/test_admission.py",)),
+    "state_handover": Site(
+        target="a state attribute of a mixer instance (RecurrentGemma's recurrent block) after generate's prefill",
+        kind="instance state",
+        reason="the decode steps run the mixers replicated from the sequence's state, which the prefill left sharded "
+               "on each rank",
+        admission="the mixer computes in a class the mixer_classes adapter admitted, and hands its state over "
+                  "(generation.hand_over)",
+        tests=("tests/multirank/test_generate.py",)),
+    "probe_state": Site(
+        target="attributes of a model's modules, for the duration of a check's own forwards: the states a mixer "
+               "or module holds, an indexer's top-k",
+        kind="instance state (restored)",
+        reason="an admission check or the model check's trace runs the instance's own code on inputs of its own, "
+               "and must leave it as it was",
+        admission="part of class_admission.class_reason, indexers._indexer_reason and token_trace.kept_module_state; "
+                  "restored in a finally",
+        tests=("tests/integrations/test_class_admission.py", "tests/integrations/test_index_sparse.py",
+               "tests/integrations/test_model_check.py")),
 })
 """Every kind of change to foreign code, by key (docs/patches.md)."""
 
-PENDING = (  # (module of the package, the object its setattr writes onto, what it writes)
-    ("integrations/hf/adapters/mixer_functions.py", "module", "the mixer tag (`_cp_attention_mixer`) on a model's mixer modules"),
-    ("integrations/hf/adapters/rope.py", "module", "the tag (`_cp_attention_rope`) on a hooked rotary module"),
-    ("integrations/hf/multimodal.py", "decoder", "the tag (`_cp_attention_injects`) on a text decoder with the "
-     "injection hook"),
-    ("integrations/hf/generation.py", "holder", "a mixer's states handed back to the module that keeps them after "
-     "generate's prefill (RecurrentGemma)"),
-    ("integrations/hf/class_admission.py", "obj", "the states a mixer instance held, restored after its admission "
-     "check"),
-    ("integrations/hf/adapters/indexers.py", "self", "an indexer instance's top-k, lowered for its admission check and "
-     "restored"),
-)
-"""Writes onto foreign instances not routed through :func:`patch` yet (tags and states of model instances); the
-layering test allows exactly these."""
-
 _LOCK = threading.Lock()
 _APPLIED: list = []  # the Patch records, in the order made (process state: docs/architecture.md)
+_SEEN: set = set()  # (site, target) of the changes to instances recorded (once each), guarded by _LOCK
 
 
 def _name(owner, name: str) -> str:
@@ -190,17 +207,28 @@ def patch(owner, name: str, replacement, *, site: str, admitted: str):
         raise KeyError(f"patch: no site {site!r} in cp_attention.integrations.patches.SITES")
     original = vars(owner).get(name) if isinstance(owner, type) else getattr(owner, name, None)
     setattr(owner, name, replacement)
+    if isinstance(owner, (type, types.ModuleType)):
+        entry = Patch(site, _name(owner, name), original, replacement, admitted)
+    else:  # an instance's state: recorded once per class and attribute, without holding the values
+        entry = Patch(site, _name(owner, name), None, f"a {type(replacement).__name__}", admitted)
     with _LOCK:
-        _APPLIED.append(Patch(site, _name(owner, name), original, replacement, admitted))
+        if isinstance(owner, (type, types.ModuleType)) or (site, entry.target) not in _SEEN:
+            _SEEN.add((site, entry.target))
+            _APPLIED.append(entry)
     return original
 
 
-def record(site: str, target: str, replacement, *, admitted: str, original=None) -> None:
+def record(site: str, target: str, replacement, *, admitted: str, original=None, instance: bool = False) -> None:
     """Record a change made through the foreign code's own API (a registration, a hook, an import finder, a
-    table entry), which :func:`patch` cannot make."""
+    table entry), which :func:`patch` cannot make. ``instance``: a change made to each instance of a kind
+    (``target`` names the kind), recorded once."""
     if site not in SITES:
         raise KeyError(f"record: no site {site!r} in cp_attention.integrations.patches.SITES")
     with _LOCK:
+        if instance:  # one per kind of instance: its hooks, not each object's
+            if (site, target) in _SEEN:
+                return
+            _SEEN.add((site, target))
         _APPLIED.append(Patch(site, target, original, replacement, admitted))
 
 
@@ -228,17 +256,13 @@ def page() -> str:
              "cp_attention changes code it does not own only through `cp_attention.integrations.patches.patch` "
              "(an assignment) or `record` (a registration, hook or finder made through the foreign code's own "
              "API), and each change is recorded: `cp_attention.integrations.patches.applied()` lists, at run time, "
-             "the target, the original, the replacement, the site and the admission check that passed. "
-             "The sites:", "",
+             "the target, the original, the replacement, the site and the admission check that passed. A change "
+             "made to each instance of a kind (a hook on a model, a state of a mixer) is recorded once per class "
+             "and attribute, without holding the values. `tests/meta/test_layering.py` checks that no other module "
+             "of the package assigns onto a foreign module, class or instance, and that none reads an interpreter "
+             "frame (a call's keyword arguments come through torch's forward pre-hooks). The sites:", "",
              "| site | kind | what it changes | why | admitted by | covering tests |", "|---|---|---|---|---|---|"]
     for key, s in SITES.items():
         tests = "<br>".join(f"`{t}`" for t in s.tests)
         lines.append(f"| `{key}` | {s.kind} | {s.target} | {s.reason} | {s.admission} | {tests} |")
-    lines += ["", "## Not yet recorded", "",
-              "Writes onto model instances that do not go through `patch` yet (tags and states; the layering test "
-              "`tests/meta/test_patches.py` allows exactly these), and the one read of a foreign frame: "
-              "`integrations/hf/heads.py`'s `call_kwargs` takes a module call's keyword arguments from torch's "
-              "`_call_impl` frame, and the guard, the heads and generation write into them.", "",
-              "| module | object | what |", "|---|---|---|"]
-    lines += [f"| `cp_attention/{rel}` | `{owner}` | {what} |" for rel, owner, what in PENDING]
     return "\n".join(lines) + "\n"

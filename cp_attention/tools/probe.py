@@ -111,7 +111,8 @@ def _register_plain_causal() -> None:
     dropped by not giving position_ids to shard_batch). Only in the probe's rank processes."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    from cp_attention.integrations.hf.registry import cp_flash_attention, cp_flash_mask
+    from cp_attention.integrations.hf.attention import cp_flash_attention
+    from cp_attention.integrations.hf.masks import cp_flash_mask
 
     class _NoChunk:  # the layer as cp_flash sees it, minus the layer index that selects chunking
         def __init__(self, module):

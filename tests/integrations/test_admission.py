@@ -18,8 +18,10 @@ import pytest
 
 import cp_attention  # noqa: F401  (registers cp_flash and adapts modeling modules as they load)
 from admission_cases import conv_fn, declined_family_worker, delta_rule, mamba2_scan, selective_scan
+from cp_attention.integrations.hf import mixing
 from cp_attention.integrations.hf.adapters import mixer_functions as mixers
-from cp_attention.integrations.hf import state
+from cp_attention.integrations.hf.adapters import step_functions
+from cp_attention.integrations.hf import forward, state
 from cp_attention.integrations.hf.function_admission import admit
 from cp_attention.tools.launch import run_ranks
 
@@ -75,12 +77,12 @@ def test_a_call_off_the_convention_is_refused_under_cp_and_untouched_outside():
 
     wrapper = mixers._convolution(original)
     assert wrapper(1, 2, 3, 4, 5) == "original" and calls[-1] == ((1, 2, 3, 4, 5), {})
-    state.MODEL_GUARD.mixers = 1
+    forward.FORWARD.mixers = 1
     try:
         with pytest.raises(NotImplementedError, match=r"transformers \d+\.\d+.*causal_conv1d_fn"):
             wrapper(1, 2, 3, 4, 5)
     finally:
-        state.MODEL_GUARD.mixers = 0
+        forward.FORWARD.mixers = 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,7 +107,7 @@ def test_a_declined_function_is_the_planted_one_itself(monkeypatch):
     try:
         mixers.adapt_module(mod)
         assert mod.torch_chunk_gated_delta_rule is plant
-        assert "torch_chunk_gated_delta_rule" in mixers.declined(mod.__name__)
+        assert "torch_chunk_gated_delta_rule" in mixing.declined(mod.__name__)
     finally:
         with state.INTEGRATIONS_LOCK:
             state.INTEGRATIONS["declined"].pop(key, None)
@@ -146,8 +148,8 @@ def test_a_step_function_that_skips_the_adapted_functions_is_refused_under_cp():
     def own_kernel(conv1d, hidden_states, cache, layer_idx, activation=None, **kwargs):
         return F.silu(F.conv1d(hidden_states, conv1d.weight, conv1d.bias, padding=3, groups=3)[..., :-3])
 
-    good = mixers._forward("causal_conv1d_forward", delegating)
-    bad = mixers._forward("causal_conv1d_forward", own_kernel)
+    good = step_functions._forward("causal_conv1d_forward", delegating)
+    bad = step_functions._forward("causal_conv1d_forward", own_kernel)
     conv = torch.nn.Conv1d(3, 3, 4, groups=3, padding=3)
     x = torch.randn(1, 3, 12)
     want = bad(conv, x, None, 0, activation="silu")  # outside the block: the original, untouched
@@ -155,12 +157,12 @@ def test_a_step_function_that_skips_the_adapted_functions_is_refused_under_cp():
     pos = torch.arange(12)[None]
     with cp_attention.context_parallel() as cp:
         batch = cp.shard_batch(input_ids=torch.zeros_like(pos), position_ids=pos)  # alive: the mixers' batch
-        state.MODEL_GUARD.mixers = 1  # inside a tagged mixer of a cp_flash model
+        forward.FORWARD.mixers = 1  # inside a tagged mixer of a cp_flash model
         try:
             with torch.no_grad():
                 assert torch.allclose(good(conv, x, None, 0, activation="silu"), want, atol=1e-6)
                 with pytest.raises(NotImplementedError, match=r"computed its sequence mixing without"):
                     bad(conv, x, None, 0, activation="silu")
         finally:
-            state.MODEL_GUARD.mixers = 0
+            forward.FORWARD.mixers = 0
         del batch

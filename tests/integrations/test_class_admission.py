@@ -23,7 +23,7 @@ import torch
 
 import cp_attention
 from cp_attention.integrations.hf.adapters import mixer_classes as recurrent
-from cp_attention.integrations.hf import state
+from cp_attention.integrations.hf import forward, state
 from cp_attention.integrations.hf.versions import transformers_version
 from test_class_mixers import DOCS, L, MIXERS, _inputs, _module
 
@@ -62,11 +62,11 @@ def _under_cp(mixer: str, fn, module, dtype=torch.float64):
     t = {n: x.to(dtype) for n, (x, _) in _inputs(mixer, module).items()}
     with cp_attention.context_parallel() as cp:
         batch = cp.shard_batch(input_ids=torch.zeros_like(pos), position_ids=pos)  # alive: the mixers' batch
-        state.MODEL_GUARD.mixers = 1
+        forward.FORWARD.mixers = 1
         try:
             return _call(mixer, fn, module, t, pos)
         finally:
-            state.MODEL_GUARD.mixers = 0
+            forward.FORWARD.mixers = 0
             del batch
 
 

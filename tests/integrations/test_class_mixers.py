@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import cp_attention
-from cp_attention.integrations.hf.adapters.mixer_functions import MIXER_ATTR
-from cp_attention.integrations.hf.adapters.mixer_classes import decayed_linear_attention
+from cp_attention.integrations.hf.mixing import mark_mixer
+from cp_attention.integrations.hf.recurrences import decayed_linear_attention
 from cp_attention.tools.launch import run_ranks
 from plan_cases import random_layout
 
@@ -92,7 +92,7 @@ def _module(mixer: str):
             p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.4)
             if name.startswith("time_mix"):
                 p.copy_(torch.rand(p.shape, generator=g, dtype=p.dtype))
-    setattr(module, MIXER_ATTR, True)  # as the model check tags a model's mixers
+    mark_mixer(module)  # as the adapters mark a model's mixers
     return module
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cp_attention
-from cp_attention.integrations.hf.adapters.mixer_functions import MIXER_ATTR
+from cp_attention.integrations.hf.mixing import mark_mixer
 from cp_attention.strategies.scan import geometry_of, halo_plan, make_geometry, scan_plan
 from cp_attention.tools.launch import run_ranks
 
@@ -208,13 +208,14 @@ def _R(tokens: dict) -> torch.Tensor:
 
 
 class _Mixer(nn.Module):
-    """Stands for a transformers mixer module the model check tagged: its calls go across ranks."""
+    """Stands for a transformers mixer module an adapter marked: its calls go across ranks."""
+
+    def __init__(self):
+        super().__init__()
+        mark_mixer(self)
 
     def forward(self, fn):
         return fn()
-
-
-setattr(_Mixer, MIXER_ATTR, True)
 
 
 def random_layout(L: int, P: int, seed: int) -> cp_attention.Layout:

@@ -10,6 +10,7 @@ tokens, a pointwise one does not), and for the exact cases each document run alo
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
 import warnings
@@ -22,7 +23,9 @@ from torch import nn
 
 import cp_attention
 from cp_attention.integrations.hf import check as model_check
-from cp_attention.integrations.hf.registry import CPMask, is_modeling_module
+from cp_attention.integrations.hf import models, positions
+from cp_attention.integrations.hf.masks import CPMask
+from cp_attention.integrations.hf.registry import is_modeling_module
 from cp_attention.tools.launch import run_ranks
 
 from cp_attention.tools.sweeps import family as sweep
@@ -192,10 +195,10 @@ def test_positions_rule_refuses_only_models_that_use_positions():
     """A model of mixers alone whose forward takes no position_ids (Mamba) is not refused for positions; with
     a positional module planted (a learned position embedding), it is, and so is a packed one-rank batch."""
     model = _model("mamba")
-    assert "position_ids" not in model_check._forward_args(type(model))
-    assert not model_check.uses_positions(model) and model_check.model_findings(model) == ()
+    assert "position_ids" not in positions._forward_args(type(model))
+    assert not positions.uses_positions(model) and model_check.model_findings(model) == ()
     model.backbone.embed_positions = nn.Embedding(64, model.config.hidden_size)
-    assert model_check.positional_modules(model) == ("backbone.embed_positions",)
+    assert positions.positional_modules(model) == ("backbone.embed_positions",)
     assert "positions computed from the shard" in {f.what for f in model_check.model_findings(model)}
     ids, pos = sweep.make_inputs()
     with cp_attention.context_parallel() as cp:
@@ -204,7 +207,7 @@ def test_positions_rule_refuses_only_models_that_use_positions():
             model_check.check_positions_one_rank(model, cp.current_batch())
         del record
     # an attention layer reads positions too: the BART-family decoders stay refused
-    assert model_check.uses_positions(_model("bart"))
+    assert positions.uses_positions(_model("bart"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,7 +215,7 @@ def test_positions_rule_refuses_only_models_that_use_positions():
 
 
 def _count_layer_calls():
-    from cp_attention.integrations.hf import registry as adapter
+    from cp_attention.integrations.hf import attention as adapter
 
     calls = []
     original = adapter.attend_layer
@@ -465,7 +468,7 @@ def test_score_tensors_refused_by_name_whatever_their_shape():
     """Inkling2 hands its attention per-query sinks as ``sinks`` (B, H, Lq, 1): not a (query, key)
     shape, and not cp_flash's own per-head ``s_aux``, so only the name tells it is added to the
     scores; the layer raises instead of dropping it (the same call also hands ``position_bias`` today)."""
-    from cp_attention.integrations.hf.registry import cp_flash_attention
+    from cp_attention.integrations.hf.attention import cp_flash_attention
 
     layer = nn.Linear(2, 2)
     q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)
@@ -503,7 +506,7 @@ def test_one_rank_packed_documents_without_position_ids_are_refused(family):
     cp_model = build_model(tiny_config(family), "cp_flash", eager.state_dict())
     calls = []
     for m in cp_model.modules():
-        if model_check.uses_attention_interface(type(m)) and not model_check._is_model(m):
+        if positions.uses_attention_interface(type(m)) and not models.is_model(m):
             m.register_forward_pre_hook(lambda *a: calls.append(1))
     ids, pos = sweep.make_inputs()
     with cp_attention.context_parallel() as cp:
@@ -537,7 +540,7 @@ def test_decoders_numbering_their_own_positions_at_world_size_1(family, monkeypa
 
     eager = _model(family)
     cp_model = build_model(tiny_config(family), "cp_flash", eager.state_dict())
-    assert not model_check.family_takes_positions(type(cp_model).__module__)
+    assert not positions.family_takes_positions(type(cp_model).__module__)
     ids, pos = sweep.make_inputs()
     R = torch.randn(*ids.shape, cp_model.config.get_text_config().vocab_size,
                     generator=torch.Generator().manual_seed(5))
@@ -562,21 +565,85 @@ def test_decoders_numbering_their_own_positions_at_world_size_1(family, monkeypa
 
 
 def test_families_taking_positions_keep_them():
-    assert model_check.family_takes_positions("transformers.models.llama.modeling_llama")
-    assert model_check.family_takes_positions("transformers.models.gpt2.modeling_gpt2")
+    assert positions.family_takes_positions("transformers.models.llama.modeling_llama")
+    assert positions.family_takes_positions("transformers.models.gpt2.modeling_gpt2")
 
 
 def test_m_rope_rows_and_sinusoidal_position_starts():
     """M-RoPE rows handed to a layer as position_ids (GLM-4V, ERNIE-VL) carry no documents (the mask's
     do); a sinusoidal position table with a padding index (Kosmos-2.5) numbers from padding_idx + 1."""
     layer = nn.Linear(2, 2)
-    assert model_check.layer_position_ids(layer, torch.zeros(3, 1, 5, dtype=torch.long), False) is None
+    assert positions.layer_position_ids(layer, torch.zeros(3, 1, 5, dtype=torch.long), False) is None
     two_d = torch.arange(5)[None]
-    assert model_check.layer_position_ids(layer, two_d, False) is two_d
+    assert positions.layer_position_ids(layer, two_d, False) is two_d
 
     class Sinusoidal(nn.Module):
         padding_idx = 1
 
     model = nn.Module()
     model.embed_positions = Sinusoidal()
-    assert model_check.default_position_start(model) == 2
+    assert positions.default_position_start(model) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# the call hook: a forward's keyword arguments through torch's forward pre-hooks
+
+
+class _PeftLike(nn.Module):
+    """Holds a model as PEFT's PeftModel does: its forward calls the model's ``forward`` directly, past the
+    model's own hooks, so only this wrapper's call carries the keyword arguments."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.base = model
+        self.active_peft_config = type("Config", (), {"is_prompt_learning": False})()
+
+    def get_base_model(self):
+        return self.base
+
+    def forward(self, **kwargs):
+        return self.base.forward(**kwargs)
+
+
+def test_the_call_hook_reads_the_calls_keyword_arguments(monkeypatch):
+    """Every transformers model built after ``import cp_attention`` (and every module holding one: a PEFT-like
+    wrapper, torch.compile's) gets the call hook, through which the outermost forward of a block starts with its
+    call's own keyword arguments (the dict the forward then runs with); a model built before cp_flash was
+    registered is refused in a block, naming the fix, and runs untouched outside one."""
+    from cp_attention.integrations.hf import guard
+
+    model = build_model(tiny_config("llama"), "cp_flash")
+    seen = []
+
+    def spy(module, inner, args, kwargs, active, compiled):
+        seen.append((module, inner, dict(kwargs), compiled))
+        kwargs["labels"] = None  # a substitution: the forward runs with it
+        return None
+
+    monkeypatch.setattr(guard, "_start", spy)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    wrapped, compiled = _PeftLike(model), torch.compile(model)
+    hooked = [m for m in (model, model.model, wrapped, compiled, copy.deepcopy(wrapped))
+              if any(h is guard._before_call for h in m._forward_pre_hooks.values())]
+    assert len(hooked) == 5
+    with cp_attention.context_parallel():
+        out = model(input_ids=ids, labels=ids)
+        wrapped(input_ids=ids, labels=ids)
+    assert out.loss is None  # the forward ran with the hook's substitution
+    starts = [(s[0], s[1]) for s in seen if s[0] is not model.model]  # (the spy starts no forward: inner calls ask too)
+    assert starts == [(model, model), (wrapped, model)], starts
+    assert all(torch.equal(s[2]["labels"], ids) and torch.equal(s[2]["input_ids"], ids) for s in seen
+               if s[0] is not model.model)
+    monkeypatch.undo()
+
+    handle = guard._WATCHING.pop()
+    handle.remove()
+    try:
+        early = build_model(tiny_config("llama"), "cp_flash")  # as if built before cp_attention registered cp_flash
+    finally:
+        guard.install_guard()
+    assert not early._forward_pre_hooks and len(guard._WATCHING) == 1
+    want = early(input_ids=ids).logits
+    with cp_attention.context_parallel(), pytest.raises(NotImplementedError, match=r"built before cp_attention"):
+        early(input_ids=ids)
+    assert torch.equal(early(input_ids=ids).logits, want)

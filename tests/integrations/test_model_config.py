@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from cp_attention.integrations.hf.models import layer_masks, model_masks
-from cp_attention.integrations.hf.registry import layer_mask_spec
+from cp_attention.integrations.hf.attention import layer_mask_spec
 from cp_attention.masks import MaskSpec
 from cp_attention.tools.tiny_models import tiny_config, tiny_model
 

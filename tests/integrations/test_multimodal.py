@@ -256,7 +256,7 @@ def test_window_overlays_and_spans_past_the_window_are_refused():
     (its composition with the window is not read from a shard), one that fits passes."""
     from types import SimpleNamespace
 
-    from cp_attention.integrations.hf.registry import CPMask, _refuse_spans_past_window
+    from cp_attention.integrations.hf.masks import CPMask, _refuse_spans_past_window
 
     def sliding(window, overlay=False):
         return lambda b, h, q, k: (k <= q) & ((q - k < window) | overlay)
@@ -322,7 +322,7 @@ def test_block_overlay_without_blocks_on_a_rank_opens_nothing():
 
     from transformers import masking_utils as mu
 
-    from cp_attention.integrations.hf.registry import CPMask
+    from cp_attention.integrations.hf.masks import CPMask
 
     batch = SimpleNamespace(cp=SimpleNamespace(world_size=2), spans_read=False, meta=SimpleNamespace(spans=None))
     for has_block in (False, True):

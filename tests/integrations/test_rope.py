@@ -251,7 +251,7 @@ def test_the_rope_hook_admits_by_behaviour():
     assert [where for where, _ in found] == ["model.rotary_emb"]
     assert f"transformers {transformers_version()}" in found[0][1] and "Rotary" in found[0][1]
     rope.tag_ropes([("model.rotary_emb", planted), ("other", good)])
-    assert not getattr(planted, rope.ROPE_ATTR, False) and getattr(good, rope.ROPE_ATTR, False)
+    assert not rope.hooked(planted) and rope.hooked(good)
     assert not planted._forward_pre_hooks and not planted._forward_hooks  # eager runs it untouched
 
 

@@ -261,7 +261,7 @@ def test_torch_context_parallel_is_refused(monkeypatch):
 
 
 def test_cp_flash_refuses_dropout_and_a_dense_mask():
-    from cp_attention.integrations.hf.registry import cp_flash_attention
+    from cp_attention.integrations.hf.attention import cp_flash_attention
 
     module = torch.nn.Module().train()
     q = torch.randn(1, 2, 4, 8)

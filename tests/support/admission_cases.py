@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import cp_attention
-from cp_attention.integrations.hf.adapters import mixer_functions as mixers
+from cp_attention.integrations.hf.registry import adapt_modeling_module
 from cp_attention.integrations.hf import state
 
 
@@ -112,7 +112,7 @@ def planted_family(family: str, name: str, plant) -> object:
     """Re-adapt ``family``'s modeling module with ``name`` replaced by a planted stand-in; returns it."""
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     setattr(mod, name, plant)
-    mixers.adapt_module(mod)
+    adapt_modeling_module(mod)
     assert getattr(mod, name) is plant  # declined: nothing wraps it, eager calls it as it is
     return mod
 

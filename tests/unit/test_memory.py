@@ -199,7 +199,7 @@ def test_registered_mask_function_returns_linear_metadata():
     import transformers.modeling_utils  # noqa: F401  loading the modeling code registers "cp_flash"
     from transformers import masking_utils
 
-    from cp_attention.integrations.hf.registry import CPMask
+    from cp_attention.integrations.hf.masks import CPMask
     from cp_attention.tools.tiny_models import tiny_config
 
     config = tiny_config("qwen3", window=16)

@@ -163,7 +163,7 @@ def test_model_masks_and_shapes_are_what_its_layers_receive(family, monkeypatch)
     :func:`attention_shapes`) is what the model's cp_flash layers hand the engine: the masks' planning
     parts and the (H, K, D, Dv, itemsize) of their q, k and v (ModernBERT's config holds a half-window;
     its layers pass one more, and so must the config's reading)."""
-    from cp_attention.integrations.hf import registry as adapter
+    from cp_attention.integrations.hf import attention as adapter
     from cp_attention.integrations.hf.models import attention_shapes, model_masks
 
     model = tiny_model(family, "cp_flash", window=4, chunk=4)

@@ -15,7 +15,8 @@ import torch
 
 from ...engine.batch import batch_of
 from ...refusals import refuse
-from .check import default_position_start, unwrap_adapters
+from .models import unwrap_adapters
+from .positions import default_position_start
 from .models import attention_shapes, model_masks
 from .multimodal import MEDIA_NAME, decoder_inputs, install_injection, media_inputs, outer_inputs, shard_decoder_inputs
 from .overlays import batch_span_next
@@ -82,64 +83,19 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
     it, the engine's :meth:`~cp_attention.ContextParallel.prepare_documents` on the same tensors, with the
     masks and shapes of ``model``'s attention layers where the request names none (no front-end runs);
     returns its :class:`~cp_attention.engine.prepare.PreparedBatch`."""
-    media, front_positions = {}, None
     model = None if model is None else unwrap_adapters(model)  # a PEFT wrapper: its transformers model
-    if model is None:
-        named = sorted(name for name in inputs if MEDIA_NAME.search(name))
-        if named:
-            raise refuse("media_without_model", named=", ".join(named))
-    if model is not None:
-        B0, L0 = _batch_shape(inputs)
-        media = media_inputs(model, inputs, B0, L0)
-        if isinstance(inputs.get("position_ids"), torch.Tensor) and inputs["position_ids"].dim() == 3:
-            front_positions = inputs["position_ids"]  # M-RoPE rows (k, B, L): the model's own
-            media["position_ids"] = front_positions
-        inputs = {name: value for name, value in inputs.items() if name not in media}
+    inputs, media = _split_media(model, inputs)
     tensors, opens, num_items_given = _translate_inputs(inputs)
-    ref_name = "input_ids" if "input_ids" in tensors else next(iter(tensors))
-    B, L = tensors[ref_name].shape[:2]
-    device = tensors[ref_name].device
-    for name, t in tensors.items():
-        if name == "position_ids" and t.shape[0] == 1 and t.shape[1] == L:
-            continue
-        if tuple(t.shape[:2]) != (B, L):
-            raise ValueError(f"shard_batch: {name} has shape {tuple(t.shape)}, expected (B, L, ...) = "
-                             f"({B}, {L}, ...) like {ref_name}")
-    if L < cp.world_size:
-        raise ValueError(f"shard_batch: sequence length {L} is shorter than the world size {cp.world_size}")
-    if opens is not None and B != 1:
-        raise ValueError(f"shard_batch: cu_seq_lens_*/seq_idx describe one packed row, but the batch has {B} "
-                         f"rows; describe the documents of several rows with position_ids")
-    if document_starts is not None:
-        if tuple(document_starts.shape) != (B, L) or document_starts.dtype != torch.bool:
-            raise ValueError(f"shard_batch: document_starts must be a (B, L) = ({B}, {L}) bool tensor, got "
-                             f"{document_starts.dtype} {tuple(document_starts.shape)}")
-        opens = document_starts.cpu() if opens is None else (opens | document_starts.cpu())
+    B, L, device, opens = _check_rows(cp, tensors, opens, document_starts)
     position_ids = tensors.pop("position_ids", None)
     given_positions = position_ids  # the front-end of a multimodal model numbers its own when none is given
-    # without position_ids: numbered as the model numbers its default positions (RoBERTa-style models
-    # from padding_idx + 1) when it is given, else from 0 (and a model that counts otherwise refuses)
     positions_given = position_ids is not None or model is not None
     if position_ids is None:
-        start = default_position_start(model) if model is not None else 0
-        position_ids = (torch.arange(L, device=device) + start).expand(B, L)
-        if start and opens is not None:  # each packed document numbered from the start, as when alone
-            idx = torch.arange(L).expand(opens.shape[0], L)
-            position_ids = (idx - torch.where(opens, idx, 0).cummax(dim=1).values + start).to(device).expand(B, L)
+        position_ids = _default_positions(model, opens, B, L, device)
     valid = tensors.get("attention_mask")
     if valid is not None and valid.dim() != 2:
         raise ValueError("shard_batch: attention_mask must be a 2D (B, L) padding mask")
-    to_shard: dict[str, torch.Tensor] = {}
-    labels = tensors.pop("labels", None)
-    num_items = None
-    if labels is not None:
-        target = tensors.get("shift_labels", labels)
-        if shift_labels and "shift_labels" not in tensors:
-            target = torch.full_like(labels, -100)
-            target[:, :-1] = labels[:, 1:]
-            to_shard["shift_labels"] = target
-        num_items = num_items_given if num_items_given is not None else (target != -100).sum()
-        to_shard["labels"] = labels
+    to_shard, num_items = _labels(tensors, shift_labels, num_items_given)
     to_shard.update(tensors)
     # each rank's loss is P x its share, so the MEAN over ranks is the single-device loss
     scaled = {} if num_items is None else {"num_items_in_batch": num_items.to(device, torch.float32) / cp.world_size}
@@ -168,6 +124,75 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
     if media:
         out.pop("input_ids", None)  # the model gets inputs_embeds (ids and embeddings are exclusive)
     return out
+
+
+def _split_media(model, inputs: dict) -> tuple[dict, dict]:
+    """``inputs`` without the media a multimodal ``model``'s front-end reads (``pixel_values``, M-RoPE rows
+    (k, B, L), ...), and those media; media without a model are refused."""
+    if model is None:
+        named = sorted(name for name in inputs if MEDIA_NAME.search(name))
+        if named:
+            raise refuse("media_without_model", named=", ".join(named))
+        return inputs, {}
+    B0, L0 = _batch_shape(inputs)
+    media = media_inputs(model, inputs, B0, L0)
+    if isinstance(inputs.get("position_ids"), torch.Tensor) and inputs["position_ids"].dim() == 3:
+        media["position_ids"] = inputs["position_ids"]  # M-RoPE rows (k, B, L): the model's own
+    return {name: value for name, value in inputs.items() if name not in media}, media
+
+
+def _check_rows(cp, tensors: dict, opens, document_starts):
+    """``(B, L, device, opens)`` of the batch's (B, L, ...) tensors, checked against each other and the group,
+    with ``document_starts`` (B, L) bool added to the documents' starts ``opens``."""
+    ref_name = "input_ids" if "input_ids" in tensors else next(iter(tensors))
+    B, L = tensors[ref_name].shape[:2]
+    device = tensors[ref_name].device
+    for name, t in tensors.items():
+        if name == "position_ids" and t.shape[0] == 1 and t.shape[1] == L:
+            continue
+        if tuple(t.shape[:2]) != (B, L):
+            raise ValueError(f"shard_batch: {name} has shape {tuple(t.shape)}, expected (B, L, ...) = "
+                             f"({B}, {L}, ...) like {ref_name}")
+    if L < cp.world_size:
+        raise ValueError(f"shard_batch: sequence length {L} is shorter than the world size {cp.world_size}")
+    if opens is not None and B != 1:
+        raise ValueError(f"shard_batch: cu_seq_lens_*/seq_idx describe one packed row, but the batch has {B} "
+                         f"rows; describe the documents of several rows with position_ids")
+    if document_starts is not None:
+        if tuple(document_starts.shape) != (B, L) or document_starts.dtype != torch.bool:
+            raise ValueError(f"shard_batch: document_starts must be a (B, L) = ({B}, {L}) bool tensor, got "
+                             f"{document_starts.dtype} {tuple(document_starts.shape)}")
+        opens = document_starts.cpu() if opens is None else (opens | document_starts.cpu())
+    return B, L, device, opens
+
+
+def _default_positions(model, opens, B: int, L: int, device) -> torch.Tensor:
+    """(B, L) positions for a batch given none: numbered as ``model`` numbers its default positions (RoBERTa-style
+    models from ``padding_idx + 1``) when it is given, else from 0 (a model that counts otherwise refuses);
+    each packed document of ``opens`` from that start, as when alone."""
+    start = default_position_start(model) if model is not None else 0
+    position_ids = (torch.arange(L, device=device) + start).expand(B, L)
+    if start and opens is not None:
+        idx = torch.arange(L).expand(opens.shape[0], L)
+        position_ids = (idx - torch.where(opens, idx, 0).cummax(dim=1).values + start).to(device).expand(B, L)
+    return position_ids
+
+
+def _labels(tensors: dict, shift_labels: bool, num_items_given) -> tuple[dict, torch.Tensor | None]:
+    """The (B, L) label tensors to shard (``labels``, and ``shift_labels``: the next token's label, -100 at a
+    row's end, unless given) popped from ``tensors``, and the number of labelled tokens (the given count, else
+    the targets not -100)."""
+    to_shard: dict[str, torch.Tensor] = {}
+    labels = tensors.pop("labels", None)
+    if labels is None:
+        return to_shard, None
+    target = tensors.get("shift_labels", labels)
+    if shift_labels and "shift_labels" not in tensors:
+        target = torch.full_like(labels, -100)
+        target[:, :-1] = labels[:, 1:]
+        to_shard["shift_labels"] = target
+    to_shard["labels"] = labels
+    return to_shard, (num_items_given if num_items_given is not None else (target != -100).sum())
 
 
 def _batch_shape(inputs: dict) -> tuple[int, int]:

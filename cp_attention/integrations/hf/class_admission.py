@@ -37,6 +37,8 @@ from typing import Callable
 import torch
 
 from . import state
+from ..patches import patch
+from .forward import FORWARD
 from ...engine import stats as engine_stats
 from ...engine.context import ACTIVE_CONTEXT, ContextParallel
 from ...refusals import refuse
@@ -142,17 +144,17 @@ def _guard(**values):
     """Set the thread's model-guard fields ``values`` (restored on exit)."""
     @contextlib.contextmanager
     def scope():
-        old = {k: getattr(state.MODEL_GUARD, k, _UNCHECKED) for k in values}
+        old = {k: getattr(FORWARD, k, _UNCHECKED) for k in values}
         for k, v in values.items():
-            setattr(state.MODEL_GUARD, k, v)
+            setattr(FORWARD, k, v)
         try:
             yield
         finally:
             for k, v in old.items():
                 if v is _UNCHECKED:
-                    delattr(state.MODEL_GUARD, k)
+                    delattr(FORWARD, k)
                 else:
-                    setattr(state.MODEL_GUARD, k, v)
+                    setattr(FORWARD, k, v)
     return scope()
 
 
@@ -226,7 +228,7 @@ def class_reason(self, adapter: str, original, body, bind: Callable, tokens: str
             with _plain():
                 want = _leading(original(self, **_fit(original, args)), check.compare)
             for obj, attr, value in saved:
-                setattr(obj, attr, value)
+                patch(obj, attr, value, site="probe_state", admitted="class_admission (restoring)")
             x = args[tokens]
             with _one_rank(x.shape[0], x.shape[dim], x.device) as record:
                 got = _leading(body(self, bind(_fit(original, args)), record, original), check.compare)
@@ -247,7 +249,7 @@ def class_reason(self, adapter: str, original, body, bind: Callable, tokens: str
     finally:
         quiet.setLevel(level)
         for obj, attr, value in saved:
-            setattr(obj, attr, value)
+            patch(obj, attr, value, site="probe_state", admitted="class_admission (restoring)")
         engine_stats.FORWARD.mixers = stats
 
 

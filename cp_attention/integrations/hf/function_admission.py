@@ -38,7 +38,7 @@ import torch
 
 from ..patches import temporarily
 
-__all__ = ["ADAPTERS", "CONVENTIONS", "GatedDelta", "Mamba2", "Mamba", "admit", "bind", "call_kwargs",
+__all__ = ["FORMS", "CONVENTIONS", "GatedDelta", "Mamba2", "Mamba", "admit", "bind", "call_kwargs",
            "agrees", "composition_reason"]
 
 _DOCS_KWARGS = ("cu_seqlens", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -228,7 +228,7 @@ class Mamba:
         return y
 
 
-ADAPTERS = MappingProxyType({"torch_chunk_gated_delta_rule": GatedDelta, "mamba2_chunk_scan": Mamba2,
+FORMS = MappingProxyType({"torch_chunk_gated_delta_rule": GatedDelta, "mamba2_chunk_scan": Mamba2,
                               "mamba_selective_scan": Mamba, "chunk_kimi_delta_attention": GatedDelta})
 
 
@@ -319,7 +319,7 @@ def _recurrence_reason(name: str, original) -> str | None:
     call, else why not."""
     g = torch.Generator().manual_seed(0)
     token_args, other = _synthetic(name, g)
-    adapter = ADAPTERS[name](original, dict(other))
+    adapter = FORMS[name](original, dict(other))
     S0 = torch.randn(2, *adapter.shapes(token_args)[0], generator=g)
     return composition_reason(adapter, token_args, _CUT, S0)
 

@@ -22,7 +22,8 @@ import functools
 
 import torch
 
-from . import state as guard_state
+from .forward import FORWARD
+from ..patches import patch
 from ...refusals import refuse
 
 __all__ = ["ShardedCacheLayer", "GenState", "decode_attention", "decode_owner", "finish_prefill", "generation_call",
@@ -205,7 +206,7 @@ def hand_over(holder, name: str, kind: str, layer_index: int | None = None) -> N
     prefill (``kind`` "state": the prompt's last token owner's; "conv": a convolution's last inputs,
     gathered from the ranks holding them); or ``kind`` "whole" with ``layer_index``: that cache layer's
     convolution state already holds the sequence's last inputs (taken from the last token's owner)."""
-    gen = getattr(guard_state.MODEL_GUARD, "prefill", None)
+    gen = getattr(FORWARD, "prefill", None)
     if gen is None:
         return
     if kind == "whole":
@@ -220,7 +221,7 @@ def running_decode() -> GenState | None:
     would make every later batch recompile)."""
     if torch.compiler.is_compiling():
         return None
-    return getattr(guard_state.MODEL_GUARD, "decode", None)
+    return getattr(FORWARD, "decode", None)
 
 
 def generation_state(cache) -> GenState | None:
@@ -420,7 +421,8 @@ def finish_prefill(state: GenState) -> None:
     for holder, name, kind in state.held:
         t = getattr(holder, name, None)
         if isinstance(t, torch.Tensor):
-            setattr(holder, name, _settle(state, t, kind))
+            patch(holder, name, _settle(state, t, kind), site="state_handover",
+                  admitted="the mixer's own state after generate's prefill (generation.hand_over)")
 
 
 def decode_attention(state: GenState, spec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

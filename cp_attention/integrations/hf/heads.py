@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 
 import torch
 
@@ -52,26 +51,15 @@ from ... import layout as layout_mod
 from . import source
 from ...engine.batch import AMBIGUOUS, batch_of
 from ...refusals import refuse
-from .adapters.router_loss import LOSS_SCALE
 
-__all__ = ["HeadCall", "call_kwargs", "gather_rows", "prepare_call"]
+__all__ = ["HeadCall", "LOSS_SCALE", "gather_rows", "prepare_call"]
+
+LOSS_SCALE = "aux_loss_scale"
+"""Key of a batch record's ``extras``: the factor ``s`` of a rank's share of an auxiliary loss (P when
+absent); set by the trainers, read by the heads and the router loss."""
 
 _NUM_ITEMS_LOSS = re.compile(r"self\.loss_function\((?:[^()]|\([^()]*\))*\*\*kwargs", re.S)
 _LAST_TOKEN_POOLING = re.compile(r"last_non_pad_token|sequence_lengths")
-
-
-def call_kwargs() -> dict | None:
-    """The keyword arguments of the module call whose global forward pre-hook is running: read from
-    the frame that called the hook (``nn.Module._call_impl``, or the ``inner`` function it runs the
-    hooks in), two frames up from here; None when that frame is neither. The dict is the one the
-    forward will be called with."""
-    frame = sys._getframe(2)
-    name = frame.f_code.co_name
-    if not (name == "_call_impl" or (name == "inner" and frame.f_back is not None
-                                     and frame.f_back.f_code.co_name == "_call_impl")):
-        return None
-    kwargs = frame.f_locals.get("kwargs")
-    return kwargs if isinstance(kwargs, dict) else None
 
 
 @functools.lru_cache(maxsize=1)

@@ -10,9 +10,12 @@ import json
 import zlib
 
 from . import state
+from ...refusals import refuse
 from ...masks import MaskSpec
 
-__all__ = ["text_config", "layer_mask", "layer_masks", "model_masks", "attention_shapes", "config_crc"]
+__all__ = ["text_config", "layer_mask", "layer_masks", "model_masks", "attention_shapes", "config_crc", "is_model",
+           "is_model_class", "text_configs", "text_modules", "family_of", "inner_model", "cp_flash_model",
+           "unwrap_adapters"]
 
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")
 
@@ -128,3 +131,72 @@ def config_crc(module) -> int:
     with state.CONFIG_LOCK:
         state.CONFIG_CHECKSUMS[config] = crc
     return crc
+
+
+def is_model_class(cls: type) -> bool:
+    return getattr(cls, "base_model_prefix", None) is not None
+
+
+def is_model(module) -> bool:
+    """A transformers PreTrainedModel (its class says so: wrappers such as torch.compile's forward
+    attribute lookups to the model they wrap, and are not one)."""
+    return is_model_class(type(module))
+
+
+def text_configs(model) -> tuple:
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) if config is not None else None
+    return tuple(c for c in (config, text) if c is not None)
+
+
+def text_modules(model):
+    """``model``'s modules over the text sequence: sub-models with a configuration of their own
+    (vision or audio towers) are skipped."""
+    own = {id(c) for c in text_configs(model)}
+
+    def walk(module, prefix):
+        yield prefix, module
+        for name, child in module.named_children():
+            config = getattr(child, "config", None)
+            if config is not None and hasattr(config, "to_dict") and id(config) not in own \
+                    and is_model(child) and id(getattr(config, "text_config", None)) not in own:
+                continue
+            yield from walk(child, f"{prefix}.{name}" if prefix else name)
+
+    yield from walk(model, "")
+
+
+def family_of(model) -> str:
+    configs = text_configs(model)
+    return next((getattr(c, "model_type", "") for c in configs if getattr(c, "model_type", "")), type(model).__name__)
+
+
+def inner_model(module):
+    """The transformers model a call of ``module`` runs: itself, or the one inside a PEFT wrapper
+    (whose forward calls the model's ``forward`` directly, past its hooks)."""
+    if not is_model(module) and callable(getattr(module, "get_base_model", None)) and \
+            getattr(module, "active_peft_config", None) is not None:
+        return module.get_base_model()
+    return module
+
+
+def cp_flash_model(module) -> bool:
+    """Whether ``module`` is a transformers model whose text configuration selects "cp_flash"."""
+    if not is_model(module):
+        return False
+    return any(getattr(c, "_attn_implementation", None) == "cp_flash" for c in text_configs(module))
+
+
+def unwrap_adapters(model):
+    """The transformers model inside a PEFT wrapper (``PeftModel``: its forward hands the batch to the
+    base model unchanged for the weight adapters, LoRA, DoRA, IA3, ...), or ``model`` itself. Prompt
+    learning (prompt, prefix and p-tuning) raises NotImplementedError naming the PEFT type: its virtual
+    tokens would be prepended to each rank's shard instead of to the sequence."""
+    config = getattr(model, "active_peft_config", None)
+    get_base = getattr(model, "get_base_model", None)
+    if config is None or not callable(get_base):
+        return model
+    if getattr(config, "is_prompt_learning", False):
+        kind = getattr(getattr(config, "peft_type", None), "value", None) or type(config).__name__
+        raise refuse("peft_prompt_learning", kind=kind, tokens=getattr(config, "num_virtual_tokens", "its"))
+    return get_base()

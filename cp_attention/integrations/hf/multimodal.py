@@ -35,6 +35,7 @@ from ...engine.batch import batch_of
 from ...engine.context import outside_context
 from ...refusals import refuse
 from ..patches import record
+from ...torch_compat import WeakIdKeyDictionary
 
 __all__ = ["refuse_media", "media_inputs", "outer_inputs", "decoder_inputs", "shard_decoder_inputs", "install_injection", "NOT_INJECTED"]
 
@@ -43,7 +44,7 @@ NOT_INJECTED = frozenset({"attention_mask", "cache", "past_key_values", "use_cac
 """Decoder arguments the local forward builds itself (masks from the shard's own tensors, through
 cp_flash's mask function) or that are not along the sequence."""
 
-_INJECT_ATTR = "_cp_attention_injects"
+_INJECTED = WeakIdKeyDictionary()  # text decoder -> True: its injection hook is registered (weak: dies with it)
 
 
 class _Captured(Exception):
@@ -154,7 +155,7 @@ def install_injection(decoder) -> None:
     """A pre-hook on the text decoder (once per module): in a forward on tensors of a batch whose
     record holds decoder inputs (:func:`shard_decoder_inputs`), the decoder gets them in place of
     what the model computed from the shard."""
-    if getattr(decoder, _INJECT_ATTR, False):
+    if _INJECTED.get(decoder, False):
         return
 
     def inject(module, args, kwargs):
@@ -166,7 +167,7 @@ def install_injection(decoder) -> None:
             return None
         return args, {**kwargs, **extras}
 
-    hook = decoder.register_forward_pre_hook(inject, with_kwargs=True)
+    decoder.register_forward_pre_hook(inject, with_kwargs=True)
     record("decoder_injection", f"{type(decoder).__module__}.{type(decoder).__qualname__} (an instance): a forward "
-           "pre-hook", hook, admitted="multimodal's refusals")
-    setattr(decoder, _INJECT_ATTR, True)
+           "pre-hook", inject, admitted="multimodal's refusals", instance=True)
+    _INJECTED[decoder] = True

@@ -3,8 +3,8 @@ them (the engine's own state lives in its modules: the active context in
 :mod:`cp_attention.engine.context`, the statistics in :mod:`cp_attention.engine.stats`, ...; the table
 of every module-level mutable object is in docs/architecture.md and checked by the tests).
 
-Per-forward state is not here: what a forward computes with is bound to the tensors
-``cp.shard_batch`` returned, or saved on the autograd context.
+Per-forward state is not here: the guard's record of the forward it runs is :data:`.forward.FORWARD`; what a
+forward computes with is bound to the tensors ``cp.shard_batch`` returned, or saved on the autograd context.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import threading
 
 from ...torch_compat import WeakIdKeyDictionary
 
-__all__ = ["CONFIG_CHECKSUMS", "CONFIG_LOCK", "INTEGRATIONS", "INTEGRATIONS_LOCK", "MODEL_CHECKS", "MODEL_LOCK", "POSITION_STARTS",
-           "MODEL_GUARD", "MODEL_GUARD_HOOKS", "INDEXER_SELECTIONS", "COMPRESSED_SELECTIONS", "VERIFIED", "VERIFIED_LOCK", "TRACED"]
+__all__ = ["CONFIG_CHECKSUMS", "CONFIG_LOCK", "INTEGRATIONS", "INTEGRATIONS_LOCK", "MODEL_CHECKS", "MODEL_LOCK", "POSITION_STARTS", "PREPARED",
+           "INDEXER_SELECTIONS", "COMPRESSED_SELECTIONS", "VERIFIED", "VERIFIED_LOCK", "TRACED", "per_model"]
 
 CONFIG_CHECKSUMS = WeakIdKeyDictionary()
 """config -> its checksum (agreed across ranks), computed once per config object (weak: dies with the
@@ -38,12 +38,9 @@ POSITION_STARTS = WeakIdKeyDictionary()
 """model -> where it numbers its default positions, read once per model object (the guard asks on every
 forward; the read of a kept ``position_ids`` buffer would sync with the device). Guarded by ``MODEL_LOCK``."""
 
-MODEL_GUARD = threading.local()
-"""Per thread: the outermost cp_flash model forward running under the guard of :mod:`.model_check`, how
-many attention layers ran / reached cp_flash, its mixers' count, its head's substitutions and the sharded
-batch it runs on (``record``: its mixers' batch when several are alive)."""
-MODEL_GUARD_HOOKS: list = []
-"""The guard's module hooks, installed by the first multi-rank block and kept (guarded by ``MODEL_LOCK``)."""
+PREPARED = WeakIdKeyDictionary()
+"""model -> True: every adapter prepared it for context parallelism (:mod:`.guard`; weak: dies with the model).
+Guarded by ``MODEL_LOCK``."""
 
 INDEXER_SELECTIONS = WeakIdKeyDictionary()
 """selection tensor -> True: the ``indices`` an adapted sparse-attention indexer returned, global key
@@ -57,6 +54,18 @@ VERIFIED: dict = {}
 """(model class, config checksum, dtype, packed, world size) -> None (verified) or the refusal
 (its key and fields): verification at first use (:mod:`.verification`). Guarded by ``VERIFIED_LOCK``."""
 VERIFIED_LOCK = threading.Lock()
+
+def per_model(table, model, compute):
+    """``table[model]`` (``table``: one of the per-model memos above), computed by ``compute(model)`` the first time,
+    outside the lock (a computation may run a model's forward)."""
+    with MODEL_LOCK:
+        value = table.get(model)
+    if value is None:
+        value = compute(model)
+        with MODEL_LOCK:
+            table[model] = value
+    return value
+
 
 TRACED: dict = {}
 """(model class, config checksum, dtype, module tree checksum) -> the model check's trace findings

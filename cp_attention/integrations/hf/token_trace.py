@@ -36,7 +36,6 @@ import contextlib
 import linecache
 import logging
 import os
-import sys
 import threading
 import zlib
 
@@ -45,7 +44,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from ...engine.context import outside_context
+from ...torch_compat import caller_locations
 from . import state
+from ..patches import patch
 from .models import config_crc
 
 __all__ = ["MIXING", "REFUSED", "model_trace", "trace_findings", "kept_module_state", "tracing", "stand_in_attention", "owned", "stand_in_output"]
@@ -87,7 +88,7 @@ def kept_module_state(model):
     finally:
         for module, attrs in saved:
             for name, value in attrs.items():
-                module.__dict__[name] = value
+                patch(module, name, value, site="probe_state", admitted="token_trace.kept_module_state (restoring)")
 
 
 def stand_in_output(out, inputs):
@@ -174,12 +175,10 @@ def _differs(a, b, t: int | None, tol: float = 1e-7) -> bool:
 
 def _caller() -> tuple[str, int, str]:
     """The first frame outside torch and this package: the model code that called the operation."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
+    for filename, line, name in caller_locations():
+        path = os.path.abspath(filename)
         if not path.startswith(_TORCH) and not path.startswith(_PACKAGE):
-            return path, frame.f_lineno, frame.f_code.co_name
-        frame = frame.f_back
+            return path, line, name
     return "", 0, ""
 
 
@@ -194,7 +193,7 @@ class _Ops(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(_STATE, "owned", 0) or _DISTRIBUTED in sys._getframe(1).f_code.co_filename:
+        if getattr(_STATE, "owned", 0) or _DISTRIBUTED in next(caller_locations())[0]:
             return func(*args, **kwargs)  # the library's own calls; torch.distributed's (FSDP2's storage, DTensor)
         inputs = [f for f in (_fingerprint(a, self.n) for a in _tensors((args, kwargs)) if id(a) not in self.weights)
                   if f is not None]

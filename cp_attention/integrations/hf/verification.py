@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import threading
+import traceback
 import types
 
 import torch
@@ -269,10 +270,8 @@ def _from_the_library(exc: BaseException) -> bool:
     rather than the model's own code failing on the test batch."""
     if getattr(exc, "refusal", None) is not None or getattr(exc, "cp_collective", False):
         return True
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE)
+    frames = traceback.extract_tb(exc.__traceback__)  # where it was raised: the last frame's file
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE)
 
 
 def _causal(model) -> bool:

@@ -7,9 +7,10 @@ trainers import TRL, which a user of ``CPTrainer`` alone need not have installed
 from __future__ import annotations
 
 import importlib
+from types import MappingProxyType
 
-_WHERE = {"CPTrainer": "trainer", "CPTrainerMixin": "trainer", "CPSFTTrainer": "trl", "CPDPOTrainer": "trl",
-          "CPGRPOTrainer": "trl", "CPRLOOTrainer": "trl", "CPRLTrainerMixin": "trl"}
+_WHERE = MappingProxyType({"CPTrainer": "trainer", "CPTrainerMixin": "trainer", "CPSFTTrainer": "trl", "CPDPOTrainer": "trl",
+                         "CPGRPOTrainer": "trl", "CPRLOOTrainer": "trl", "CPRLTrainerMixin": "trl"})
 
 __all__ = sorted(_WHERE)
 

@@ -41,7 +41,7 @@ from ...engine.batch import batch_of
 from ...layout import layouts as layout_mod
 from ...refusals import refuse
 from ..hf.heads import gather_rows
-from ..hf.check import unwrap_adapters
+from ..hf.models import unwrap_adapters
 
 __all__ = ["FIELDS", "PackedRows", "pack_rows", "packed_fused_forward", "unpack_rows"]
 

@@ -41,9 +41,10 @@ from ...strategies.choice import CostModel
 from ...engine.batch import batch_of
 from ...refusals import refuse
 from ..hf.batch import DOCUMENT_KEYS
-from ..hf.adapters.router_loss import LOSS_SCALE
+from ..hf.heads import LOSS_SCALE
 from ..hf.heads import head_kind
-from ..hf.check import check_model, unwrap_adapters
+from ..hf.check import check_model
+from ..hf.models import unwrap_adapters
 
 __all__ = ["CPTrainer", "CPTrainerMixin", "MixinBeforeTrainer", "check_cp_options", "join_micro_batches", "to_cpu"]
 

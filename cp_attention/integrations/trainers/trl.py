@@ -65,7 +65,8 @@ from trl import DPOTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer
 from ...engine.context import active_context, context_parallel, outside_context
 from ...refusals import refuse
 from ..hf.heads import head_kind
-from ..hf.check import check_model, unwrap_adapters
+from ..hf.check import check_model
+from ..hf.models import unwrap_adapters
 from .packed_rows import packed_fused_forward
 from ..patches import patch
 from .trainer import CPTrainerMixin, MixinBeforeTrainer, check_cp_options, to_cpu

@@ -31,9 +31,10 @@ from .. import source
 from .. import state
 from ..class_admission import first_use
 from ...patches import patch
-from .indexers import CanonicalTopk
+from ..selection import CanonicalTopk
+from .base import Adapter
 
-__all__ = ["COMPRESSOR_SIGNATURE", "adapt_module", "adapted_compressor", "take_selection"]
+__all__ = ["ADAPTER", "COMPRESSOR_SIGNATURE", "adapt_module", "adapted_compressor", "take_selection"]
 
 COMPRESSOR_SIGNATURE = ("hidden_states", "q_residual", "position_ids", "cache", "layer_idx")
 _ADAPTED = "_cp_attention_indexer"
@@ -220,3 +221,38 @@ def adapt_module(mod) -> bool:
                   admitted="an attention class calling its compressor")
             found = True
     return found
+
+
+class Compressors(Adapter):
+    """DeepSeek-V4's compressors (see the module docstring): their forwards and the attention class calling
+    them adapted as each modeling module loads; a layer's call then attends over its window's tokens and the
+    compressed entries its compressor recorded for it."""
+
+    name = "compressed"
+    sites = ("compressors",)
+    adapts = "the forward of DeepSeek-V4's compressor classes and of the attention class calling them"
+    admission = ("the compressor's signature and structure; at its first call under context parallelism its output "
+                 "on a synthetic document against what the adapter reads")
+
+    def adapt(self, mod) -> bool:
+        return adapt_module(mod)
+
+    def computes(self, module) -> bool:
+        return adapted_compressor(type(module))
+
+    def stands_in(self, module) -> bool:
+        return adapted_compressor(type(module))
+
+    def layer_call(self, call) -> None:
+        if getattr(call.module, "compressor", None) is None:
+            return
+        recorded = take_selection(call.module)
+        if recorded is None:
+            return
+        call.kwargs["indices"], entries = recorded  # the window's tokens, then the compressed entries
+        S = call.key.shape[2] - entries
+        call.extra_kv = (call.key[:, :, S:].transpose(1, 2), call.value[:, :, S:].transpose(1, 2))
+        call.key, call.value = call.key[:, :, :S], call.value[:, :, :S]
+
+
+ADAPTER = Compressors()

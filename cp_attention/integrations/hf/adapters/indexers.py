@@ -55,7 +55,6 @@ from __future__ import annotations
 import functools
 import inspect
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ....engine.batch import resolve
 from ....engine.context import active_context
@@ -67,11 +66,11 @@ from ....refusals import refuse
 from .. import source
 from .. import state
 from ..class_admission import first_use
+from ..selection import CanonicalTopk, KeySelection, MaskRows, SelectingMask
+from .base import Adapter
 from ...patches import patch
 
-__all__ = ["MaskRows", "SelectingMask", "KeySelection", "CanonicalTopk", "adapt_module", "adapted_indexer",
-           "canonical_topk",
-           "global_selection", "SIGNATURES", "BLOCK_SIGNATURE"]
+__all__ = ["ADAPTER", "adapt_module", "adapted_indexer"]
 
 SIGNATURES = (("hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids", "cache"),
               ("hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache"),
@@ -83,99 +82,6 @@ BLOCK_SIGNATURE = ("hidden_states", "position_embeddings", "attention_mask", "ca
 """The forward parameters (after ``self``) of Qwen4's block indexer (QSA); 5.17 names the cache ``past_key_values``."""
 _BLOCK_SIGNATURES = (BLOCK_SIGNATURE, BLOCK_SIGNATURE[:-1] + ("past_key_values",))
 _ADAPTED = "_cp_attention_indexer"
-
-
-class MaskRows:
-    """``cp_flash_mask[:, 0]`` (a DSA layer hands its indexer the mask's rows, (B, S, T)): stands for
-    those rows until an adapted indexer reads them; any other use raises as the mask itself does."""
-
-    __slots__ = ("mask",)
-
-    def __init__(self, mask):
-        self.mask = mask
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        self.mask._misused(f"[:, 0].{name} (an indexer cp_flash does not adapt)")
-
-    def __getitem__(self, index):
-        self.mask._misused("[:, 0] indexed again")
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        rows = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, MaskRows))
-        rows.mask._misused(f"[:, 0] in torch.{getattr(func, '__name__', func)}")
-
-    def _arith(self, other):
-        self.mask._misused("[:, 0] in arithmetic")
-
-    __add__ = __radd__ = __and__ = __rand__ = __or__ = __invert__ = __eq__ = _arith
-
-
-class KeySelection:
-    """What an adapted block indexer returns for a :class:`SelectingMask`: ``key_select`` (B, S, k) int64
-    global key indices per query (``-1``: none)."""
-
-    __slots__ = ("key_select",)
-
-    def __init__(self, key_select: torch.Tensor):
-        self.key_select = key_select
-
-
-class SelectingMask:
-    """A cp_flash mask as an adapted block-indexer attention sees it: its indexer reads the mask's
-    documents from it, ``dtype`` says boolean (so the family's code ANDs its selection in) and
-    ``mask & KeySelection`` gives back the cp_flash mask carrying the selection. Anything else raises
-    as the mask itself does."""
-
-    __slots__ = ("mask",)
-    dtype = torch.bool
-
-    def __init__(self, mask):
-        self.mask = mask
-
-    def __and__(self, other):
-        if not isinstance(other, KeySelection):
-            self.mask._misused("& a tensor")
-        return self.mask.with_selection(other.key_select)
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        self.mask._misused(f".{name}")
-
-    def __getitem__(self, index):
-        self.mask._misused("indexing")
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        mask = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, SelectingMask))
-        mask.mask._misused(f"torch.{getattr(func, '__name__', func)}")
-
-
-def canonical_topk(scores: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
-    """``torch.topk`` with ties broken one way: among equal scores the lower index comes first (a
-    stable sort), so the same scores select the same keys whatever the row's length or layout.
-    Returns ``torch.return_types.topk`` (``.values``, ``.indices``), sorted."""
-    values, indices = torch.sort(scores, dim=dim, descending=largest, stable=True)
-    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
-
-
-class CanonicalTopk(TorchFunctionMode):
-    """Inside an adapted indexer's forward: ``topk`` calls are :func:`canonical_topk`."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.topk, torch.Tensor.topk):
-            return canonical_topk(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
-def global_selection(selection) -> bool:
-    """Whether ``selection`` (an ``indices=`` tensor a layer hands cp_flash) is an adapted indexer's
-    choice of global keys."""
-    return isinstance(selection, torch.Tensor) and selection in state.INDEXER_SELECTIONS
 
 
 class _WholeRowKeys:
@@ -379,7 +285,8 @@ def _indexer_reason(original, bound, select) -> str | None:
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             for name in topk:
-                setattr(self, name, min(saved[name], _CHECK_TOPK))
+                patch(self, name, min(saved[name], _CHECK_TOPK), site="probe_state",
+                      admitted="indexers._indexer_reason (its check's own top-k)")
             device = bound.arguments["hidden_states"].device
             hidden = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)
             additive = torch.zeros(1, T, T, device=device).masked_fill(hidden, torch.finfo(torch.float32).min)
@@ -420,7 +327,7 @@ def _indexer_reason(original, bound, select) -> str | None:
         return f"checking it raised {type(exc).__name__}: {str(exc)[:200]}"
     finally:
         for name, value in saved.items():
-            setattr(self, name, value)
+            patch(self, name, value, site="probe_state", admitted="indexers._indexer_reason (restoring)")
 
 
 def _cp_flash_mask(mask) -> bool:
@@ -499,3 +406,25 @@ def adapt_module(mod) -> bool:
 def adapted_indexer(cls: type) -> bool:
     """Whether ``cls`` is a DSA indexer class whose forward :func:`adapt_module` adapted."""
     return bool(getattr(vars(cls).get("forward"), _ADAPTED, False))
+
+
+class Indexers(Adapter):
+    """DeepSeek Sparse Attention's token indexers and Qwen4's block indexer (see the module docstring): their
+    forwards (and the attention class calling a block indexer) adapted as each modeling module loads, each
+    instance checked at its first call under context parallelism."""
+
+    name = "indexers"
+    sites = ("indexers", "probe_state")
+    adapts = ("the forward of DeepSeek Sparse Attention's token indexers, of Qwen4's block indexer and of the "
+              "attention class calling it")
+    admission = ("the class's signature and structure; at the first call under context parallelism the instance's "
+                 "selection for a rank's queries against eager's on one device")
+
+    def adapt(self, mod) -> bool:
+        return adapt_module(mod)
+
+    def computes(self, module) -> bool:
+        return adapted_indexer(type(module))
+
+
+ADAPTER = Indexers()

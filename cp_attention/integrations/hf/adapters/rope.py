@@ -50,15 +50,17 @@ import torch
 from ....engine.context import active_context
 from ....refusals import refuse
 from ..versions import transformers_version
+from .base import Adapter
+from ....torch_compat import WeakIdKeyDictionary
 from ...patches import record
 
-__all__ = ["length_dependent", "updates_per_forward", "rope_types", "tag_ropes", "rope_findings", "rope_reason",
-           "ROPE_ATTR"]
+__all__ = ["ADAPTER", "length_dependent", "updates_per_forward", "rope_types", "tag_ropes", "rope_findings", "rope_reason",
+           "hooked"]
 
-ROPE_ATTR = "_cp_attention_rope"
 _READS_MAX = re.compile(r"\bmax\(\s*position_ids\b|\bposition_ids\.max\(|\bposition_ids\.amax\(")
 _APPENDED = threading.local()  # per thread: a stack of the local lengths the hooks appended to
-_VERDICT = "_cp_attention_rope_verdict"
+_VERDICTS = WeakIdKeyDictionary()  # rotary module -> rope_reason's verdict, once per module object
+_HOOKED = WeakIdKeyDictionary()  # rotary module -> True: its hooks are registered (tag_ropes)
 _CHECK_TOKENS = 1 << 15  # the longest row the admission check computes
 _THRESHOLDS = ("original_max_seq_len", "max_seq_len_cached", "original_max_position_embeddings",
                "max_position_embeddings")
@@ -166,7 +168,7 @@ def rope_reason(module) -> str | None:
     """None when the length-dependent rotary ``module`` computes each position's rows from that position
     and the row's largest only (what the hook relies on; see the module docstring), else why not. Once
     per module object."""
-    verdict = vars(module).get(_VERDICT, ())
+    verdict = _VERDICTS.get(module, ())
     if verdict != ():
         return verdict
     T = min(max(2 * _threshold(module), 16), _CHECK_TOKENS)
@@ -188,7 +190,7 @@ def rope_reason(module) -> str | None:
                 break
     except Exception as exc:
         verdict = f"computing its rows raised {type(exc).__name__}: {str(exc)[:200]}"
-    module.__dict__[_VERDICT] = verdict
+    _VERDICTS[module] = verdict
     return verdict
 
 
@@ -196,14 +198,14 @@ def tag_ropes(modules) -> None:
     """Hook the length-dependent rotary modules of ``modules`` ((name, module) pairs) so that, in a
     multi-rank block, they compute from the global largest position (once per module)."""
     for _, module in modules:
-        if getattr(module, ROPE_ATTR, False) or not length_dependent(module) or not _forward_facts(type(module))[1] \
+        if _HOOKED.get(module, False) or not length_dependent(module) or not _forward_facts(type(module))[1] \
                 or rope_reason(module) is not None:
             continue
-        hooks = (module.register_forward_pre_hook(_append_largest, with_kwargs=True),
-                 module.register_forward_hook(_drop_appended, always_call=True))
+        module.register_forward_pre_hook(_append_largest, with_kwargs=True)
+        module.register_forward_hook(_drop_appended, always_call=True)
         record("rope_hooks", f"{type(module).__module__}.{type(module).__qualname__} (an instance): forward hooks",
-               hooks, admitted="rope.rope_reason")
-        setattr(module, ROPE_ATTR, True)
+               (_append_largest, _drop_appended), admitted="rope.rope_reason", instance=True)
+        _HOOKED[module] = True
 
 
 def _largest_position(cp, position_ids: torch.Tensor) -> torch.Tensor:
@@ -252,3 +254,29 @@ def _drop_appended(module, args, output):
         return t[..., :length, :]
 
     return tuple(drop(t) for t in output) if isinstance(output, tuple) else drop(output)
+
+
+def hooked(module) -> bool:
+    """Whether ``module`` is a length-dependent rotary module whose hooks :func:`tag_ropes` registered."""
+    return _HOOKED.get(module, False)
+
+
+class Rope(Adapter):
+    """Length-dependent rotary modules (see the module docstring): refused by the model check where they cannot
+    be given the whole sequence's largest position, hooked before a model's first forward under context
+    parallelism where they can."""
+
+    name = "rope"
+    sites = ("rope_hooks",)
+    adapts = "a length-dependent rotary module instance (dynamic, longrope): hooked to read the sequence's largest position"
+    admission = "a copy computes a rank's rows as the whole row's (rope_reason); refused by the model check otherwise"
+
+    def findings(self, modules):
+        for where, why in rope_findings(modules):
+            yield where, "a rope computed from the shard's length", why
+
+    def prepare(self, model, modules) -> None:
+        tag_ropes(modules)
+
+
+ADAPTER = Rope()

@@ -41,14 +41,13 @@ from ....engine.batch import AMBIGUOUS, batch_of, live_records
 from ....engine.context import active_context
 from ....refusals import refuse
 from ...patches import patch
+from ..heads import LOSS_SCALE
 from ..versions import transformers_version
+from .base import Adapter
 
-__all__ = ["LOSS_FUNCTIONS", "adapt_module", "router_balance_parts", "LOSS_SCALE"]
+__all__ = ["ADAPTER", "LOSS_FUNCTIONS", "adapt_module", "router_balance_parts"]
 
 LOSS_FUNCTIONS = ("load_balancing_loss_func",)
-LOSS_SCALE = "aux_loss_scale"
-"""Key of a batch record's ``extras``: the factor ``s`` of a rank's share of an auxiliary loss (P when
-absent)."""
 _WRAPPED = "_cp_attention_loss_function"
 _PARAMS = ("gate_logits", "num_experts", "top_k", "attention_mask")
 _FITS: dict = {}  # (function, E, k) -> None (fits) or the reason it does not
@@ -178,3 +177,19 @@ def adapt_module(mod) -> bool:
             patch(mod, fname, _router_loss(original), site="router_loss",
                   admitted="none when wrapped: losses._fits at each call under context parallelism")
     return found
+
+
+class RouterLoss(Adapter):
+    """The MoE router's auxiliary loss (see the module docstring): wrapped as each modeling module loads, checked
+    at each call under context parallelism."""
+
+    name = "router_loss"
+    sites = ("router_loss",)
+    adapts = "load_balancing_loss_func of MoE modeling modules"
+    admission = "the function's behaviour against the exact rewrite (memoised), at each call under context parallelism"
+
+    def adapt(self, mod) -> bool:
+        return adapt_module(mod)
+
+
+ADAPTER = RouterLoss()
