@@ -15,6 +15,7 @@ __all__ = ["ROWS", "ADAPTERS"]
 
 ROWS = (
     "mixer_functions",  # module-level mixer functions: short convolutions, Mamba, Mamba-2, gated DeltaNet
+    "step_functions",   # transformers 5.25's mixer step functions, checked to call the ones above
     "mixer_classes",    # mixer classes computing their own recurrence or token shift
     "router_loss",      # the MoE router's auxiliary loss
     "indexers",         # DeepSeek Sparse Attention's token indexers, Qwen4's block indexer
