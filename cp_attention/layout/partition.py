@@ -334,47 +334,74 @@ class Batch:
         item's cost), else where the tokens stay least. A rank whose split leaves it over the cap
         passes free items to the group's rank with most room (a halo to the rank that receives
         least), and the documents are split again (a few rounds)."""
-        target, cap, cost_of, size_of = self.target, self.cap, self.cost_of, self.size_of
-        g = bn.group
-        ranks = g["ranks"]
+        spread = _GroupSpread(self, bn.group)
+        spread.place(bn.items)
+        for round_ in range(SETTLE_ROUNDS + 1):
+            pieces, recv, held = spread.split()
+            if round_ == SETTLE_ROUNDS:
+                break
+            moved = False
+            for r in sorted(spread.ranks, key=lambda r: -held[r]):
+                if held[r] <= self.cap:
+                    break
+                moved = spread.pass_items(r, held, recv) or moved
+                moved = spread.cut_item(r, held, recv) or moved
+            if not moved:
+                break
+        for r in spread.ranks:
+            owned[r] = spread.items[r] + pieces[r]
+
+
+class _GroupSpread:
+    """A group's ranks as step 4 settles them (:meth:`Batch.settle`): each rank's free items, their
+    cost and tokens, and its equal pieces' cost per token, most cost and nesting."""
+
+    def __init__(self, batch: Batch, g: dict):
+        self.batch, self.g, self.ranks = batch, g, g["ranks"]
+        self.target, self.cap, self.cost_of, self.size_of = batch.target, batch.cap, batch.cost_of, batch.size_of
+        ranks, size_of = self.ranks, self.size_of
         share = {r: 0.0 for r in ranks}  # the equal pieces' cost and tokens per rank
-        tokens = {r: 0 for r in ranks}
+        self.tokens = tokens = {r: 0 for r in ranks}
+        self.most_pieces = most_pieces = {r: 0.0 for r in ranks}  # the most its documents can give a rank
+        self.outer = outer = {r: 0.0 for r in ranks}  # how far out the rank's pieces nest: free items go to inner ones
         for d in g["longs"]:
             for j, r in enumerate(d.slots):
                 share[r] += d.cost / d.m
                 tokens[r] += size_of(d.pieces[j])
-        per_token = {r: share[r] / max(tokens[r], 1) for r in ranks}
-        most_pieces = {r: 0.0 for r in ranks}  # the most its documents can give a rank
-        for d in g["longs"]:
-            for r in d.slots:
                 most_pieces[r] += d.cost
-        items = {r: [] for r in ranks}
-        load = {r: 0.0 for r in ranks}
-        free_tokens = {r: 0 for r in ranks}
-
-        def halo(item) -> int:  # what a free item receives: nothing if it starts a document
-            return 0 if item[0][0] in self.starts else self.traffic.recv(item)[0]
-
-        def put(r: int, item, sign: int = 1) -> None:
-            if sign > 0:
-                items[r].append(item)
-            else:
-                items[r].remove(item)
-            load[r] += sign * cost_of(item)
-            free_tokens[r] += sign * size_of(item)
-
-        def after(r: int, c: float, n: int) -> float:  # the rank's tokens: its pieces shrink by c
-            return free_tokens[r] + n + min(max(target - load[r] - c, 0.0), most_pieces[r]) / per_token[r]
-
-        outer = {r: 0.0 for r in ranks}  # how far out the rank's pieces nest: free items go to inner ones
-        for d in g["longs"]:
-            for j, r in enumerate(d.slots):
                 outer[r] = max(outer[r], 1 - j / d.m)
-        by_recv = sorted(ranks, key=lambda r: outer[r])
-        pending = sorted(bn.items, key=lambda item: -size_of(item))
+        self.per_token = {r: share[r] / max(tokens[r], 1) for r in ranks}
+        self.items = {r: [] for r in ranks}
+        self.load = {r: 0.0 for r in ranks}
+        self.free_tokens = {r: 0 for r in ranks}
+
+    def halo(self, item) -> int:
+        """What a free item receives: nothing if it starts a document."""
+        return 0 if item[0][0] in self.batch.starts else self.batch.traffic.recv(item)[0]
+
+    def put(self, r: int, item, sign: int = 1) -> None:
+        """Rank ``r`` takes the free item (``sign`` -1: gives it away)."""
+        if sign > 0:
+            self.items[r].append(item)
+        else:
+            self.items[r].remove(item)
+        self.load[r] += sign * self.cost_of(item)
+        self.free_tokens[r] += sign * self.size_of(item)
+
+    def after(self, r: int, c: float, n: int) -> float:
+        """Rank ``r``'s estimated tokens with an item of cost ``c`` and ``n`` tokens more: its pieces shrink by c."""
+        return self.free_tokens[r] + n + min(max(self.target - self.load[r] - c, 0.0), self.most_pieces[r]) / \
+            self.per_token[r]
+
+    def place(self, free: list) -> None:
+        """The group's free items spread over its ranks (as :meth:`Batch.settle` says)."""
+        ranks, load, target, cap = self.ranks, self.load, self.target, self.cap
+        cost_of, size_of, after, put = self.cost_of, self.size_of, self.after, self.put
+        by_recv = sorted(ranks, key=lambda r: self.outer[r])
+        pending = sorted(free, key=lambda item: -size_of(item))
         for r in ranks:  # first the free items a rank needs to reach the target at all, the densest
             for item in sorted(pending, key=lambda item: -cost_of(item) / size_of(item)):
-                if load[r] >= target - most_pieces[r]:
+                if load[r] >= target - self.most_pieces[r]:
                     break
                 if load[r] + cost_of(item) <= target and after(r, cost_of(item), size_of(item)) <= cap:
                     put(r, item)
@@ -384,65 +411,75 @@ class Batch:
             fits = [r for r in by_recv if load[r] + c <= target] or [max(ranks, key=lambda r: target - load[r])]
             r = next((r for r in fits if after(r, c, n) <= SETTLE_SLACK * cap), None)
             put(min(fits, key=lambda r: after(r, c, n)) if r is None else r, item)
-        for round_ in range(SETTLE_ROUNDS + 1):
-            budgets = _budgets(g, {r: target - load[r] for r in ranks})
-            pieces = {r: [] for r in ranks}
-            recv = {r: sum(halo(item) for item in items[r]) for r in ranks}  # heaviest layer
-            for d, bud in zip(g["longs"], budgets):
-                most = [max(int((cap - free_tokens[r]) * size_of(d.pieces[j]) / max(tokens[r], 1)), 1)
-                        for j, r in enumerate(d.slots)]  # the rank's room, shared as equal pieces share it
-                for r, piece, got in zip(d.slots, *d.split(bud, most)):
-                    if piece:
-                        pieces[r].append(piece)
-                        recv[r] += got[0]
-            held = {r: free_tokens[r] + sum(size_of(piece) for piece in pieces[r]) for r in ranks}
-            if round_ == SETTLE_ROUNDS:
+
+    def split(self) -> tuple[dict, dict, dict]:
+        """The long documents split by the budgets the free items leave: per rank its pieces, its
+        receive (heaviest layer, free items' halos included) and its tokens."""
+        ranks, items, free_tokens, tokens, cap, size_of = (self.ranks, self.items, self.free_tokens, self.tokens,
+                                                            self.cap, self.size_of)
+        budgets = _budgets(self.g, {r: self.target - self.load[r] for r in ranks})
+        pieces = {r: [] for r in ranks}
+        recv = {r: sum(self.halo(item) for item in items[r]) for r in ranks}  # heaviest layer
+        for d, bud in zip(self.g["longs"], budgets):
+            most = [max(int((cap - free_tokens[r]) * size_of(d.pieces[j]) / max(tokens[r], 1)), 1)
+                    for j, r in enumerate(d.slots)]  # the rank's room, shared as equal pieces share it
+            for r, piece, got in zip(d.slots, *d.split(bud, most)):
+                if piece:
+                    pieces[r].append(piece)
+                    recv[r] += got[0]
+        held = {r: free_tokens[r] + sum(size_of(piece) for piece in pieces[r]) for r in ranks}
+        return pieces, recv, held
+
+    def pass_items(self, r: int, held: dict, recv: dict) -> bool:
+        """Rank ``r`` over the cap passes free items, the smallest first, each to the roomiest rank
+        (``held`` updated); whether one moved."""
+        ranks, load, target, cap, halo = self.ranks, self.load, self.target, self.cap, self.halo
+        moved = False
+        for item in sorted(self.items[r], key=self.size_of):  # the smallest items first, to the roomiest rank
+            if held[r] <= cap:
                 break
-            moved = False
-            for r in sorted(ranks, key=lambda r: -held[r]):
-                if held[r] <= cap:
-                    break
-                for item in sorted(items[r], key=size_of):  # the smallest items first, to the roomiest rank
-                    if held[r] <= cap:
-                        break
-                    n, c, h = size_of(item), cost_of(item), halo(item)
-                    dest = min((q for q in ranks if q != r and load[q] + c <= target and held[q] + n <= cap),
-                               key=lambda q: (recv[q] + h if h else 0, held[q]), default=None)
-                    if dest is None:
-                        continue
-                    put(r, item, -1)
-                    put(dest, item)
-                    held[r] -= n
-                    held[dest] += n
-                    moved = True
-                whole = [item for item in items[r] if len(item) == 1 and item[0][0] in self.starts]
-                if held[r] > cap and whole:  # else its largest item cut: its head or its tail moves
-                    item = max(whole, key=size_of)
-                    (p, q), = item
-                    k = min(2 * (held[r] - cap) + 16, q - p - 1)  # tokens to move, with room for pieces to grow
-                    best = None
-                    for dest in (q_ for q_ in ranks if q_ != r and held[q_] + k <= cap):
-                        for part, rest in (((p, p + k), (p + k, q)), ((q - k, q), (p, q - k))):
-                            c = self.csum[part[1]] - self.csum[part[0]]
-                            if load[dest] + c > target:
-                                continue
-                            h = halo([part if part[0] > p else rest])
-                            key = (max(recv[r] + (h if part[0] == p else 0), recv[dest] + (h if part[0] > p else 0)),
-                                   held[dest])
-                            if best is None or key < best[0]:
-                                best = (key, dest, part, rest)
-                    if best is not None:
-                        _, dest, part, rest = best
-                        put(r, item, -1)
-                        put(r, [rest])
-                        put(dest, [part])
-                        held[r] -= k
-                        held[dest] += k
-                        moved = True
-            if not moved:
-                break
-        for r in ranks:
-            owned[r] = items[r] + pieces[r]
+            n, c, h = self.size_of(item), self.cost_of(item), halo(item)
+            dest = min((q for q in ranks if q != r and load[q] + c <= target and held[q] + n <= cap),
+                       key=lambda q: (recv[q] + h if h else 0, held[q]), default=None)
+            if dest is None:
+                continue
+            self.put(r, item, -1)
+            self.put(dest, item)
+            held[r] -= n
+            held[dest] += n
+            moved = True
+        return moved
+
+    def cut_item(self, r: int, held: dict, recv: dict) -> bool:
+        """Rank ``r`` still over the cap: its largest whole document cut, its head or its tail to another
+        rank where the busier receives least (``held`` updated); whether it was cut."""
+        ranks, load, target, cap, halo, csum = self.ranks, self.load, self.target, self.cap, self.halo, self.batch.csum
+        whole = [item for item in self.items[r] if len(item) == 1 and item[0][0] in self.batch.starts]
+        if not (held[r] > cap and whole):
+            return False
+        item = max(whole, key=self.size_of)  # else its largest item cut: its head or its tail moves
+        (p, q), = item
+        k = min(2 * (held[r] - cap) + 16, q - p - 1)  # tokens to move, with room for pieces to grow
+        best = None
+        for dest in (q_ for q_ in ranks if q_ != r and held[q_] + k <= cap):
+            for part, rest in (((p, p + k), (p + k, q)), ((q - k, q), (p, q - k))):
+                c = csum[part[1]] - csum[part[0]]
+                if load[dest] + c > target:
+                    continue
+                h = halo([part if part[0] > p else rest])
+                key = (max(recv[r] + (h if part[0] == p else 0), recv[dest] + (h if part[0] > p else 0)),
+                       held[dest])
+                if best is None or key < best[0]:
+                    best = (key, dest, part, rest)
+        if best is None:
+            return False
+        _, dest, part, rest = best
+        self.put(r, item, -1)
+        self.put(r, [rest])
+        self.put(dest, [part])
+        held[r] -= k
+        held[dest] += k
+        return True
 
 
 def _budgets(group: dict, gap: dict[int, float], rounds: int = 60) -> list[list[float]]:

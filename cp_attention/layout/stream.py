@@ -160,10 +160,7 @@ def stream_partition(costs: Costs, a_D: np.ndarray, b_D: np.ndarray, P: int, cap
     L = costs.L
     C = costs[L]
     T, tau = C / P, L / P
-    cost_D = costs.prefix(b_D) - costs.prefix(a_D)
-    order = np.argsort(cost_D / (b_D - a_D), kind="stable")  # cheapest per token first
-    free = _Free(list(zip(a_D[order].tolist(), b_D[order].tolist())), cost_D[order].tolist(),
-                 (b_D - a_D)[order].tolist())
+    free = _free_documents(costs, a_D, b_D)
     dense: _Open | None = None  # the document open at the dense end
     cut: _Open | None = None  # a document cut at the sparse end
     owned: list[list] = [[] for _ in range(P)]
@@ -180,59 +177,26 @@ def stream_partition(costs: Costs, a_D: np.ndarray, b_D: np.ndarray, P: int, cap
             c_rem, room = share - got_c, limit - got_n
             if c_rem <= 0 or room <= 0:
                 break
-            if (dense is None or dense.done()) and free:
-                dense = _Open(*free.pop_dense(), "back")
-            elif dense is not None and dense.done():
-                dense = None
+            dense = _dense_end(free, dense)
             if dense is None:
                 per = 0.0
             elif per_of != (dense, dense.h, dense.k):
                 per, per_of = dense.per_cost(costs, tau), (dense, dense.h, dense.k)
             extra = goal - got_n - c_rem * per  # tokens free documents may add beyond the dense ones
             if cut is None and free:  # whole documents from the sparse end while they keep to the goal
-                cost_I, tokens_I, i, hi = free.cost, free.tokens, free.lo, free.hi
-                while i <= hi and c_rem > 0 and room > 0:
-                    c, n = cost_I[i], tokens_I[i]
-                    if c > c_rem or n > room or n - c * per > extra + whole_slack:
-                        break
-                    c_rem -= c
-                    room -= n
-                    extra -= n - c * per
-                    got_c += c
-                    got_n += n
-                    i += 1
+                i, got_c, got_n = _whole_documents(free, c_rem, room, extra, per, whole_slack, got_c, got_n)
                 if i > free.lo:
                     mine += free.runs[free.lo:i]
                     free.lo = i
                     continue
-            if cut is not None:
-                sc, sn = cut.rest(costs)
-            elif free:
-                sc, sn = free.cost[free.lo], free.tokens[free.lo]
-            elif dense is None:
+            if cut is None and not free and dense is None:
                 break
-            else:
-                sc = sn = None
-            runs = None
-            if sc is not None:
-                if cut is not None and sc <= c_rem and sn <= room and sn - sc * per <= extra + whole_slack:
-                    runs, c, n = cut.take(costs, math.inf, sn)  # the rest of a cut document
-                    cut = None
-                elif dense is None or (extra > CUT_FROM * tau and (sn > CUT_LONG * tau or sc > c_rem)):
-                    if cut is None:  # too long for the rank: its start, as many tokens as it wants
-                        cut = _Open(*free.pop_sparse(), "front")
-                    most = room if dense is None else min(room, extra / max(1 - sc / sn * per, 1e-9))
-                    runs, c, n = cut.take(costs, c_rem + slack, max(most, 1))
-                    if cut.done():
-                        cut = None
+            runs, c, n, cut = _from_sparse(costs, free, cut, dense, c_rem, room, extra, per, slack, whole_slack, tau)
             if runs is None and c_rem < SLIVER * T and dense.rest(costs)[0] > c_rem + slack and (cut or free):
                 if cut is None:  # a small gap: short documents, whole while they fit, not a sliver of a long one
-                    i, c_left, n_left = free.lo, c_rem + slack, room
-                    while i <= free.hi and free.cost[i] <= c_left and free.tokens[i] <= n_left:
-                        c_left, n_left, i = c_left - free.cost[i], n_left - free.tokens[i], i + 1
+                    i, got_c, got_n = _gap_documents(free, c_rem, slack, room, got_c, got_n)
                     if i > free.lo:
                         mine += free.runs[free.lo:i]
-                        got_c, got_n = got_c + c_rem + slack - c_left, got_n + room - n_left
                         free.lo = i
                         continue
                     cut = _Open(*free.pop_sparse(), "front")  # ... else the next one's start
@@ -240,16 +204,8 @@ def stream_partition(costs: Costs, a_D: np.ndarray, b_D: np.ndarray, P: int, cap
                 if cut.done():
                     cut = None
             if runs is None:  # the dense end fills the cost, as far as the room allows
-                runs, c, n = dense.take(costs, c_rem + slack, room)
-                if not dense.done():
-                    rest_c, rest_n = dense.rest(costs)
-                    left_c, left_n = C - done_c - got_c - c, L - done_n - got_n - n
-                    if rest_c * left_n < left_c * rest_n:  # its cheap start: back among the free items
-                        parts = min(math.ceil(rest_n / (PART * cap)), rest_n)
-                        edges = [dense.a + dense.h + rest_n * i // parts for i in range(parts + 1)]
-                        for p, q in zip(edges, edges[1:]):
-                            free.insert((p, q), costs[q] - costs[p])
-                        dense = None
+                runs, c, n, dense = _from_dense(costs, free, dense, c_rem, slack, room, C - done_c - got_c,
+                                                L - done_n - got_n, cap)
             mine += runs
             got_c += c
             got_n += n
@@ -257,12 +213,108 @@ def stream_partition(costs: Costs, a_D: np.ndarray, b_D: np.ndarray, P: int, cap
                 break
         done_c += got_c
         done_n += got_n
+    left = _untaken(free, dense, cut)
+    _spread(costs, left, owned, T, cap)
+    return owned
+
+
+def _free_documents(costs: Costs, a_D: np.ndarray, b_D: np.ndarray) -> _Free:
+    """The documents ``[a_D, b_D)`` ((D,) int64) as the free list, cheapest per token first."""
+    cost_D = costs.prefix(b_D) - costs.prefix(a_D)
+    order = np.argsort(cost_D / (b_D - a_D), kind="stable")  # cheapest per token first
+    return _Free(list(zip(a_D[order].tolist(), b_D[order].tolist())), cost_D[order].tolist(),
+                 (b_D - a_D)[order].tolist())
+
+
+def _dense_end(free: _Free, dense: _Open | None) -> _Open | None:
+    """The document open at the dense end: the open one until it is done, then the densest free one
+    read back from its end; None when neither is left."""
+    if (dense is None or dense.done()) and free:
+        dense = _Open(*free.pop_dense(), "back")
+    elif dense is not None and dense.done():
+        dense = None
+    return dense
+
+
+def _whole_documents(free: _Free, c_rem: float, room: float, extra: float, per: float, whole_slack: float,
+                     got_c: float, got_n: int) -> tuple[int, float, int]:
+    """How far the rank takes whole documents from the sparse end while they fit its cost ``c_rem`` and
+    ``room`` and keep its tokens to the goal: ``(the first one not taken, the rank's cost, its tokens)``."""
+    cost_I, tokens_I, i, hi = free.cost, free.tokens, free.lo, free.hi
+    while i <= hi and c_rem > 0 and room > 0:
+        c, n = cost_I[i], tokens_I[i]
+        if c > c_rem or n > room or n - c * per > extra + whole_slack:
+            break
+        c_rem -= c
+        room -= n
+        extra -= n - c * per
+        got_c += c
+        got_n += n
+        i += 1
+    return i, got_c, got_n
+
+
+def _from_sparse(costs: Costs, free: _Free, cut: _Open | None, dense: _Open | None, c_rem: float, room: float,
+                 extra: float, per: float, slack: float, whole_slack: float, tau: float) -> tuple:
+    """The sparse end's take, if it gives one: the rest of the cut document where it keeps to the goal,
+    else the start of a short document too long for the rank; ``(runs or None, cost, tokens, the cut
+    document left open)``."""
+    if cut is not None:
+        sc, sn = cut.rest(costs)
+    elif free:
+        sc, sn = free.cost[free.lo], free.tokens[free.lo]
+    else:
+        return None, 0.0, 0, cut
+    if cut is not None and sc <= c_rem and sn <= room and sn - sc * per <= extra + whole_slack:
+        runs, c, n = cut.take(costs, math.inf, sn)  # the rest of a cut document
+        return runs, c, n, None
+    if dense is None or (extra > CUT_FROM * tau and (sn > CUT_LONG * tau or sc > c_rem)):
+        if cut is None:  # too long for the rank: its start, as many tokens as it wants
+            cut = _Open(*free.pop_sparse(), "front")
+        most = room if dense is None else min(room, extra / max(1 - sc / sn * per, 1e-9))
+        runs, c, n = cut.take(costs, c_rem + slack, max(most, 1))
+        return runs, c, n, None if cut.done() else cut
+    return None, 0.0, 0, cut
+
+
+def _gap_documents(free: _Free, c_rem: float, slack: float, room: float, got_c: float,
+                   got_n: int) -> tuple[int, float, int]:
+    """How far the rank's small cost gap takes whole short documents from the sparse end while they
+    fit: ``(the first one not taken, the rank's cost, its tokens)``."""
+    i, c_left, n_left = free.lo, c_rem + slack, room
+    while i <= free.hi and free.cost[i] <= c_left and free.tokens[i] <= n_left:
+        c_left, n_left, i = c_left - free.cost[i], n_left - free.tokens[i], i + 1
+    if i > free.lo:
+        got_c, got_n = got_c + c_rem + slack - c_left, got_n + room - n_left
+    return i, got_c, got_n
+
+
+def _from_dense(costs: Costs, free: _Free, dense: _Open, c_rem: float, slack: float, room: float,
+                left_c: float, left_n: int, cap: int) -> tuple[list, float, int, _Open | None]:
+    """The dense end's take: the most of its document within the rank's cost and room, ``(runs, cost,
+    tokens, the document still open)``; once what is left of it (its start) is cheaper per token than
+    the rest of the batch (``left_c`` cost, ``left_n`` tokens before this take), that start goes back
+    among the free documents in parts a rank has room for."""
+    runs, c, n = dense.take(costs, c_rem + slack, room)
+    if not dense.done():
+        rest_c, rest_n = dense.rest(costs)
+        left_c, left_n = left_c - c, left_n - n
+        if rest_c * left_n < left_c * rest_n:  # its cheap start: back among the free items
+            parts = min(math.ceil(rest_n / (PART * cap)), rest_n)
+            edges = [dense.a + dense.h + rest_n * i // parts for i in range(parts + 1)]
+            for p, q in zip(edges, edges[1:]):
+                free.insert((p, q), costs[q] - costs[p])
+            dense = None
+    return runs, c, n, dense
+
+
+def _untaken(free: _Free, dense: _Open | None, cut: _Open | None) -> list:
+    """The runs no rank took: the free documents left and the rest of the open ones."""
     left = free.left()
     for d in (dense, cut):
         if d is not None and not d.done():
             left.append((d.a + d.h, d.b - d.k))
-    _spread(costs, left, owned, T, cap)
-    return owned
+    return left
 
 
 def _spread(costs: Costs, left: list, owned: list[list], T: float, cap: int) -> None:
