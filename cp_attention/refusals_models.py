@@ -11,7 +11,7 @@ from __future__ import annotations
 MODELS = (
     # ------------------------------------------------------------------------------------------- models
     dict(key="model_check", exception=NotImplementedError, area="models",
-       what="a model the model check finds inexact under context parallelism (its rules: model_check.py)",
+       what="a model the model check finds inexact under context parallelism (its rules: integrations/hf/check.py)",
        why="it would compute something else than on one device (the error lists the modules and reasons)",
        fix='run without context_parallel, or with "eager" / "sdpa" outside a context_parallel block',
        message="cp_flash cannot run {family} ({model}) under context parallelism: it would compute something else "

@@ -41,10 +41,10 @@ def forward_plan_stats() -> list[tuple[int | None, PlanStats]]:
 
 
 def forward_mixer_stats() -> list:
-    """:class:`~cp_attention.strategies.scan.MixerStats` of every sequence-mixer call (convolution halos,
-    recurrence states) of the most recent ``cp_flash`` model forward inside a ``context_parallel``
-    block in this thread, in call order (recomputations by gradient checkpointing are not counted
-    again)."""
+    """:class:`~cp_attention.strategies.mixer_exchange.MixerStats` of every sequence-mixer call
+    (convolution halos, recurrence states) of the most recent ``cp_flash`` model forward inside a
+    ``context_parallel`` block in this thread, in call order (recomputations by gradient
+    checkpointing are not counted again)."""
     return list(getattr(FORWARD, "mixers", []))
 
 

@@ -15,11 +15,11 @@ document; inputs before its document's first token count as zeros, as at the sta
 
 The inputs a piece needs from before its first token (at most k-1 per piece and row, fewer where a
 document starts) are its *halo*. Every rank computes every rank's halo from the layout and the
-documents (no metadata moves); one all-to-all moves them (:class:`HaloPlan`).
+documents (no metadata moves); one all-to-all moves them (:class:`~.mixer_exchange.HaloPlan`).
 
 **Linear recurrence** ``h_t = A_t h_{t-1} + b_t(x_t)``, ``y_t = f_t(h_t) + d_t(x_t)``, linear in
 ``(h_{t-1}, x)`` for fixed ``A_t, f_t`` (so the effect of an incoming state adds to the outputs);
-``h`` restarts from zero at every document start. The scan over pieces (:class:`ScanPlan`):
+``h`` restarts from zero at every document start. The scan over pieces (:class:`~.mixer_exchange.ScanPlan`):
 
 1. every segment runs from a zero state through the mixer's own function (segments of equal length
    stacked as one batch): its outputs and, for each piece's last segment, the final state ``F_p``;
@@ -33,7 +33,7 @@ documents (no metadata moves); one all-to-all moves them (:class:`HaloPlan`).
    mixer run again on that segment from ``S_p`` (its initial-state argument), or, for a function
    without one, the effect of ``S_p`` added in closed form (linearity).
 
-Gradients flow back through the same exchanges, reversed (:class:`_Exchange`). The mixer-specific
+Gradients flow back through the same exchanges, reversed (:func:`~.mixer_exchange.exchange`). The mixer-specific
 parts (how to run a segment, a transition, a correction) are an adapter's
 (:class:`RecurrenceAdapter`); the integrations adapt transformers' functions.
 
@@ -45,60 +45,19 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from .. import layout as layout_mod
-__all__ = ["Geometry", "geometry_of", "make_geometry", "plan_for", "agree", "HaloPlan", "halo_plan", "causal_conv",
-           "token_windows",
-           "ScanPlan", "scan_plan", "RecurrenceAdapter", "scan", "MixerStats"]
+from .mixer_exchange import (Geometry, HaloPlan, MixerStats, Piece, ScanPlan, exchange, foreign_needs, make_geometry,
+                             pieces_of, tie)
+
+__all__ = ["geometry_of", "plan_for", "agree", "halo_plan", "causal_conv", "token_windows", "scan_plan",
+           "RecurrenceAdapter", "scan"]
 
 _CACHE_LOCK = threading.Lock()
 _GEOMETRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # batch record -> {key: plan}
-
-
-@dataclass(frozen=True, eq=False)
-class Geometry:
-    """Which global tokens every rank holds and where each token's document starts, for one batch."""
-
-    world_size: int
-    rank: int
-    batch: int
-    seq_len: int
-    index: tuple[torch.Tensor, ...]
-    """(L_r,) long per rank: the global positions of rank r's tokens, in its local order."""
-    doc_start: torch.Tensor
-    """(B, L) long: the global position where each token's document starts (padding tokens are
-    one-token documents)."""
-    owner: torch.Tensor
-    """(L,) long: the rank holding each global position."""
-    local: torch.Tensor
-    """(L,) long: its place among that rank's tokens."""
-
-    @property
-    def local_len(self) -> int:
-        return int(self.index[self.rank].numel())
-
-
-def make_geometry(batch: int, seq_len: int, doc_start: torch.Tensor | None, index: list[torch.Tensor],
-                  rank: int) -> Geometry:
-    """A :class:`Geometry` from every rank's global positions (``index``) and ``doc_start`` (B, L)
-    (None: one document per row)."""
-    if doc_start is None:
-        doc_start = torch.zeros(batch, seq_len, dtype=torch.long)
-    doc_start = doc_start.to("cpu", torch.long).expand(batch, seq_len)
-    index = tuple(i.to("cpu", torch.long) for i in index)
-    owner = torch.full((seq_len,), -1, dtype=torch.long)
-    local = torch.zeros(seq_len, dtype=torch.long)
-    for r, idx in enumerate(index):
-        owner[idx] = r
-        local[idx] = torch.arange(idx.numel())
-    if bool((owner < 0).any()):
-        raise ValueError("the layout leaves global positions on no rank")
-    return Geometry(world_size=len(index), rank=rank, batch=batch, seq_len=seq_len, index=index,
-                    doc_start=doc_start, owner=owner, local=local)
 
 
 def _cached(record, key, build):
@@ -114,7 +73,7 @@ def _cached(record, key, build):
 
 
 def geometry_of(record) -> Geometry:
-    """The :class:`Geometry` of a sharded batch (the record ``cp.shard_batch`` bound to its
+    """The :class:`~.mixer_exchange.Geometry` of a sharded batch (the record ``cp.shard_batch`` bound to its
     tensors), computed once per batch."""
     def build():
         cp, meta = record.cp, record.meta
@@ -151,125 +110,21 @@ def agree(record, comm, signature: tuple[int, ...]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# the exchange
-
-
-class _Exchange(torch.autograd.Function):
-    """Send rows of ``rows`` to peers and receive theirs: ``send[j]`` are the row indices peer j
-    gets, ``recv[j]`` how many rows come from it. Returns the received rows, peers in rank order.
-    Backward sends the received rows' gradients back and sums them into the sent rows'."""
-
-    @staticmethod
-    def forward(ctx, rows, comm, send, recv, what):
-        sends = [rows.index_select(0, idx) for idx in send]
-        recvs = [rows.new_empty((n, *rows.shape[1:])) for n in recv]
-        comm.all_to_all(sends, recvs, what)
-        ctx.comm, ctx.send, ctx.recv, ctx.what, ctx.shape = comm, send, recv, what, rows.shape
-        return torch.cat(recvs) if recvs else rows.new_empty((0, *rows.shape[1:]))
-
-    @staticmethod
-    def backward(ctx, grad):
-        grads = [g.contiguous() for g in grad.split(list(ctx.recv))]
-        back = [grad.new_empty((idx.numel(), *grad.shape[1:])) for idx in ctx.send]
-        ctx.comm.all_to_all(grads, back, ctx.what + " (backward)")
-        out = grad.new_zeros(ctx.shape)
-        for idx, part in zip(ctx.send, back):
-            if idx.numel():
-                out.index_add_(0, idx.to(out.device), part)
-        return out, None, None, None, None
-
-
-class _Tie(torch.autograd.Function):
-    """``a`` unchanged, with ``b`` in its graph (``b``'s gradient: zeros). Ties an exchange into the
-    graph on every rank alike, so every rank runs the exchanges' backwards in the same order even
-    where its own tokens do not use what arrived."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.b_shape, ctx.b_dtype = b.shape, b.dtype
-        return a.view_as(a)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, grad.new_zeros(ctx.b_shape, dtype=ctx.b_dtype)
-
-
-def tie(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a``, whose backward also reaches ``b`` (with a zero gradient); see :class:`_Tie`."""
-    if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
-        return a
-    return _Tie.apply(a, b)
-
-
-def exchange(rows: torch.Tensor, comm, send: tuple[torch.Tensor, ...], recv: tuple[int, ...], what: str):
-    """Differentiable row exchange (see :class:`_Exchange`); nothing moves on one rank."""
-    if comm is None or comm.world_size == 1:
-        return rows.new_empty((0, *rows.shape[1:]))
-    send = tuple(s.to(rows.device) for s in send)
-    return _Exchange.apply(rows, comm, send, recv, what)
-
-
-@dataclass(frozen=True)
-class MixerStats:
-    """What one mixer call moved on this rank (forward; the backward moves the same bytes back)."""
-
-    kind: str  # "convolution" or "recurrence"
-    rank: int
-    world_size: int
-    tokens_recv: int  # halo tokens (convolution) or piece states (recurrence) received
-    bytes_recv: int
-    bytes_sent: int
-    pieces: int = 0  # this rank's pieces (recurrence)
-    segment_runs: int = 0  # calls of the mixer's function (recurrence: stacked segments per length)
-
-
-# ----------------------------------------------------------------------------------------------
 # convolution
 
 
-@dataclass(frozen=True, eq=False)
-class HaloPlan:
-    """One rank's halo exchange and gather for a causal depthwise convolution of kernel ``kernel``."""
-
-    kernel: int
-    send: tuple[torch.Tensor, ...]
-    """Per peer: flat indices ``b * Lr + t`` of this rank's tokens the peer needs."""
-    recv: tuple[int, ...]
-    """Per peer: how many tokens this rank receives from it."""
-    taps: torch.Tensor
-    """(k, B * Lr) long: for tap j (the input at g - (k-1-j)), the row of
-    ``cat(x (B*Lr), received, one zero row)`` token g reads."""
-
-
-def _foreign_needs(geo: Geometry, s: int, kernel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rank ``s``'s taps: sources (B, L_s, k) global positions, whether each is read (inside the
-    document), and the sorted unique keys ``owner * B * L + b * L + src`` of those on other ranks."""
-    G = geo.index[s]
-    B, L = geo.batch, geo.seq_len
-    offsets = torch.arange(kernel - 1, -1, -1)  # tap j reads g - (k-1-j)
-    src = G[None, :, None] - offsets[None, None, :]  # (1, L_s, k)
-    starts = geo.doc_start[:, G]  # (B, L_s)
-    ok = src >= starts[:, :, None]  # (B, L_s, k)
-    src = src.expand(B, -1, -1).clamp(min=0)
-    rows = torch.arange(B)[:, None, None].expand_as(src)
-    owner = geo.owner[src]
-    foreign = ok & (owner != s)
-    keys = (owner * B * L + rows * L + src)[foreign]
-    return src, ok, torch.unique(keys)
-
-
 def halo_plan(geo: Geometry, kernel: int) -> HaloPlan:
-    """The :class:`HaloPlan` of ``geo``'s rank for a kernel of ``kernel`` tokens."""
+    """The :class:`~.mixer_exchange.HaloPlan` of ``geo``'s rank for a kernel of ``kernel`` tokens."""
     B, L, P, r = geo.batch, geo.seq_len, geo.world_size, geo.rank
     Lr = geo.local_len
-    src, ok, mine = _foreign_needs(geo, r, kernel)
+    src, ok, mine = foreign_needs(geo, r, kernel)
     recv = tuple(int(((mine // (B * L)) == o).sum()) for o in range(P))
     send = []
     for s in range(P):
         if s == r:
             send.append(torch.zeros(0, dtype=torch.long))
             continue
-        _, _, keys = _foreign_needs(geo, s, kernel)
+        _, _, keys = foreign_needs(geo, s, kernel)
         keys = keys[(keys // (B * L)) == r]  # in the (b, src) order rank s expects them
         b, g = (keys % (B * L)) // L, keys % L
         send.append(b * Lr + geo.local[g])
@@ -359,67 +214,14 @@ class RecurrenceAdapter(Protocol):
         ``additive = True`` on the adapter, the change of the outputs instead (added to them)."""
 
 
-@dataclass(frozen=True, eq=False)
-class _Piece:
-    owner: int
-    slot: int  # its index among the owner's pieces
-    row: int
-    start: int  # global [start, end)
-    end: int
-    carries: bool  # its first token continues a document begun before it
-    passes: bool  # ... and no document starts inside: its incoming state reaches its end
-
-
-@dataclass(frozen=True, eq=False)
-class ScanPlan:
-    """One rank's scan over pieces for one batch (see the module docstring)."""
-
-    groups: tuple[tuple[int, torch.Tensor], ...]
-    """Segments stacked per length: (length n, flat token indices (N * n,) ``b * Lr + t``)."""
-    order: torch.Tensor
-    """(B * Lr,) long: where each token's output is in the groups' concatenated outputs."""
-    tails: tuple[tuple[int, int], ...]
-    """Per own piece (slot order): (group, stacked row) of its last segment."""
-    passing: tuple[tuple[int, torch.Tensor, torch.Tensor], ...]
-    """Own passing pieces stacked per length: (n, flat token indices, their slots)."""
-    heads: tuple[tuple[int, torch.Tensor, torch.Tensor], ...]
-    """Own carrying pieces' first segments per length: (n, flat token indices, their slots)."""
-    chains: dict
-    """Own carrying slot -> the pieces whose states compose its incoming state, nearest first:
-    ((source, row, passes), ...); source "own" (row: slot) or "recv" (row: received row)."""
-    send: tuple[torch.Tensor, ...]
-    recv: tuple[int, ...]
-    pieces: int
-    last: tuple[tuple[int, bool], ...] = ()
-    """Per row: (slot, passes) of this rank's last piece in global order (the state a cache keeps)."""
-
-
-def _pieces(geo: Geometry, s: int) -> list[_Piece]:
-    G = geo.index[s]
-    out = []
-    if G.numel() == 0:
-        return out
-    cut = torch.ones(G.numel(), dtype=torch.bool)
-    cut[1:] = G[1:] != G[:-1] + 1
-    starts = torch.nonzero(cut).flatten().tolist() + [G.numel()]
-    for b in range(geo.batch):
-        opens = (geo.doc_start[b, G] == G).tolist()
-        for a, e in zip(starts[:-1], starts[1:]):
-            carries = not opens[a]
-            passes = carries and not any(opens[a + 1:e])
-            out.append(_Piece(owner=s, slot=len(out), row=b, start=int(G[a]), end=int(G[e - 1]) + 1,
-                              carries=carries, passes=passes))
-    return out
-
-
 def scan_plan(geo: Geometry) -> ScanPlan:
-    """The :class:`ScanPlan` of ``geo``'s rank."""
+    """The :class:`~.mixer_exchange.ScanPlan` of ``geo``'s rank."""
     P, r, Lr = geo.world_size, geo.rank, geo.local_len
-    every = [_pieces(geo, s) for s in range(P)]
+    every = [pieces_of(geo, s) for s in range(P)]
     mine = every[r]
     ends = {(p.row, p.end): p for pieces in every for p in pieces}
 
-    def tokens(p: _Piece) -> list[int]:  # flat indices b * Lr + t of a piece of mine
+    def tokens(p: Piece) -> list[int]:  # flat indices b * Lr + t of a piece of mine
         return (p.row * Lr + geo.local[p.start:p.end]).tolist()
 
     # segments of my pieces: cut at document starts
@@ -455,7 +257,7 @@ def scan_plan(geo: Geometry) -> ScanPlan:
     passing = per_length([(p.slot, tokens(p)) for p in mine if p.passes])
     heads = per_length([(seg[0], seg[3]) for seg in segments if seg[1] and mine[seg[0]].carries])
 
-    def chain(p: _Piece) -> list[_Piece]:
+    def chain(p: Piece) -> list[Piece]:
         links, q = [], ends[(p.row, p.start)]
         while True:
             links.append(q)

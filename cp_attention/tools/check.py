@@ -297,14 +297,10 @@ def _verdict(results: list[dict], truth_logits, truth_layers, tol, kinds, masks)
 @contextlib.contextmanager
 def _unchecked():
     """The model check off (a refused model's run, to show where it would differ)."""
-    from cp_attention.integrations.hf import check as model_check
+    from cp_attention.integrations.hf.check import suspended
 
-    original = model_check.check_model
-    model_check.check_model = lambda model, plain=True: None
-    try:
+    with suspended():
         yield
-    finally:
-        model_check.check_model = original
 
 
 def _print(report: dict) -> None:

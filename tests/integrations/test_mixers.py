@@ -30,7 +30,8 @@ from torch import nn
 
 import cp_attention
 from cp_attention.integrations.hf.mixing import mark_mixer
-from cp_attention.strategies.scan import geometry_of, halo_plan, make_geometry, scan_plan
+from cp_attention.strategies.mixer_exchange import make_geometry
+from cp_attention.strategies.scan import geometry_of, halo_plan, scan_plan
 from cp_attention.tools.launch import run_ranks
 
 pytestmark = pytest.mark.multirank  # spawns gloo ranks

@@ -17,10 +17,10 @@ not what its source looks like (:func:`model_findings`):
 
 and the rules for what a forward on one device cannot show:
 
-* a sequence mixer function that transformers changed (:mod:`.mixers`' admission by behaviour declined it):
+* a sequence mixer function that transformers changed (:mod:`.adapters.mixer_functions`' admission by behaviour declined it):
   left unadapted, it would mix only the shard's tokens;
 * a length-dependent rope (``dynamic``, ``longrope``) in a rotary module whose forward takes no
-  ``position_ids``: it cannot be given the whole sequence's length (:mod:`.rope`; those that take
+  ``position_ids``: it cannot be given the whole sequence's length (:mod:`.adapters.rope`; those that take
   them are hooked on the first forward in a block and computed from the global largest position);
 * positions computed from the shard: the model's forward takes no ``position_ids`` and it uses
   positions (a positional module, or attention layers: :func:`uses_positions`), so each rank would
@@ -28,9 +28,9 @@ and the rules for what a forward on one device cannot show:
   sequence mixers alone (Mamba, Mamba-2, Falcon-Mamba) is not refused for it: it reads no positions,
   and its mixers take the documents from the batch record.
 
-Handled mixers (issue 21): the module-level functions :mod:`.mixers` adapts (``causal_conv1d_fn``,
+Handled mixers (issue 21): the module-level functions :mod:`.adapters.mixer_functions` adapts (``causal_conv1d_fn``,
 ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``, ``mamba_selective_scan``) and the mixer classes
-:mod:`.recurrent` adapts run across ranks and documents (a halo for the convolution, a scan over pieces for
+:mod:`.adapters.mixer_classes` adapts run across ranks and documents (a halo for the convolution, a scan over pieces for
 the recurrence), so they are exact; the trace lets them answer per token and reads everything around them.
 
 Vision, audio and other sub-models with a configuration of their own are not read: they do not
@@ -54,6 +54,9 @@ compiled model's own module.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 from .adapters import ADAPTERS
 from .models import cp_flash_model, family_of, text_modules
 from .positions import packed_documents, uses_positions
@@ -62,7 +65,9 @@ from .token_trace import REFUSED as TRACE_REFUSED, model_trace
 from . import state
 from ...refusals import refuse
 
-__all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank"]
+__all__ = ["Finding", "model_findings", "check_model", "check_positions_one_rank", "suspended"]
+
+_SUSPENDED = threading.local()  # .on: the model check is off in this thread (suspended())
 
 
 class Finding(tuple):
@@ -108,6 +113,8 @@ def check_model(model, plain: bool = True) -> None:
     exactly under context parallelism (see the module docstring). Cached per model object. ``plain=False``
     (generate's prefill, which runs with a cache): a refusal the trace met on the plain forward without a cache
     is not counted (the cache path is another; cp_flash still refuses at run time what it cannot apply there)."""
+    if getattr(_SUSPENDED, "on", False):
+        return
     findings = _cached_findings(model)
     if not plain:
         findings = tuple(f for f in findings if f.what != TRACE_REFUSED)
@@ -133,3 +140,15 @@ def check_positions_one_rank(model, record) -> None:
         return  # it uses no positions (mixers alone): they read the documents from the batch record
     if packed_documents(record.meta):
         raise refuse("packed_without_position_ids", family=family_of(model), model=type(model).__name__)
+
+
+@contextlib.contextmanager
+def suspended():
+    """The model check off in this thread for the block (``python -m cp_attention check`` runs a refused model under
+    context parallelism to show where it would differ); everything else of the guard runs."""
+    outer = getattr(_SUSPENDED, "on", False)
+    _SUSPENDED.on = True
+    try:
+        yield
+    finally:
+        _SUSPENDED.on = outer

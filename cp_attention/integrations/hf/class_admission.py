@@ -1,4 +1,4 @@
-"""What :mod:`.recurrent` assumes of the mixer classes it adapts, checked by their behaviour on each
+"""What :mod:`.adapters.mixer_classes` assumes of the mixer classes it adapts, checked by their behaviour on each
 class's first call under context parallelism.
 
 A class adapter recomputes its class's forward (or method) from the instance's own layers, with the
@@ -15,7 +15,7 @@ few milliseconds):
   part: its halo convolutions, token shifts and scan pieces), compared output by output;
 * for the adapters that call the class's own recurrence from a state (RG-LRU's ``_rnn_scan``, RWKV's
   ``rwkv_linear_attention``, xLSTM's backend), that recurrence over two pieces, the second started from
-  the first's final state, against one call (:func:`.mixer_adapters.composition_reason`): what the scan
+  the first's final state, against one call (:func:`.function_admission.composition_reason`): what the scan
   over ranks relies on.
 
 A difference beyond the dtype's tolerance, or a call that raises, declines the class: its call under
@@ -58,7 +58,7 @@ class Check:
     ``compare``: how many leading outputs are the adapter's to match (the rest are caches and states
     of the family's own form); ``saved``: instance attributes the method writes (restored after);
     ``composition(recurrence, self, original, args)`` -> (a recurrence adapter, its token arguments), or
-    None (``recurrence``: the adapter's class, handed over by :mod:`.recurrent`)."""
+    None (``recurrence``: the adapter's class, handed over by :mod:`.adapters.mixer_classes`)."""
 
     inputs: Callable
     compare: int = 1
@@ -133,7 +133,7 @@ CHECKS = MappingProxyType({
     "_shift_forward": Check(_rwkv),
     "_mlstm_forward": Check(_mlstm, composition=_mlstm_pieces),
 })
-"""The check of each adapted method of :mod:`.recurrent` (by its adapter's name)."""
+"""The check of each adapted method of :mod:`.adapters.mixer_classes` (by its adapter's name)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,6 +271,6 @@ def first_use(cls: type, method: str, reason: Callable[[], str | None]) -> None:
 
 def admitted(self, adapter: str, method: str, original, body, bind: Callable, tokens: str, dim: int,
              like: torch.Tensor, recurrence: type | None = None) -> None:
-    """:func:`first_use` for a mixer class of :mod:`.recurrent` (its check: :func:`class_reason`)."""
+    """:func:`first_use` for a mixer class of :mod:`.adapters.mixer_classes` (its check: :func:`class_reason`)."""
     first_use(type(self), method,
               lambda: class_reason(self, adapter, original, body, bind, tokens, dim, like, recurrence))

@@ -1,4 +1,4 @@
-"""What :mod:`.mixers` assumes of transformers' mixer functions, and the check that admits a function by
+"""What :mod:`.adapters.mixer_functions` assumes of transformers' mixer functions, and the check that admits a function by
 its behaviour before anything wraps it.
 
 Each adapted function has a calling convention (:data:`CONVENTIONS`: the arguments the adapter reads,
@@ -21,7 +21,7 @@ the four recurrences                the whole sequence from a random state equal
                                     function's own one-call result, outputs and final state
 ==================================  ===========================================================================
 
-A function that fails is not wrapped (:mod:`.mixers` records why); the model check then refuses the
+A function that fails is not wrapped (:mod:`.adapters.mixer_functions` records why); the model check then refuses the
 families that call it under context parallelism, naming the transformers version and the function.
 
 The recurrence adapters: one class per function, with the methods the engine's scan
@@ -340,7 +340,7 @@ def _convolution_reason(original) -> str | None:
 
 def _forward_reason(original, mod) -> str | None:
     """``causal_conv1d_forward`` with no cache must hand the convolution to the module's own
-    ``causal_conv1d_fn`` (which :mod:`.mixers` adapts) and return its result unchanged."""
+    ``causal_conv1d_fn`` (which :mod:`.adapters.mixer_functions` adapts) and return its result unchanged."""
     inner = getattr(mod, "causal_conv1d_fn", None)
     if inner is None:
         return "its modeling module has no causal_conv1d_fn to hand the convolution to"

@@ -153,7 +153,7 @@ class CPMask:
         self._misused(f".{name}")
 
     def selecting(self) -> SelectingMask:
-        """This mask as an attention whose block indexer is adapted hands it around (:mod:`.indexers`)."""
+        """This mask as an attention whose block indexer is adapted hands it around (:mod:`.adapters.indexers`)."""
         return SelectingMask(self)
 
     def with_selection(self, key_select: torch.Tensor) -> CPMask:

@@ -146,7 +146,7 @@ def note_delegated() -> None:
 
 
 def class_mixer(cls: type) -> bool:
-    """Whether ``cls`` computes its sequence mixing in a method :mod:`.recurrent` adapted, still the
+    """Whether ``cls`` computes its sequence mixing in a method :mod:`.adapters.mixer_classes` adapted, still the
     adapted one (a subclass overriding it is not)."""
     name = getattr(cls, CLASS_MIXER_ATTR, None)
     return isinstance(name, str) and bool(getattr(getattr(cls, name, None), CLASS_MIXER_ATTR, False))

@@ -1,6 +1,6 @@
 """Masks a model builds itself: transformers' mask functions read as documents and bidirectional spans.
 
-transformers hands the registered mask function (:func:`~.transformers.cp_flash_mask`) a composed
+transformers hands the registered mask function (:func:`~.registry.cp_flash_mask`) a composed
 ``mask_function(batch, head, q, kv) -> bool``: causal or sliding, AND'd with packed documents, OR'd
 with overlays a family adds itself (Gemma 3 / Gemma 4 image blocks through ``blockwise_overlay``,
 PaliGemma's prefix, a text model's bidirectional switch). cp_flash never builds the (L x L) mask;

@@ -15,7 +15,7 @@ imported (lazily, so ``import cp_attention`` stays cheap). Registration installs
   They replace ``is_flash_attention_requested`` in the modules listed in :data:`FLASH_NAME_SITES`
   by a wrapper that answers False for "cp_flash" only, for transformers >= 5.17 and < 6;
 * the sequence-mixer functions of each modeling module (short convolutions, Mamba, Mamba-2, gated
-  DeltaNet; :mod:`.mixers`): wrappers that call the original unchanged except for the tagged mixers
+  DeltaNet; :mod:`.adapters.mixer_functions`): wrappers that call the original unchanged except for the tagged mixers
   of a "cp_flash" model under context parallelism, which then run across ranks and documents.
 Nothing else of transformers is changed: losses, other attention implementations and models that
 do not use "cp_flash" behave exactly as without ``import cp_attention``.

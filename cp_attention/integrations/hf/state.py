@@ -23,15 +23,15 @@ CONFIG_LOCK = threading.Lock()
 
 INTEGRATIONS: dict = {"registered": set(), "adapted_sites": [], "declined": {}, "classes": {}}
 """Which integrations registered, the transformers modules adapted for the name ``cp_flash``
-(:mod:`.transformers`), the foreign functions and class methods an adapter's admission check declined:
-{(module name, function or ``Class.method`` name): why} (:mod:`.mixers`, :mod:`.class_admission`), and
+(:mod:`.registry`), the foreign functions and class methods an adapter's admission check declined:
+{(module name, function or ``Class.method`` name): why} (:mod:`.adapters.mixer_functions`, :mod:`.class_admission`), and
 every class method checked at its first call under context parallelism: {(module, ``Class.method``): why
 or None}. Guarded by ``INTEGRATIONS_LOCK``."""
 INTEGRATIONS_LOCK = threading.Lock()
 
 MODEL_CHECKS = WeakIdKeyDictionary()
 """model -> its check result (its findings, a tuple), computed once per model object (weak: dies with
-the model). Guarded by ``MODEL_LOCK`` (:mod:`.model_check`)."""
+the model). Guarded by ``MODEL_LOCK`` (:mod:`.check`)."""
 MODEL_LOCK = threading.Lock()
 
 POSITION_STARTS = WeakIdKeyDictionary()
@@ -44,11 +44,11 @@ Guarded by ``MODEL_LOCK``."""
 
 INDEXER_SELECTIONS = WeakIdKeyDictionary()
 """selection tensor -> True: the ``indices`` an adapted sparse-attention indexer returned, global key
-indices (:mod:`.indexers`); cp_flash reads only these (weak: dies with the tensor)."""
+indices (:mod:`.adapters.indexers`); cp_flash reads only these (weak: dies with the tensor)."""
 
 COMPRESSED_SELECTIONS = WeakIdKeyDictionary()
 """attention module -> (key_select, entries): what a compressed layer's compressor recorded for the layer's
-cp_flash call, taken by that call (:mod:`.compressed`; weak: dies with the module)."""
+cp_flash call, taken by that call (:mod:`.adapters.compressed`; weak: dies with the module)."""
 
 VERIFIED: dict = {}
 """(model class, config checksum, dtype, packed, world size) -> None (verified) or the refusal

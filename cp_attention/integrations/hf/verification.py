@@ -3,7 +3,7 @@
 every rank, and a difference beyond the dtype's tolerance refuses the model on every rank before the user's
 forward computes anything.
 
-The model check (:mod:`.model_check`) decides from what a model is made of; this decides from what it
+The model check (:mod:`.check`) decides from what a model is made of; this decides from what it
 computes, so it also catches what no rule knows: a ``trust_remote_code`` module that mixes tokens in its own
 code (a running mean, a shift, a pool, a sort along the sequence), a kernel that routes around cp_flash, a
 family whose one-device forward treats packed documents another way.

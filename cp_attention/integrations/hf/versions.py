@@ -4,7 +4,7 @@
 between. Registration raises ImportError outside ``[MIN_VERSION, MAX_VERSION)`` (the integration is then
 not available: ``import cp_attention`` warns and leaves transformers alone) and warns once for a release
 newer than every tested one: its mixer functions are still admitted by behaviour
-(:mod:`.mixer_adapters`) or refused under context parallelism.
+(:mod:`.function_admission`) or refused under context parallelism.
 """
 
 from __future__ import annotations

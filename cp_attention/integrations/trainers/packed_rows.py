@@ -12,7 +12,7 @@ the model's tokens sharded over the context-parallel group:
 2. the packed row is sharded (:meth:`~cp_attention.ContextParallel.shard_batch`) and the fused head
    runs on this rank's shard with pre-shifted targets (the next token's label inside its document,
    -100 at a document's last token);
-3. the shards' fields are gathered along the sequence (:func:`.heads.gather_rows`) and put back at
+3. the shards' fields are gathered along the sequence (:func:`..hf.heads.gather_rows`) and put back at
    their (row, column) places.
 
 Which rows: ``rows="shared"`` when every rank of the group holds the same batch (a CP trainer's
@@ -25,7 +25,7 @@ rank its shard's. With ``rows="shared"`` each rank computes the same loss of the
 is P times one rank's: each rank's parameter gradient is P times its shard's part, and the mean over
 the group's ranks (DDP / FSDP2) is the single-device gradient of that loss. A MoE router auxiliary
 loss is returned with the same convention: its value the group's (one device's), its gradient P
-times this rank's share (:mod:`.losses`).
+times this rank's share (:mod:`..hf.adapters.router_loss`).
 
 Legend: ``B`` rows, ``L`` columns, ``N`` packed tokens (attended tokens of all rows), ``P`` ranks,
 ``n_r`` this rank's shard, ``k`` fields.
@@ -210,7 +210,7 @@ def packed_fused_forward(forward, model, cp, kwargs: dict, *, rows: str = "share
 
 
 def _group_value(cp, share: torch.Tensor) -> torch.Tensor:
-    """A rank's share of the router loss (P times its part, :mod:`.losses`) with the group's value
+    """A rank's share of the router loss (P times its part, :mod:`..hf.adapters.router_loss`) with the group's value
     (one device's) and the share's gradient."""
     total = cp.comm.all_reduce(share.detach().reshape(1).to(cp.comm.device, torch.float32).clone(),
                                "the router loss's value").to(share.device)[0]

@@ -172,7 +172,7 @@ class CPTrainerMixin(metaclass=MixinBeforeTrainer):
     label smoothing and ``compute_loss_func`` (they compute the loss outside the model from local
     labels); ``average_tokens_across_devices=False`` (Trainer would then normalise each process's
     loss by its own tokens, not the global batch's). A MoE router auxiliary loss is taken over the
-    joined batch (:mod:`.losses`), weighed as Trainer's or SFTTrainer's ``compute_loss`` weighs it
+    joined batch (:mod:`..hf.adapters.router_loss`), weighed as Trainer's or SFTTrainer's ``compute_loss`` weighs it
     (another ``compute_loss`` with the auxiliary loss on is refused). Evaluation and prediction run
     without context parallelism, on each process's own batch.
     """
@@ -231,7 +231,7 @@ _UNKNOWN = object()
 
 
 def _aux_loss_scale(trainer):
-    """The factor ``s`` of a rank's share of the MoE router loss (:mod:`.losses`) that makes ``trainer``'s
+    """The factor ``s`` of a rank's share of the MoE router loss (:mod:`..hf.adapters.router_loss`) that makes ``trainer``'s
     loss the single-device one: 1 where the model's loss, auxiliary loss included, is multiplied by the
     process count (Trainer's ``compute_loss``); None (the batch's default, the CP size) where the trainer
     adds the auxiliary loss to the scaled token loss itself, unscaled (TRL's ``SFTTrainer``); ``_UNKNOWN``

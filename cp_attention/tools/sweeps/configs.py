@@ -249,40 +249,89 @@ def scale_section(section: list[int], total: int) -> list[int]:
     return out
 
 
+def _shrink_layers(d: dict, out: dict, n0: int, text: bool) -> None:
+    """Into ``out``: the chosen layers of every per-layer value of ``d`` (``n0`` layers), and the layer counts."""
+    has_per_layer = False
+    chosen = choose_layers(d, n0)
+    for key, value in d.items():
+        if _is_per_layer(value, n0):
+            out[key] = type(value)(value[i] for i in chosen)
+            has_per_layer = True
+        elif _is_pattern_string(key, value, n0):
+            out[key] = "".join(value[i] for i in chosen)
+            has_per_layer = True
+        elif _is_index_list(key, value, n0):
+            members = set(value)
+            out[key] = [j for j, i in enumerate(chosen) if i in members]
+        elif _layer_keyed(value, n0) is not None:
+            keyed = _layer_keyed(value, n0)
+            out[key] = {j: shrink(keyed[i], text=text) if isinstance(keyed[i], dict) else keyed[i]
+                        for j, i in enumerate(chosen) if i in keyed}
+    n = len(chosen)
+    intervals = [k for k, v in d.items() if INTERVAL_RE.search(k) and isinstance(v, int)
+                 and not isinstance(v, bool) and v > 1]
+    if intervals and not has_per_layer:  # layer kinds computed from periods: period 2 on 4 layers
+        n = 4
+    for k in intervals:
+        out[k] = 2
+    for k, v in d.items():
+        if OFFSET_RE.search(k) and "layer" in k and isinstance(v, int) and v > 1:
+            out[k] = 1
+    for key in LAYER_COUNT_KEYS:
+        if isinstance(d.get(key), int) and d[key] > 0:
+            out[key] = n
+
+
+def _shrink_int(key: str, value: int, out: dict, heads0: int | None, text: bool) -> None:
+    """Into ``out``: the shrunk value of the int ``key`` (``heads0``: the config's attention heads)."""
+    if key in FIXED and FIXED[key] is not None:
+        if value > 0:
+            out[key] = FIXED[key]
+    elif key in HIDDEN_KEYS:
+        out[key] = HIDDEN
+    elif key in HEAD_KEYS:
+        out[key] = HEADS
+    elif key in KV_HEAD_KEYS:
+        out[key] = 1 if value == 1 else (HEADS if heads0 is not None and value == heads0 else KV_HEADS)
+    elif key in HEAD_DIM_KEYS:
+        out[key] = HEAD_DIM
+    elif key in EXPERT_KEYS:
+        out[key] = min(value, 4)
+    elif key in TOPK_KEYS:
+        out[key] = min(value, 2)
+    elif key in SHARED_EXPERT_KEYS:
+        out[key] = min(value, 1)
+    elif key in POSITION_KEYS:
+        out[key] = MAX_POS
+    elif text and key in WINDOW_KEYS and value > WINDOW:
+        out[key] = WINDOW
+    elif key.endswith("vocab_size") or key in ("n_vocab", "vocab_size_per_layer_input", "output_vocab_size"):
+        if value > VOCAB:
+            out[key] = VOCAB
+    elif INTERMEDIATE_RE.search(key) and value > 32:
+        out[key] = 32 if re.search(r"moe|expert|shared", key) else 2 * HIDDEN
+
+
+def _shrink_coupled(d: dict, out: dict) -> None:
+    """Into ``out``: the sizes that follow others (Zamba's attention width, Falcon-H1's SSM width, MLA's head dim)."""
+    hidden0 = next((d[k] for k in HIDDEN_KEYS if isinstance(d.get(k), int) and not isinstance(d[k], bool)), None)
+    if hidden0 and isinstance(d.get("attention_hidden_size"), int):  # Zamba: attention over [h, embeddings]
+        out["attention_hidden_size"] = HIDDEN * max(1, round(d["attention_hidden_size"] / hidden0))
+        if isinstance(d.get("attention_head_dim"), int):
+            out["attention_head_dim"] = out["attention_hidden_size"] // HEADS
+    expand = d.get("mamba_expand", d.get("expand"))
+    if isinstance(expand, int) and isinstance(d.get("mamba_d_ssm"), int):  # Falcon-H1: heads x head dim
+        out["mamba_d_ssm"] = expand * HIDDEN
+    if isinstance(d.get("qk_rope_head_dim"), int) and isinstance(d.get("head_dim"), int):  # MLA: rope dim
+        out["head_dim"] = out["qk_rope_head_dim"]
+
+
 def shrink(d: dict, *, text: bool = True) -> dict:
     """The shrunk kwargs of one config dict (recursing into sub-config dicts)."""
     out = dict(d)
     n_key, n0 = layer_count(d)
-    has_per_layer = False
     if n0:
-        chosen = choose_layers(d, n0)
-        for key, value in d.items():
-            if _is_per_layer(value, n0):
-                out[key] = type(value)(value[i] for i in chosen)
-                has_per_layer = True
-            elif _is_pattern_string(key, value, n0):
-                out[key] = "".join(value[i] for i in chosen)
-                has_per_layer = True
-            elif _is_index_list(key, value, n0):
-                members = set(value)
-                out[key] = [j for j, i in enumerate(chosen) if i in members]
-            elif _layer_keyed(value, n0) is not None:
-                keyed = _layer_keyed(value, n0)
-                out[key] = {j: shrink(keyed[i], text=text) if isinstance(keyed[i], dict) else keyed[i]
-                            for j, i in enumerate(chosen) if i in keyed}
-        n = len(chosen)
-        intervals = [k for k, v in d.items() if INTERVAL_RE.search(k) and isinstance(v, int)
-                     and not isinstance(v, bool) and v > 1]
-        if intervals and not has_per_layer:  # layer kinds computed from periods: period 2 on 4 layers
-            n = 4
-        for k in intervals:
-            out[k] = 2
-        for k, v in d.items():
-            if OFFSET_RE.search(k) and "layer" in k and isinstance(v, int) and v > 1:
-                out[k] = 1
-        for key in LAYER_COUNT_KEYS:
-            if isinstance(d.get(key), int) and d[key] > 0:
-                out[key] = n
+        _shrink_layers(d, out, n0, text)
     for key in OTHER_LAYER_COUNT_KEYS:
         if isinstance(d.get(key), int) and d[key] > 1:
             out[key] = 1
@@ -302,44 +351,9 @@ def shrink(d: dict, *, text: bool = True) -> dict:
         if value is None and key in NONE_FILL:  # a default left for the checkpoint to fill
             out[key] = NONE_FILL[key]
             continue
-        if not isinstance(value, int):
-            continue
-        if key in FIXED and FIXED[key] is not None:
-            if value > 0:
-                out[key] = FIXED[key]
-        elif key in HIDDEN_KEYS:
-            out[key] = HIDDEN
-        elif key in HEAD_KEYS:
-            out[key] = HEADS
-        elif key in KV_HEAD_KEYS:
-            out[key] = 1 if value == 1 else (HEADS if heads0 is not None and value == heads0 else KV_HEADS)
-        elif key in HEAD_DIM_KEYS:
-            out[key] = HEAD_DIM
-        elif key in EXPERT_KEYS:
-            out[key] = min(value, 4)
-        elif key in TOPK_KEYS:
-            out[key] = min(value, 2)
-        elif key in SHARED_EXPERT_KEYS:
-            out[key] = min(value, 1)
-        elif key in POSITION_KEYS:
-            out[key] = MAX_POS
-        elif text and key in WINDOW_KEYS and value > WINDOW:
-            out[key] = WINDOW
-        elif key.endswith("vocab_size") or key in ("n_vocab", "vocab_size_per_layer_input", "output_vocab_size"):
-            if value > VOCAB:
-                out[key] = VOCAB
-        elif INTERMEDIATE_RE.search(key) and value > 32:
-            out[key] = 32 if re.search(r"moe|expert|shared", key) else 2 * HIDDEN
-    hidden0 = next((d[k] for k in HIDDEN_KEYS if isinstance(d.get(k), int) and not isinstance(d[k], bool)), None)
-    if hidden0 and isinstance(d.get("attention_hidden_size"), int):  # Zamba: attention over [h, embeddings]
-        out["attention_hidden_size"] = HIDDEN * max(1, round(d["attention_hidden_size"] / hidden0))
-        if isinstance(d.get("attention_head_dim"), int):
-            out["attention_head_dim"] = out["attention_hidden_size"] // HEADS
-    expand = d.get("mamba_expand", d.get("expand"))
-    if isinstance(expand, int) and isinstance(d.get("mamba_d_ssm"), int):  # Falcon-H1: heads x head dim
-        out["mamba_d_ssm"] = expand * HIDDEN
-    if isinstance(d.get("qk_rope_head_dim"), int) and isinstance(d.get("head_dim"), int):  # MLA: rope dim
-        out["head_dim"] = out["qk_rope_head_dim"]
+        if isinstance(value, int):
+            _shrink_int(key, value, out, heads0, text)
+    _shrink_coupled(d, out)
     # per-layer lists of sizes (heads per layer, ...) follow the scalar rules
     if n0:
         for key in ("num_attention_heads_per_layer",):

@@ -2,11 +2,11 @@
 attention, RecurrentGemma's RG-LRU and its convolution, Zaya's convolved attention inputs, RWKV's time and
 channel mixing, xLSTM's mLSTM.
 
-:mod:`.mixers` adapts the module-level functions most hybrid families call. These families compute
+:mod:`.mixer_functions` adapts the module-level functions most hybrid families call. These families compute
 their mixing in their classes instead, so the class is adapted when its modeling module loads,
 found by its structure (the methods and attributes its code reads), never by the family's name.
 The adapted forward (or method) calls the original unchanged, except for a tagged mixer of a
-``cp_flash`` model inside a ``context_parallel`` block (the rule of :func:`.mixers.batch_for`):
+``cp_flash`` model inside a ``context_parallel`` block (the rule of :func:`.mixer_functions.batch_for`):
 
 =====================================  ==================================================  ===================
 class                                  sequence mixing                                     here
@@ -63,8 +63,8 @@ _KINDS = MappingProxyType({"lightning": 11, "rglru": 12, "zaya": 13, "rwkv": 14,
 def _under_cp(tokens: str, dim: int = 1, recurrence: type | None = None):
     """Make ``body(self, bound, record, original)`` the adapted form of a class's method ``original``: the
     wrapper calls ``original`` unchanged unless the call runs under context parallelism (the rule of
-    :func:`.mixers.batch_for`, on the batch and length of argument ``tokens``, its dim ``dim``); then,
-    once the class passed its check (:func:`.class_admission.admitted`; ``recurrence``: the class of
+    :func:`.mixer_functions.batch_for`, on the batch and length of argument ``tokens``, its dim ``dim``); then,
+    once the class passed its check (:func:`..class_admission.admitted`; ``recurrence``: the class of
     the scan adapter ``body`` builds on the family's recurrence, checked too), ``body`` runs with the call's
     arguments by name (defaults applied; ``past_key_values`` read as ``cache``) and the sharded batch
     ``record``."""
