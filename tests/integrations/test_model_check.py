@@ -558,7 +558,7 @@ def test_decoders_numbering_their_own_positions_at_world_size_1(family, monkeypa
     with pytest.raises(NotImplementedError, match="number positions over the whole row"):
         cp_model(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(sweep.DOCS),
                  max_length_k=max(sweep.DOCS), use_cache=False)
-    monkeypatch.setattr(model_check, "family_takes_positions", lambda name: True)
+    monkeypatch.setattr(positions, "family_takes_positions", lambda name: True)
     with torch.no_grad():
         planted = _logits(cp_model, ids, pos)
     assert float((planted - want).abs().max()) > 1e-3
