@@ -232,8 +232,6 @@ FORMS = MappingProxyType({"torch_chunk_gated_delta_rule": GatedDelta, "mamba2_ch
                               "mamba_selective_scan": Mamba, "chunk_kimi_delta_attention": GatedDelta})
 
 
-
-
 # ----------------------------------------------------------------------------------------------
 # admission: the behaviour each adapter relies on, checked on synthetic inputs
 

@@ -108,6 +108,7 @@ def _on_child(module, name, child):
                "holding one", instance=True)
     return None
 
+
 def _prepare(inner) -> None:
     """Every adapter prepares ``inner`` once per model object (:data:`state.PREPARED`)."""
     with state.MODEL_LOCK:
@@ -123,8 +124,7 @@ def _prepare(inner) -> None:
 def _start(module, inner, args, kwargs, active, compiled):
     """The outermost forward of the cp_flash model ``inner`` (called through ``module``: itself, a PEFT or a
     torch.compile wrapper, with the keyword arguments ``kwargs``) begins in ``active``'s block: see the module
-    docstring. Returns its new
-    positional arguments (None: unchanged)."""
+    docstring. Returns its new positional arguments (None: unchanged)."""
     guard = FORWARD
     _prepare(inner)
     begin_mixers()  # forward_mixer_stats: this forward's

@@ -47,8 +47,6 @@ def is_mixer(module) -> bool:
     return MIXERS.get(module, False)
 
 
-
-
 WRAPPED = "_cp_attention_mixer_function"  # on a mixer function's wrapper
 CLASS_MIXER_ATTR = "_cp_attention_class_mixer"  # a class whose own mixing .recurrent adapted: the method's name
 

@@ -55,6 +55,7 @@ VERIFIED: dict = {}
 (its key and fields): verification at first use (:mod:`.verification`). Guarded by ``VERIFIED_LOCK``."""
 VERIFIED_LOCK = threading.Lock()
 
+
 def per_model(table, model, compute):
     """``table[model]`` (``table``: one of the per-model memos above), computed by ``compute(model)`` the first time,
     outside the lock (a computation may run a model's forward)."""
