@@ -45,8 +45,8 @@ UNBUILDABLE = {  # family -> why the generic tiny config cannot build it (the sw
 # one family per cause of refusal (the exact ones, MLA and mask-only windows included, are covered by
 # tests/integrations/test_mla.py and tests/integrations/test_transformers_families.py; each family the model
 # check refuses and why, by tests/integrations/test_model_check.py)
-FAST = ("openai-gpt",  # the trace: attention computed in its own class
-        "bart",  # positions numbered from the shard
+# (openai-gpt, refused by the trace for attention computed in its own class: tests/integrations/test_model_check.py)
+FAST = ("bart",  # positions numbered from the shard
         "bloom",  # a forward cp_flash refuses (its ALiBi added to the mask as a dense tensor)
         "hrm_text")
 FAST_EXACT = ("hrm_text",)  # its configuration module checks the implementation's name (adapted as modeling modules)
