@@ -43,8 +43,9 @@ def mark_mixer(module, mixes: bool = True) -> None:
 
 
 def is_mixer(module) -> bool:
-    """Whether ``module`` is a marked mixer (see the module docstring)."""
-    return MIXERS.get(module, False)
+    """Whether ``module`` is a marked mixer (see the module docstring). Asked by the guard on every module call: no
+    weak reference is made while no model has marked mixers."""
+    return bool(MIXERS) and MIXERS.get(module, False)
 
 
 WRAPPED = "_cp_attention_mixer_function"  # on a mixer function's wrapper
