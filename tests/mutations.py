@@ -53,6 +53,7 @@ _GRPO_RUNS = "tests/integrations/test_trl_rl.py::test_cp_grpo_and_rloo_equal_one
 _DPO_RUNS = "tests/integrations/test_trl_rl.py::test_cp_dpo_equals_one_process"
 _SCORING = "tests/integrations/test_packed_rows.py::test_packed_fused_forward_equals_the_padded_call"
 _PACKED = "tests/integrations/test_packed_rows.py::"
+_LATENT_CP2 = "tests/integrations/test_latent.py::test_mla_families_exact_at_cp2"
 _SELECTION = "tests/multirank/test_selection.py"
 _SPARSE_CP = "tests/integrations/test_index_sparse.py::test_dsa_families_match_docs_alone_eager"
 _DECODE, _SHARDED_CACHE = "tests/unit/test_decode.py", "tests/unit/test_sharded_cache.py"
@@ -90,8 +91,8 @@ MUTANTS = (
            "out_a_THD.mul_(w_a_TH1).add_(out_b_THD.to(dtype) * w_b_TH1)",
            "out_a_THD.mul_(w_b_TH1).add_(out_b_THD.to(dtype) * w_a_TH1)", ("tests/unit/test_merge.py",)),
     Mutant("dK/dV of a received span not returned to its owner", "ring", "cp_attention/strategies/ring.py",
-           "                dk_BLKD[:, a:b] += gbuf.k[:, at:at + b - a]",
-           "                pass", ("tests/multirank/test_distributed.py",)),
+           "            dk_BLKD[:, a:b] += g.k[:, at:at + b - a]",
+           "            pass", ("tests/multirank/test_distributed.py",)),
     Mutant("halo one token long (over-sending)", "planner", "cp_attention/plan/build.py",
            "ranges = sorted({(sq.k0 % Ls, (sq.k1 - 1) % Ls + 1) for sq in seqs})",
            "ranges = sorted({(max(0, sq.k0 % Ls - 1), (sq.k1 - 1) % Ls + 1) for sq in seqs})",
@@ -348,6 +349,22 @@ MUTANTS = (
            "cp_attention/integrations/hf/adapters/compressed.py",
            'total = cp.comm.all_reduce(grad_BT.contiguous(), "the compressed layer\'s rows (backward)")',
            "total = grad_BT", (_SPARSE_CP,)),
+    Mutant("MLA: the latent taken before its normalisation's scale", "latent",
+           "cp_attention/integrations/hf/adapters/latent.py",
+           "latent_BLR = torch.cat([nope[:, 0], rot[:, 0].to(nope.dtype)], dim=-1)",
+           "latent_BLR = torch.cat([nope[:, 0] / call.module.kv_a_layernorm.weight, rot[:, 0].to(nope.dtype)], dim=-1)",
+           (_LATENT_CP2,)),
+    Mutant("MLA: RoPE at each rank's local positions", "latent", "cp_attention/engine/context.py",
+           'out["position_ids"] = self.shard(position_ids, layout=layout).contiguous()',
+           'out["position_ids"] = torch.arange(self.shard(position_ids, layout=layout).shape[1]).expand(B, -1)'
+           '.contiguous()', (_LATENT_CP2,)),
+    Mutant("MLA: the latent rows' gradient not returned to their owner", "latent", "cp_attention/strategies/latent.py",
+           "            d_BLR[:, a:b] += gbuf[:, at:at + b - a]", "            pass", (_LATENT_CP2,)),
+    Mutant("MLA: the up-projection's weight gradient counted twice", "latent", "cp_attention/strategies/latent.py",
+           "self.dparams[i] = g if self.dparams[i] is None else self.dparams[i] + g",
+           "self.dparams[i] = 2 * g if self.dparams[i] is None else self.dparams[i] + 2 * g", (_LATENT_CP2,)),
+    Mutant("MLA: every layer's heads moved (the latent never chosen)", "latent", "cp_attention/strategies/latent.py",
+           '    if latent_dim >= heads:', '    if True:', (_LATENT_CP2,)),
     Mutant("extra keys: their gradient dropped", "masks", "cp_attention/strategies/select.py",
            "pool_RKE = torch.cat([pool_RKE, torch.cat(extra_kv, dim=-1).reshape(B * E, K, D + Dv)])",
            "pool_RKE = torch.cat([pool_RKE, torch.cat(extra_kv, dim=-1).reshape(B * E, K, D + Dv).detach()])",

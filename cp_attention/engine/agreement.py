@@ -98,6 +98,7 @@ class Header:
     strategy: int = -1             # index in STRATEGIES
     ulysses_size: int = -1         # strategy "usp": ranks per head group
     cost_model_crc: int = -1       # strategy "auto": the cost model's checksum
+    latent_dim: int = -1           # a multi-head latent attention layer's latent width (-1: none)
 
     PER_RANK: ClassVar[frozenset] = frozenset({"error", "local_len", "plan_cached", "meta_cached",
                                                "cached_seq_len", "cached_meta_crc"})
@@ -115,7 +116,8 @@ class Header:
 
 
 def make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached, model_crc: int = -1,
-                strategy: str = "ring", ulysses_size: int | None = None, cost_model_crc: int = -1) -> Header:
+                strategy: str = "ring", ulysses_size: int | None = None, cost_model_crc: int = -1,
+                latent_dim: int = -1) -> Header:
     """This rank's header. ``cached``: (plan cached, metadata cached, their global length, their
     metadata checksum)."""
     crc = -1
@@ -134,7 +136,7 @@ def make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cach
         batch_tokens_crc=-1 if batch is None else batch.tokens_crc, plan_cached=plan_cached, meta_cached=meta_cached,
         cached_seq_len=cached_seq_len, cached_meta_crc=cached_meta_crc, model_crc=model_crc,
         strategy=STRATEGIES.index(strategy), ulysses_size=-1 if ulysses_size is None else ulysses_size,
-        cost_model_crc=cost_model_crc)
+        cost_model_crc=cost_model_crc, latent_dim=latent_dim)
 
 
 def signature(header: Header) -> tuple:

@@ -16,6 +16,7 @@ attention), ``N`` documents.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ from ..comm import Comm
 from ..masks import MaskSpec, SequenceMeta
 from ..plan import RankPlan
 from ..strategies import CostModel, executor_of, fixed_candidate
+from ..strategies.latent import LatentKV, latent_form, latent_ring_attention, latent_stats
+from ..strategies.ring import ring_attention
 from ..strategies.select import select_attention, selected_call_spec
 from . import context, planning, stats
 from .agreement import check_strategy, collective_error, exchange_headers, make_header, meta_crc, signature
@@ -77,7 +80,7 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
            layout=None, backend: str | None = None, batch: BatchRecord | None = None,
            local_error: Exception | None = None, layer: int | None = None, model_crc: int = -1,
            strategy: str | None = None, ulysses_size: int | None = None, run=None, key_select=None,
-           extra_kv=None) -> torch.Tensor:
+           extra_kv=None, latent: LatentKV | None = None) -> torch.Tensor:
     """The engine entry behind :func:`~cp_attention.attention` (same arguments and result).
 
     ``mask``: a MaskSpec or a dict of its keywords (checked on every rank together). ``batch``: the
@@ -94,7 +97,10 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
     indices each query selected (``-1``: none), for a mask with ``selection`` (index-sparse
     attention: :mod:`cp_attention.strategies.select`, whatever ``strategy`` says). ``extra_kv``: with
     ``key_select``, (k (B, E, K, D), v (B, E, K, Dv)) keys every rank holds whole beyond the row's ``T``
-    tokens, selected as ``T + e`` (their gradient on each rank is its queries' part).
+    tokens, selected as ``T + e`` (their gradient on each rank is its queries' part). ``latent``: k and v
+    are a multi-head latent attention layer's expansion of these latent rows: under context parallelism its
+    ring may move the latent instead (:mod:`cp_attention.strategies.latent`, chosen per call by the cost
+    model and stated in the call's PlanStats).
 
     Agreement (see :mod:`cp_attention.engine.agreement`): a call without ``batch`` all-gathers its header
     every time; with ``batch``, only the batch's first call with each signature does."""
@@ -142,18 +148,52 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
     else:
         how = planning.how_of(strategy, ulysses_size, cost_model) if error is None else \
             ("ring", None, None)
-        plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc, how)
+        plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc, how,
+                            -1 if latent is None else latent.latent.shape[-1])
     if spec.selection:
         out, call_stats = select_attention(q, k, v, key_select, sinks, plan, comm, impl,
                                            scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap,
                                            extra_kv=extra_kv)
         stats.note_stats(call_stats, layer, in_model=layer is not None or batch is not None)
         return out
-    stats.note_stats(plan.stats, layer, in_model=layer is not None or batch is not None)
+    in_model = layer is not None or batch is not None
+    if latent is not None and comm.world_size > 1:
+        return _latent_layer(q, k, v, sinks, latent, plan, comm, impl, spec, cost_model, run, layer, in_model)
+    stats.note_stats(plan.stats, layer, in_model=in_model)
     if run is not None:
         return run(q, k, v, sinks, plan, comm, impl, spec)
     return executor_of(plan).attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]),
                                        softcap=spec.softcap)
+
+
+def _latent_layer(q, k, v, sinks, latent: LatentKV, plan, comm: Comm, impl, spec: MaskSpec, cost_model, run, layer,
+                  in_model: bool) -> torch.Tensor:
+    """A multi-head latent attention layer's call on several ranks: the ring moves its latent rows when
+    the plan is a ring run eagerly and :func:`~cp_attention.strategies.latent.latent_form` prefers them,
+    else the heads as every other layer; the call's PlanStats says which, why, and what each took."""
+    ring = run is None and executor_of(plan).attention is ring_attention
+    if latent.declined is not None:
+        form, why = "heads", f"the layer's expansion was declined: {latent.declined}"
+    elif ring:
+        form, why = latent_form(kv_heads=k.shape[2], head_dim=k.shape[3], head_dim_v=v.shape[3],
+                                latent_dim=latent.latent.shape[-1], cost_model=cost_model)
+    else:
+        form, why = "heads", ("compiled: the multi-rank op moves the heads" if run is not None else
+                              f"the {plan.stats.strategy} strategy moves heads, not token rows")
+    heads = dict(heads_kv_bytes_recv=plan.stats.kv_bytes_recv, heads_kv_bytes_sent=plan.stats.kv_bytes_sent,
+                 kv_form_reason=why)
+    if form == "heads":
+        stats.note_stats(dataclasses.replace(plan.stats, **heads), layer, in_model=in_model)
+        if run is not None:
+            return run(q, k, v, sinks, plan, comm, impl, spec)
+        return executor_of(plan).attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]),
+                                           softcap=spec.softcap)
+    counts: dict = {}
+    out = latent_ring_attention(q, k, v, sinks, latent, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]),
+                                softcap=spec.softcap, counts=counts)
+    stats.note_stats(latent_stats(plan.stats, plan, latent.latent.shape[-1], latent.latent.element_size(),
+                                  counts["sent"], counts["received"], why), layer, in_model=in_model)
+    return out
 
 
 def passes(dout=None, out=None, lse=None, need_dsinks: bool = False):
@@ -212,7 +252,7 @@ def _reused(plan):
 
 
 def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error,
-                 model_crc: int = -1, how=("ring", None, None)):
+                 model_crc: int = -1, how=("ring", None, None), latent_dim: int = -1):
     """Several ranks: one header all-gather before any K/V moves, then this rank's plan; with a
     ``batch`` whose group already agreed on this call's signature, that plan and no collective.
 
@@ -233,7 +273,7 @@ def _plan_agreed(res: Resolved, q, k, v, spec, position_ids, cu_seqlens, sinks, 
         cached = (int(plan_entry is not None), int(meta_entry is not None),
                   -1 if known is None else known[2], -1 if known is None else known[1])
         header = make_header(q, k, spec, layout, position_ids, cu_seqlens, sinks, batch, cached, model_crc,
-                             how[0], how[1], -1 if how[2] is None else how[2].crc)
+                             how[0], how[1], -1 if how[2] is None else how[2].crc, latent_dim)
         if batch is not None:
             agreed = batch.agreed.get(signature(header))
             if agreed is not None:

@@ -90,7 +90,7 @@ def _layer_mask_batch_eager(attention_mask, batch_size: int, q_length: int):
 
 def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs = LayerDocs(), sinks=None,
                  layer: int | None = None, model_crc=None, adjust_q=None, key_select=None,
-                 extra_kv=None) -> torch.Tensor:
+                 extra_kv=None, latent=None) -> torch.Tensor:
     """One model attention layer: q (B, Lq, H, D), k (B, Lk, K, D), v (B, Lk, K, Dv) (GQA not repeated;
     Dv may differ from D: multi-head latent attention) -> (B, Lq, H, Dv).
 
@@ -101,7 +101,9 @@ def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs 
     positions (L,) under context parallelism. ``model_crc``: a function returning the model
     configuration's checksum, agreed with the batch's first call (called only under context
     parallelism). ``key_select`` (B, Lq, k) integer: the global keys each query selected, for a
-    ``spec`` with ``selection`` (index-sparse attention; run eagerly, also under torch.compile)."""
+    ``spec`` with ``selection`` (index-sparse attention; run eagerly, also under torch.compile). ``latent``: a
+    :class:`~cp_attention.strategies.latent.LatentKV` whose expansion k and v are (multi-head latent
+    attention): under context parallelism, run eagerly, the ring may move it instead of the heads."""
     if torch_context_parallel_active():
         raise refuse("torch_context_parallel")
     if spec.selection:  # eager: a graph break under torch.compile
@@ -116,7 +118,7 @@ def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs 
             return bound_attention(q, k, v, spec, sinks=sinks, position_ids=position_ids, docs=docs,
                                             layer=layer)
         return _bound_traced_docs(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q)
-    return _bound_attention(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q)
+    return _bound_attention(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q, latent=latent)
 
 
 def bind_traced_docs(docs: LayerDocs, batch_size: int, q_length: int) -> LayerDocs:
@@ -166,7 +168,7 @@ def bound_layer(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, run)
 
 @torch.compiler.disable
 def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer, model_crc, adjust_q, run=None,
-                     key_select=None, extra_kv=None):
+                     key_select=None, extra_kv=None, latent=None):
     """Eager: torch.compile breaks the graph here (the context is a contextvar; the agreement
     collectives, the planner and the ring's point-to-point calls cannot be traced). Traced inside
     context parallelism, layers reach it through the multi-rank op instead (``run``: its passes)."""
@@ -212,8 +214,10 @@ def _bound_attention(q, k, v, spec, position_ids, docs: LayerDocs, sinks, layer,
     if adjust_q is not None:
         cp = batch.cp
         q = adjust_q(q, global_index(batch.seq_len, cp.world_size, batch.layout, cp.rank))
+    if latent is not None and latent.latent.shape[:2] != k.shape[:2]:
+        latent = None  # not the rows of these keys: the heads move
     return attend(q, k, v, spec, sinks=sinks, batch=batch, local_error=local_error, layer=layer,
-                  model_crc=model_crc, run=run, key_select=key_select, extra_kv=extra_kv)
+                  model_crc=model_crc, run=run, key_select=key_select, extra_kv=extra_kv, latent=latent)
 
 
 def _layer_single_device(q, k, v, spec: MaskSpec, sinks, docs: LayerDocs, position_ids, batch, layer,

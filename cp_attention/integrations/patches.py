@@ -111,6 +111,16 @@ SITES = MappingProxyType({
         admission="the compressor's signature and structure; integrations.hf.adapters.compressed._compressor_reason at its "
                   "first call under context parallelism",
         tests=("tests/integrations/test_index_sparse.py",)),
+    "latent_kv": Site(
+        target="the expand_kv method of multi-head latent attention classes (DeepSeek-V2/V3/V3.2, GLM-4-MoE-Lite, "
+               "MiniCPM3, LongCat-Flash, Youtu, ...)",
+        kind="method",
+        reason="under context parallelism the ring moves a token's latent row instead of its expanded heads, and "
+               "the receiver expands it with the layer's own method",
+        admission="integrations.hf.adapters.latent._expansion_reason at the class's first call in a cp_flash forward "
+                  "(row-wise, the shapes the attention receives); at every call, deterministic on two rows and the "
+                  "attention's keys and values the very tensors it returned (else the heads move)",
+        tests=("tests/integrations/test_latent.py",)),
     "router_loss": Site(
         target="load_balancing_loss_func of MoE modeling modules",
         kind="function",

@@ -99,6 +99,18 @@ class PlanStats:
     predicted: tuple = ()  # strategy="auto": ((candidate, modeled seconds), ...) it weighed (cp_attention.strategies.choice)
     index_bytes_recv: int = 0  # strategy="select": the key indices other ranks asked this rank for (8 bytes a key)
     index_bytes_sent: int = 0  # strategy="select": the key indices this rank asked the others for
+    kv_form: str = "heads"
+    """What the ring moved for K/V: "heads" (the keys and values), or "latent" (a multi-head latent attention
+    layer's latent rows, which the receiver expands: :mod:`cp_attention.strategies.latent`; ``kv_bytes_*`` are
+    then the latent bytes counted as the ring posted them)."""
+    kv_form_reason: str = ""
+    """For a layer that could move its latent: why this form (the cost model's comparison, or what ruled the
+    latent out); "" for every other layer."""
+    heads_kv_bytes_recv: int | None = None
+    """For a layer that could move its latent: the K/V bytes the heads take (received; the plan's count),
+    whichever form moved; None for every other layer."""
+    heads_kv_bytes_sent: int | None = None
+    """... and sent."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,7 +18,9 @@ returns the LSE), for callers with their own autograd: the single-device custom 
 
 K and V travel with their own head dims (``D`` for k, ``Dv`` for v, which differ in multi-head
 latent attention): one message per exchange holds every K row of the spans, then every V row
-(:func:`_kv_buffer`), and the dK/dV partial sums travel back in the same layout.
+(:func:`_kv_buffer`), and the dK/dV partial sums travel back in the same layout. What travels is a
+*source* (:class:`HeadsSource`, the default); another source sends something smaller the receiver forms
+K and V from (a multi-head latent attention layer's latent: :mod:`.latent`), with the same loops.
 
 Legend: ``B`` batch, ``L`` local length, ``T = B * L`` packed local tokens, ``S`` packed rows of a
 K/V buffer, ``H`` query heads, ``K`` K/V heads, ``D`` head dim of q/k, ``Dv`` head dim of v/out,
@@ -36,7 +38,7 @@ from ..comm import Comm, Pending
 from .merge import apply_sinks, merge_into_
 from ..plan import RankPlan, Round, Step
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "HeadsSource", "GradSum", "copy_spans", "pack_tokens"]
 
 
 class _KVBuffer(NamedTuple):
@@ -57,7 +59,7 @@ def _kv_buffer(B: int, W: int, K: int, D: int, Dv: int, dtype: torch.dtype, devi
     return _KVBuffer(message, flat[:n_k].view(B, W, K, D), flat[n_k:].view(B, W, K, Dv))
 
 
-def _copy_spans(dst_BWKD: torch.Tensor, x_BLKD: torch.Tensor, spans) -> None:
+def copy_spans(dst_BWKD: torch.Tensor, x_BLKD: torch.Tensor, spans) -> None:
     """``x``'s spans ``[a, b)`` of rows, one after another, into ``dst``."""
     at = 0
     for a, b in spans:
@@ -65,20 +67,75 @@ def _copy_spans(dst_BWKD: torch.Tensor, x_BLKD: torch.Tensor, spans) -> None:
         at += b - a
 
 
-def _post_kv(comm: Comm, rnd: Round, k_BLKD, v_BLKDv, tag: int) -> tuple[Pending, _KVBuffer | None]:
-    """Post one round's K/V exchange: my spans to ``send_to``, the step's spans from its source."""
-    B, _, K, D = k_BLKD.shape
-    Dv = v_BLKDv.shape[3]
+class HeadsSource:
+    """What a ring moves by default: the rows of k (B, Lk, K, D) and v (B, Lk, K, Dv) themselves, and
+    their dK/dV partial sums back (float32). A source's interface, which :func:`ring_forward` and
+    :func:`ring_backward` walk without knowing what travels:
+
+    ``message(spans)``/``empty(width)``: my rows of ``spans`` as one contiguous message / a buffer for
+    ``width`` received rows; ``open(buf)``: (k (B, W, K, D), v (B, W, K, Dv)) of a received message;
+    ``backward_span(buf, run)``: the message of gradients going back to the rows' owner, where
+    ``run(k, v, dk, dv)`` adds the received span's dK/dV partial sums into ``dk``/``dv`` (:class:`GradSum`);
+    ``grad_empty(width)`` / ``settle(gbuf, spans)``: receive, and add, the gradients of my rows;
+    ``dk``/``dv``: the sums of my rows' gradients (the local block's and the settled ones)."""
+
+    def __init__(self, k_BLKD: torch.Tensor, v_BLKDv: torch.Tensor, acc: torch.dtype | None = None):
+        self.k, self.v = k_BLKD, v_BLKDv
+        self.B, self.Lk, self.K, self.D = k_BLKD.shape
+        self.Dv = v_BLKDv.shape[3]
+        if acc is not None:
+            self.acc = acc
+            self.dk = GradSum((self.B * self.Lk, self.K, self.D), acc, k_BLKD.device)
+            self.dv = GradSum((self.B * self.Lk, self.K, self.Dv), acc, k_BLKD.device)
+
+    def message(self, spans) -> torch.Tensor:
+        width = sum(b - a for a, b in spans)
+        payload = _kv_buffer(self.B, width, self.K, self.D, self.Dv, self.k.dtype, self.k.device)
+        copy_spans(payload.k, self.k, spans)
+        copy_spans(payload.v, self.v, spans)
+        return payload.message
+
+    def _view(self, message: torch.Tensor, width: int) -> _KVBuffer:
+        n_k = self.B * width * self.K * self.D
+        flat = message.view(-1)
+        return _KVBuffer(message, flat[:n_k].view(self.B, width, self.K, self.D),
+                         flat[n_k:].view(self.B, width, self.K, self.Dv))
+
+    def empty(self, width: int) -> torch.Tensor:
+        return _kv_buffer(self.B, width, self.K, self.D, self.Dv, self.k.dtype, self.k.device).message
+
+    def open(self, buf: torch.Tensor, width: int):
+        kv = self._view(buf, width)
+        return pack_tokens(kv.k), pack_tokens(kv.v)
+
+    def backward_span(self, buf: torch.Tensor, width: int, run) -> torch.Tensor:
+        k_SKD, v_SKD = self.open(buf, width)
+        out = _kv_buffer(self.B, width, self.K, self.D, self.Dv, self.acc, self.k.device, zero=True)
+        run(k_SKD, v_SKD, GradSum.over(pack_tokens(out.k)), GradSum.over(pack_tokens(out.v)))
+        return out.message
+
+    def grad_empty(self, width: int) -> torch.Tensor:
+        return _kv_buffer(self.B, width, self.K, self.D, self.Dv, self.acc, self.k.device).message
+
+    def settle(self, gbuf: torch.Tensor, spans) -> None:
+        g = self._view(gbuf, sum(b - a for a, b in spans))
+        dk_BLKD = self.dk.result().view(self.B, self.Lk, self.K, self.D)
+        dv_BLKDv = self.dv.result().view(self.B, self.Lk, self.K, self.Dv)
+        at = 0
+        for a, b in spans:
+            dk_BLKD[:, a:b] += g.k[:, at:at + b - a]
+            dv_BLKDv[:, a:b] += g.v[:, at:at + b - a]
+            at += b - a
+
+
+def _post(comm: Comm, rnd: Round, source, tag: int) -> tuple[Pending, torch.Tensor | None]:
+    """Post one round's exchange of ``source``: my spans to ``send_to``, the step's spans from its source."""
     if rnd.send_to is not None:
-        width = sum(b - a for a, b in rnd.send_spans)
-        payload = _kv_buffer(B, width, K, D, Dv, k_BLKD.dtype, k_BLKD.device)
-        _copy_spans(payload.k, k_BLKD, rnd.send_spans)
-        _copy_spans(payload.v, v_BLKDv, rnd.send_spans)
-        comm.send(payload.message, rnd.send_to, tag)
+        comm.send(source.message(rnd.send_spans), rnd.send_to, tag)
     buf = None
     if rnd.recv is not None:
-        buf = _kv_buffer(B, rnd.recv.width, K, D, Dv, k_BLKD.dtype, k_BLKD.device)
-        comm.recv(buf.message, rnd.recv.source, tag)
+        buf = source.empty(rnd.recv.width)
+        comm.recv(buf, rnd.recv.source, tag)
     return comm.commit("a K/V exchange"), buf
 
 
@@ -104,7 +161,7 @@ class _Outputs:
         return self.out_THD, self.lse_HT
 
 
-class _Sum:
+class GradSum:
     """A sum of partial gradients over row ranges of one (S, ...) tensor in the accumulation dtype.
     The first part covering every row becomes the sum (backends return new tensors they do not
     keep), later ones are added in place."""
@@ -114,7 +171,7 @@ class _Sum:
         self.value: torch.Tensor | None = None
 
     @classmethod
-    def over(cls, buffer: torch.Tensor) -> "_Sum":
+    def over(cls, buffer: torch.Tensor) -> "GradSum":
         """A sum into an existing zero-filled ``buffer`` (a send buffer)."""
         total = cls(buffer.shape, buffer.dtype, buffer.device)
         total.value = buffer
@@ -141,8 +198,8 @@ def _forward_step(step: Step, backend, q_THD, k_SKD, v_SKD, outputs: _Outputs, s
         outputs.merge(slice(c.q_start, c.q_end), o_THD, l_HT)
 
 
-def _backward_step(step: Step, backend, dout_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, dq: _Sum, dk: _Sum,
-                   dv: _Sum, scale, softcap):
+def _backward_step(step: Step, backend, dout_THD, q_THD, k_SKD, v_SKD, out_THD, lse_HT, dq: GradSum, dk: GradSum,
+                   dv: GradSum, scale, softcap):
     for c in step.calls:
         cu_q, cu_k = c.cu_seqlens_on(q_THD.device)
         rows, keys = slice(c.q_start, c.q_end), slice(c.k_start, c.k_end)
@@ -154,7 +211,7 @@ def _backward_step(step: Step, backend, dout_THD, q_THD, k_SKD, v_SKD, out_THD, 
         dv.add(keys, dv_part)
 
 
-def _packed(x_BLKD: torch.Tensor) -> torch.Tensor:
+def pack_tokens(x_BLKD: torch.Tensor) -> torch.Tensor:
     """(B, L, K, D) -> (B * L, K, D), any last dim (a view when the strides allow)."""
     B, L, K, D = x_BLKD.shape
     return x_BLKD.reshape(B * L, K, D)
@@ -188,27 +245,30 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_forward(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,
-                 softcap: float | None, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 softcap: float | None, out_dtype: torch.dtype | None = None,
+                 source=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ring's forward without autograd: q (B, L, H, D), k (B, Lk, K, D), v (B, Lk, K, Dv) -> out
     (B, L, H, Dv) in q's dtype (``out_dtype`` when given: the accumulation dtype keeps a partial result for
     a later merge) and lse (H, B * L) in the accumulation dtype (float32; float64 for float64 inputs),
-    after the sinks. :func:`ring_backward` takes both back."""
+    after the sinks. :func:`ring_backward` takes both back. ``source``: what travels (None:
+    :class:`HeadsSource` of k and v; the local block always reads k and v)."""
     B, L, H, _ = q.shape
     Dv = v.shape[3]
     acc = accumulation_dtype(q.dtype)
-    q_THD = _packed(q)
+    q_THD = pack_tokens(q)
     outputs = _Outputs(B * L, H, Dv, acc, q.device)
+    source = HeadsSource(k, v) if source is None else source
     rounds = plan.schedule()
-    pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
+    pending = _post(comm, rounds[0], source, rounds[0].offset) if rounds else None
     if plan.local is not None:
-        _forward_step(plan.local, backend, q_THD, _packed(k), _packed(v), outputs, scale, softcap)
+        _forward_step(plan.local, backend, q_THD, pack_tokens(k), pack_tokens(v), outputs, scale, softcap)
     for i, rnd in enumerate(rounds):
         wait, buf = pending
         wait.wait()
         if i + 1 < len(rounds):
-            pending = _post_kv(comm, rounds[i + 1], k, v, rounds[i + 1].offset)
+            pending = _post(comm, rounds[i + 1], source, rounds[i + 1].offset)
         if buf is not None:
-            _forward_step(rnd.recv, backend, q_THD, _packed(buf.k), _packed(buf.v), outputs, scale, softcap)
+            _forward_step(rnd.recv, backend, q_THD, *source.open(buf, rnd.recv.width), outputs, scale, softcap)
     out_THDv, lse_HT = outputs.result()
     if sinks is not None:
         out_THDv, lse_HT = apply_sinks(out_THDv, lse_HT, sinks)
@@ -216,53 +276,48 @@ def ring_forward(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: 
 
 
 def ring_backward(dout, q, k, v, out, lse_HT, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,
-                  softcap: float | None, need_dsinks: bool):
+                  softcap: float | None, need_dsinks: bool, source=None):
     """The ring's backward without autograd, from :func:`ring_forward`'s inputs and results ->
-    (dq, dk, dv, dsinks) in the inputs' dtypes; dsinks (H,) or None unless ``need_dsinks``."""
+    (dq, dk, dv, dsinks) in the inputs' dtypes; dsinks (H,) or None unless ``need_dsinks``. ``source``:
+    the forward's (None: :class:`HeadsSource` of k and v); dk and dv are its sums of k's and v's rows
+    (a source that returns its rows' gradients otherwise keeps them itself)."""
     B, L, H, D = q.shape
-    _, Lk, K, _ = k.shape  # Lk == L under context parallelism; longer after a KV cache
-    Dv = v.shape[3]
     acc = accumulation_dtype(q.dtype)
     P = plan.world_size
-    q_THD, out_THDv = _packed(q), _packed(out)
-    dout_THDv = _packed(dout.contiguous())
-    dq = _Sum((B * L, H, D), acc, q.device)
-    dk, dv = _Sum((B * Lk, K, D), acc, q.device), _Sum((B * Lk, K, Dv), acc, q.device)
+    q_THD, out_THDv = pack_tokens(q), pack_tokens(out)
+    dout_THDv = pack_tokens(dout.contiguous())
+    dq = GradSum((B * L, H, D), acc, q.device)
+    source = HeadsSource(k, v, acc) if source is None else source
     rounds = plan.schedule()
-    grads_in_flight: list[tuple[Pending, _KVBuffer | None, Round]] = []
+    grads_in_flight: list[tuple[Pending, torch.Tensor | None, Round]] = []
 
     def settle(entry):
         wait, gbuf, rnd = entry
         wait.wait()
-        if gbuf is not None:  # dK/dV partial sums of my span, computed by rnd.send_to
-            dk_BLKD, dv_BLKDv = dk.result().view(B, Lk, K, D), dv.result().view(B, Lk, K, Dv)
-            at = 0
-            for a, b in rnd.send_spans:
-                dk_BLKD[:, a:b] += gbuf.k[:, at:at + b - a]
-                dv_BLKDv[:, a:b] += gbuf.v[:, at:at + b - a]
-                at += b - a
+        if gbuf is not None:  # the partial sums of my span's gradients, computed by rnd.send_to
+            source.settle(gbuf, rnd.send_spans)
 
-    pending = _post_kv(comm, rounds[0], k, v, rounds[0].offset) if rounds else None
+    pending = _post(comm, rounds[0], source, rounds[0].offset) if rounds else None
     if plan.local is not None:
-        _backward_step(plan.local, backend, dout_THDv, q_THD, _packed(k), _packed(v), out_THDv, lse_HT,
-                       dq, dk, dv, scale, softcap)
+        _backward_step(plan.local, backend, dout_THDv, q_THD, pack_tokens(k), pack_tokens(v), out_THDv, lse_HT,
+                       dq, source.dk, source.dv, scale, softcap)
     for i, rnd in enumerate(rounds):
         wait, buf = pending
         wait.wait()
         if i + 1 < len(rounds):
-            pending = _post_kv(comm, rounds[i + 1], k, v, rounds[i + 1].offset)
+            pending = _post(comm, rounds[i + 1], source, rounds[i + 1].offset)
         if grads_in_flight:
             settle(grads_in_flight.pop(0))
         if buf is not None:
-            gbuf_out = _kv_buffer(B, rnd.recv.width, K, D, Dv, acc, q.device, zero=True)
-            _backward_step(rnd.recv, backend, dout_THDv, q_THD, _packed(buf.k), _packed(buf.v), out_THDv, lse_HT,
-                           dq, _Sum.over(_packed(gbuf_out.k)), _Sum.over(_packed(gbuf_out.v)), scale, softcap)
-            comm.send(gbuf_out.message, rnd.recv.source, P + rnd.offset)
+            def run(k_SKD, v_SKD, dk_sum, dv_sum, step=rnd.recv):
+                _backward_step(step, backend, dout_THDv, q_THD, k_SKD, v_SKD, out_THDv, lse_HT, dq, dk_sum, dv_sum,
+                               scale, softcap)
+
+            comm.send(source.backward_span(buf, rnd.recv.width, run), rnd.recv.source, P + rnd.offset)
         gbuf_in = None
         if rnd.send_to is not None:
-            width = sum(b - a for a, b in rnd.send_spans)
-            gbuf_in = _kv_buffer(B, width, K, D, Dv, acc, q.device)
-            comm.recv(gbuf_in.message, rnd.send_to, P + rnd.offset)
+            gbuf_in = source.grad_empty(sum(b - a for a, b in rnd.send_spans))
+            comm.recv(gbuf_in, rnd.send_to, P + rnd.offset)
         grads_in_flight.append((comm.commit("a dK/dV exchange"), gbuf_in, rnd))
     for entry in grads_in_flight:
         settle(entry)
@@ -271,8 +326,8 @@ def ring_backward(dout, q, k, v, out, lse_HT, sinks, plan: RankPlan, comm: Comm,
         # d loss / d sink_h = -sum_t exp(sink_h - lse_ht) * sum_d(dout * out)_ht
         delta_HT = (dout_THDv.to(acc) * out_THDv.to(acc)).sum(-1).t()
         dsinks = -(torch.exp(sinks.to(acc)[:, None] - lse_HT) * delta_HT).sum(1).to(sinks.dtype)
-    return (dq.result().to(q.dtype).reshape(B, L, H, D), dk.result().to(k.dtype).reshape(B, Lk, K, D),
-            dv.result().to(v.dtype).reshape(B, Lk, K, Dv), dsinks)
+    return (dq.result().to(q.dtype).reshape(B, L, H, D), source.dk.result().to(k.dtype).reshape(k.shape),
+            source.dv.result().to(v.dtype).reshape(v.shape), dsinks)
 
 
 def ring_attention(q, k, v, sinks, plan: RankPlan, comm: Comm, backend, *, scale: float,

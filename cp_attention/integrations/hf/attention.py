@@ -169,7 +169,7 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     call = LayerCall(module, key, value, kwargs)
     for adapter in ADAPTERS:  # what the layer's adapted parts recorded for this call (DeepSeek-V4's entries)
         adapter.layer_call(call)
-    key, value, extra_kv = call.key, call.value, call.extra_kv
+    key, value, extra_kv, latent = call.key, call.value, call.extra_kv, call.latent
     key_select = kwargs.get("indices")  # DeepSeek Sparse Attention: the keys each query selected (.indexers)
     if info is not None and info.key_select is not None:  # Qwen4's block indexer: carried by the mask
         key_select = info.key_select
@@ -181,5 +181,6 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     out = attend_layer(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), spec,
                        position_ids=position_ids, docs=docs, sinks=s_aux,
                        layer=getattr(module, "layer_idx", None), model_crc=lambda: config_crc(module),
-                       adjust_q=_llama4_adjust(module), key_select=key_select, extra_kv=extra_kv)
+                       adjust_q=_llama4_adjust(module), key_select=key_select, extra_kv=extra_kv,
+                       latent=latent if key_select is None else None)
     return out, None

@@ -14,7 +14,7 @@ import threading
 from ...torch_compat import WeakIdKeyDictionary
 
 __all__ = ["CONFIG_CHECKSUMS", "CONFIG_LOCK", "INTEGRATIONS", "INTEGRATIONS_LOCK", "MODEL_CHECKS", "MODEL_LOCK", "POSITION_STARTS", "PREPARED",
-           "INDEXER_SELECTIONS", "COMPRESSED_SELECTIONS", "VERIFIED", "VERIFIED_LOCK", "TRACED", "per_model"]
+           "INDEXER_SELECTIONS", "COMPRESSED_SELECTIONS", "LATENTS", "VERIFIED", "VERIFIED_LOCK", "TRACED", "per_model"]
 
 CONFIG_CHECKSUMS = WeakIdKeyDictionary()
 """config -> its checksum (agreed across ranks), computed once per config object (weak: dies with the
@@ -49,6 +49,11 @@ indices (:mod:`.adapters.indexers`); cp_flash reads only these (weak: dies with 
 COMPRESSED_SELECTIONS = WeakIdKeyDictionary()
 """attention module -> (key_select, entries): what a compressed layer's compressor recorded for the layer's
 cp_flash call, taken by that call (:mod:`.adapters.compressed`; weak: dies with the module)."""
+
+LATENTS = WeakIdKeyDictionary()
+"""multi-head latent attention module -> what its adapted ``expand_kv`` computed last in a cp_flash forward (its
+latent rows and the keys and values it returned), taken by the layer's cp_flash call (:mod:`.adapters.latent`;
+weak: dies with the module)."""
 
 VERIFIED: dict = {}
 """(model class, config checksum, dtype, packed, world size) -> None (verified) or the refusal

@@ -21,6 +21,7 @@ ROWS = (
     "indexers",         # DeepSeek Sparse Attention's token indexers, Qwen4's block indexer
     "compressed",       # DeepSeek-V4's compressors
     "rope",             # length-dependent rotary modules
+    "latent",           # multi-head latent attention's expansion of its latent (the ring moves the latent)
 )
 
 ADAPTERS = tuple(import_module(f".{row}", __name__).ADAPTER for row in ROWS)

@@ -33,7 +33,8 @@ class LayerCall:
     ``module``: the attention module; ``key``/``value`` (B, H_kv, Lk, D) as the layer handed them;
     ``kwargs``: the call's keyword arguments; ``key_select``: the keys each query selected (global key
     indices), or None; ``extra_kv``: keys and values (B, E, H_kv, D) every query of a row may see besides its
-    own, or None."""
+    own, or None; ``latent``: a :class:`~cp_attention.strategies.latent.LatentKV` whose expansion ``key`` and
+    ``value`` are (multi-head latent attention), or None."""
 
     module: torch.nn.Module
     key: torch.Tensor
@@ -41,6 +42,7 @@ class LayerCall:
     kwargs: dict = field(default_factory=dict)
     key_select: object = None
     extra_kv: tuple | None = None
+    latent: object = None
 
 
 class Adapter:

@@ -1,0 +1,225 @@
+"""Cases and rank workers for tests/integrations/test_latent.py: multi-head latent attention under cp_flash,
+whose ring moves each token's latent row instead of its heads (issue 55).
+
+The ground truth is every document of a batch run alone under ``eager`` on one device (the families' own
+attention, nothing of cp_attention's). Under context parallelism each rank counts the bytes its ring really
+receives in every layer's forward (the comm's receives, as they are posted) and reports the call's
+PlanStats; the test computes what the latent takes from the model's configuration and the plan's token
+count, not from the code under test.
+
+Workers are module-level functions so spawned ranks can import them (``tests/support`` is on sys.path).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import cp_attention
+from cp_attention.tools.sweeps.compare import flat_grads, param_spans
+from cp_attention.tools.sweeps.configs import build_model, tiny_config
+
+FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "minicpm3", "longcat_flash", "youtu")
+SELECTING = ("deepseek_v32",)
+"""Families whose attention layers select keys per query (DeepSeek Sparse Attention): their calls run the
+engine's selected-keys strategy, which moves the selected heads' rows (the latent is not used there yet)."""
+LAYOUTS = ("zigzag", "contiguous", "balanced")
+DOCS = ([17, 30, 17], [64])
+"""Documents per row: a packed row whose middle document crosses every rank at world size 4, and a row of one
+document (L = 64: zigzag slices of 8 at world size 4)."""
+TOL = 1e-5
+
+
+def inputs(vocab: int, seed: int = 0):
+    """(input_ids (B, L), position_ids (B, L) restarting per document, R (B, L, vocab))."""
+    g = torch.Generator().manual_seed(seed)
+    L = sum(DOCS[0])
+    ids = torch.randint(3, min(vocab, 60), (len(DOCS), L), generator=g)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])
+    return ids, pos, torch.randn(len(DOCS), L, vocab, generator=g)
+
+
+def family_config(family: str):
+    return tiny_config(family)
+
+
+def ground_truth(model) -> dict:
+    """Each document alone under eager: logits (B, L, V) and the flat gradients of sum(logits * R); a sparse
+    attention indexer keeps the earlier key among equal scores (cp_flash's rule: tests/support/sparse_cases.py)."""
+    import sparse_cases
+
+    ids, _, R = inputs(model.config.vocab_size)
+    model.zero_grad(set_to_none=True)
+    with sparse_cases.earliest_of_ties(model):
+        rows = _documents_alone(model, ids, R)
+    return dict(logits=torch.cat(rows), grads=flat_grads(model), state=copy.deepcopy(model.state_dict()))
+
+
+def _documents_alone(model, ids, R) -> list:
+    rows = []
+    for b, row in enumerate(DOCS):
+        pieces, start = [], 0
+        for n in row:
+            sl = slice(start, start + n)
+            out = model(input_ids=ids[b:b + 1, sl], position_ids=torch.arange(n)[None], use_cache=False)
+            (out.logits * R[b:b + 1, sl]).sum().backward()
+            pieces.append(out.logits.detach())
+            start += n
+        rows.append(torch.cat(pieces, dim=1))
+    return rows
+
+
+def _counting(comm, world_size: int, received: list):
+    """Count the bytes of every receive the forward's exchanges post (tags below the world size)."""
+    recv = comm.recv
+
+    def counting_recv(tensor, src, tag=0):
+        if tag < world_size:
+            received.append(tensor.numel() * tensor.element_size())
+        recv(tensor, src, tag)
+
+    comm.recv = counting_recv
+    return recv
+
+
+def run_model(model, layout: str, world_size: int, *, checkpointing: bool = False) -> dict:
+    """One forward and backward of the batch under context parallelism: gathered logits, gradients summed
+    over the ranks, each layer call's PlanStats and the K/V bytes this rank's comm received in the forward."""
+    import torch.distributed as dist
+
+    ids, pos, R = inputs(model.config.vocab_size)
+    model.zero_grad(set_to_none=True)
+    received: list = []
+    with cp_attention.context_parallel(layout=layout) as cp:
+        recv = _counting(cp.comm, world_size, received)
+        batch = cp.shard_batch(input_ids=ids, position_ids=pos)
+        if checkpointing:
+            model.train()
+        out = model(**batch, use_cache=False)
+        calls = [s for _, s in cp_attention.forward_plan_stats()]
+        forward_received = sum(received)
+        cp.comm.recv = recv
+        (out.logits * cp.shard(R, dim=1)).sum().backward()
+        logits = cp.gather(out.logits.detach(), dim=1)
+    model.eval()
+    grads = flat_grads(model)
+    dist.all_reduce(grads)
+    return dict(logits=logits, grads=grads, calls=calls, received=forward_received)
+
+
+def errors(model, run: dict, ref: dict, only: str | None = None) -> dict:
+    """Max abs errors of logits and gradients (all parameters, and those whose name contains ``only``)."""
+    diff = (run["grads"] - ref["grads"]).abs()
+    out = dict(logits=float((run["logits"] - ref["logits"]).abs().max()), grads=float(diff.max()),
+               grad_scale=float(ref["grads"].abs().max()))
+    if only is not None:
+        spans = [(a, b) for name, a, b in param_spans(model) if only in name]
+        out["named"] = max((float(diff[a:b].max()) for a, b in spans), default=-1.0)
+        out["named_count"] = len(spans)
+    return out
+
+
+def call_summary(calls) -> list[dict]:
+    """What each layer call of a forward moved, as the test checks it."""
+    return [dict(form=s.kv_form, strategy=s.strategy, recv=s.kv_bytes_recv, heads_recv=s.heads_kv_bytes_recv,
+                 reason=s.kv_form_reason) for s in calls]
+
+
+def run_families(rank: int, world_size: int, refs: dict, layouts=LAYOUTS) -> list[dict]:
+    """Rank worker: every family in every layout, against its ground truth."""
+    results = []
+    for family in refs:
+        model = build_model(family_config(family), "cp_flash", state_dict=refs[family]["state"])
+        attn = _first_attention(model)
+        for layout in layouts:
+            run = run_model(model, layout, world_size)
+            results.append(dict(family=family, layout=layout, rank=rank, errs=errors(model, run, refs[family],
+                                                                                    "kv_b_proj"),
+                                calls=call_summary(run["calls"]), received=run["received"],
+                                dims=_dims(attn), itemsize=4))
+    return results
+
+
+def _first_attention(model):
+    for module in model.modules():
+        if hasattr(type(module), "expand_kv"):
+            return module
+    raise AssertionError("no multi-head latent attention module")
+
+
+def _dims(attn) -> dict:
+    return dict(heads=attn.num_heads, qk_head_dim=attn.qk_head_dim, v_head_dim=attn.v_head_dim,
+                kv_lora_rank=attn.kv_lora_rank, qk_rope_head_dim=attn.qk_rope_head_dim)
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA on the projections, gradient checkpointing
+
+
+LORA_TARGETS = ["kv_b_proj", "q_proj", "kv_a_proj_with_mqa", "o_proj"]
+
+
+def lora_model(impl: str, state: dict | None = None):
+    """A tiny DeepSeek-V3 with LoRA adapters on its attention projections (the up-projection included)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build_model(family_config("deepseek_v3"), impl)
+    torch.manual_seed(7)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                                            init_lora_weights="gaussian"))
+    if state is not None:
+        peft.load_state_dict(state)
+    return peft.eval()
+
+
+def run_training_stacks(rank: int, world_size: int, lora_ref: dict, plain_ref: dict) -> dict:
+    """Rank worker: LoRA on the projections, and gradient checkpointing, each against its ground truth."""
+    peft = lora_model("cp_flash", lora_ref["state"])
+    lora = run_model(peft, "zigzag", world_size)
+    model = build_model(family_config("deepseek_v3"), "cp_flash", state_dict=plain_ref["state"])
+    model.gradient_checkpointing_enable()
+    ckpt = run_model(model, "zigzag", world_size, checkpointing=True)
+    return dict(lora=errors(peft, lora, lora_ref, "lora_"), lora_calls=call_summary(lora["calls"]),
+                ckpt=errors(model, ckpt, plain_ref, "kv_b_proj"), ckpt_calls=call_summary(ckpt["calls"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSeek-V3's real attention shapes; a config whose heads are smaller than its latent
+
+
+def v3_shaped_config():
+    """One DeepSeek-V3 layer with the real attention shapes (128 heads, q/k head dim 128 + 64, v head dim 128,
+    kv_lora_rank 512), a narrow model around it."""
+    import transformers as tf
+
+    return tf.DeepseekV3Config(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
+                               num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=128,
+                               num_key_value_heads=128, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                               n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                               qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=256,
+                               attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def small_heads_config():
+    """A DeepSeek-V3 whose one head's keys and values (8 + 8 and 8 numbers) are smaller than its latent (32 + 8)."""
+    import transformers as tf
+
+    return tf.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                               num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=1,
+                               num_key_value_heads=1, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                               n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=8,
+                               qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=256, attention_dropout=0.0,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def run_shapes(rank: int, world_size: int, refs: dict) -> dict:
+    """Rank worker: each named config of ``refs`` (its state and ground truth) under context parallelism."""
+    configs = dict(v3_shaped=v3_shaped_config, small_heads=small_heads_config)
+    out = {}
+    for name, ref in refs.items():
+        model = build_model(configs[name](), "cp_flash", state_dict=ref["state"])
+        run = run_model(model, "zigzag", world_size)
+        out[name] = dict(errs=errors(model, run, ref, "kv_b_proj"), calls=call_summary(run["calls"]),
+                         received=run["received"], dims=_dims(_first_attention(model)))
+    return out
