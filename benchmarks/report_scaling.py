@@ -430,3 +430,39 @@ def stream_section(folder: str) -> list[str]:
                      f"{worst('stream', 'max_tokens_over_mean'):.2f} | {ratio('recv_busiest')} | {ratio('recv_mean')} | "
                      f"{worst('search', 'layout_ms'):.0f} | {worst('stream', 'layout_ms'):.0f} |")
     return out + lines + [""]
+
+
+def mla_section(folder: str) -> list[str]:
+    """Multi-head latent attention: what the ring moves when the latent travels (bench_mla.py)."""
+    payload = load(folder, "mla.json")
+    if payload is None:
+        return []
+    import bench_mla
+
+    results = payload["results"]
+    modeled = [r for r in results if r["kind"] == "modeled"]
+    measured = [r for r in results if r["kind"] == "measured"]
+    out = ["## Multi-head latent attention: the latent moves", ""]
+    out += code("python benchmarks/bench_mla.py --out benchmarks/results/cpu")
+    out += para("`bench_mla.py`, `mla.json`. The first table is DeepSeek-V3's real attention shapes, read from "
+                "transformers' `DeepseekV3Config()`, on one causal row in bfloat16, zigzag layout: the busiest rank's "
+                "forward K/V bytes from the planner when the heads move, and the same rank's tokens times the latent "
+                "width when the latent moves (the backward moves as many again, and returns their gradients). The "
+                "second is measured on real gloo ranks (one thread each) with reduced-width models, each run twice on "
+                "the same packed batch: the default cost model (the latent moves) and one whose device is too slow "
+                "to expand (the heads move); bytes are what the busiest rank's comm received in the forward, counted "
+                "as the receives were posted.")
+    out += bench_mla.tables(results) + [""]
+    if modeled:
+        ratios = sorted({round(r["ratio"], 1) for r in modeled})
+        out += bullet(f"DeepSeek-V3's layers move {span(ratios, 1, 'x')} fewer K/V bytes with the latent "
+                      f"({modeled[0]['latent_dim']} numbers a token against {modeled[0]['heads']} x "
+                      f"({modeled[0]['head_dim']} + {modeled[0]['head_dim_v']})); the cost model picks "
+                      f"{modeled[0]['form']}: {modeled[0]['reason']}.")
+    if measured:
+        out += bullet(f"Measured, the bytes fall by {span([r['ratio'] for r in measured], 1, 'x')} (each model's "
+                      "heads-to-latent ratio of widths), and the two runs' logits are at most "
+                      f"{max(r['max_abs_diff'] for r in measured):.1e} apart. The step-time ratio on CPU "
+                      f"({span([r['wall_latent_over_heads'] for r in measured])}) weighs localhost gloo bytes against "
+                      "CPU matrix products, not a GPU's link against its FLOPs: read the bytes.")
+    return out + ["", "No absolute times: CPU ratios only.", ""]

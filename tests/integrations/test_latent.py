@@ -110,6 +110,22 @@ def test_lora_and_checkpointing_exact_at_cp2():
     assert not fails, "\n".join(fails)
 
 
+def test_ddp_fsdp2_checkpointing_exact_at_cp2():
+    """The training stack of tests/integrations/test_training.py (DDP, FSDP2, checkpointing of the layers and of the
+    whole model, backward inside and after the block) on MLA families: exact, and the latent moved."""
+    import training_workers as tw
+
+    fails = []
+    for rank, results in enumerate(run_ranks(2, latent_cases.run_stacks, timeout=900)):
+        assert len(results) == len(latent_cases.MLA_SETUPS)
+        for name, e in results.items():
+            if not (e["loss_err"] <= tw.REL_TOL and e["grad_err"] <= tw.REL_TOL):
+                fails.append(f"{name} rank={rank}: loss {e['loss_err']:.1e}, gradients {e['grad_err']:.1e}")
+            if e["forms"] != ["latent"]:
+                fails.append(f"{name} rank={rank}: the layers moved {e['forms']}")
+    assert not fails, "\n".join(fails)
+
+
 def test_v3_shapes_move_the_latent_and_small_heads_stay_heads():
     """DeepSeek-V3's real attention shapes: the latent takes 576 numbers a token against the heads' 40,960, the
     comm receives that, and it is at most 1/8 of the heads' bytes on the same batch; a config whose heads take

@@ -223,3 +223,28 @@ def run_shapes(rank: int, world_size: int, refs: dict) -> dict:
         out[name] = dict(errs=errors(model, run, ref, "kv_b_proj"), calls=call_summary(run["calls"]),
                          received=run["received"], dims=_dims(_first_attention(model)))
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# DDP, FSDP2 and checkpointing (tests/support/training_workers.py's stack and ground truth)
+
+
+MLA_SETUPS = (
+    ("ddp/deepseek_v3/flatten/gc-reentrant/inside", "deepseek_v3", "flatten", "ddp", True, "inside"),
+    ("fsdp2/deepseek_v3/rows/gc-nonreentrant/after", "deepseek_v3", "rows", "fsdp2", False, "after"),
+    ("checkpoint-whole/minicpm3/flatten/after", "minicpm3", "flatten", "checkpoint-whole", None, "after"),
+)
+
+
+def run_stacks(rank: int, world_size: int) -> dict:
+    """Rank worker: each setup of :data:`MLA_SETUPS` through training_workers' stack: its errors and the forms
+    its layers moved (the forward's calls, and the last call, which for a model checkpointed whole is its
+    recomputation during backward)."""
+    import training_workers as tw
+
+    out = {}
+    for setup in MLA_SETUPS:
+        errs = tw.run_setups(rank, world_size, (setup,), 1)[setup[0]]
+        forms = {s.kv_form for _, s in cp_attention.forward_plan_stats()} | {cp_attention.last_plan_stats().kv_form}
+        out[setup[0]] = dict(errs, forms=sorted(forms))
+    return out

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import weakref
 
 import torch
 
@@ -43,12 +44,19 @@ _LOCK = threading.Lock()
 
 
 class _Recorded:
-    """One ``expand_kv`` call of a module in a cp_flash forward: its inputs and its outputs."""
+    """One ``expand_kv`` call of a module in a cp_flash forward: weak references to its inputs and outputs (the
+    layer's forward holds them until its attention call; a record never keeps a tensor, or its autograd graph,
+    alive: a decode step's expansion of the whole cache is freed as usual)."""
 
-    __slots__ = ("kv_nope", "k_rot", "key", "value")
+    __slots__ = ("refs",)
 
-    def __init__(self, kv_nope, k_rot, key, value):
-        self.kv_nope, self.k_rot, self.key, self.value = kv_nope, k_rot, key, value
+    def __init__(self, *tensors):
+        self.refs = tuple(weakref.ref(t) for t in tensors)
+
+    def tensors(self) -> tuple | None:
+        """(kv_nope, k_rot, key, value), or None when one of them is gone."""
+        out = tuple(r() for r in self.refs)
+        return None if any(t is None for t in out) else out
 
 
 def _cp_flash(module) -> bool:
@@ -160,13 +168,16 @@ class LatentKVAdapter(Adapter):
         return adapt_module(mod)
 
     def layer_call(self, call) -> None:
+        if torch.compiler.is_compiling():  # nothing recorded while tracing: the compiled op moves the heads
+            return
         recorded = state.LATENTS.pop(call.module, None)
-        if recorded is None or recorded.key is not call.key or recorded.value is not call.value:
+        recorded = None if recorded is None else recorded.tensors()
+        if recorded is None or recorded[2] is not call.key or recorded[3] is not call.value:
             return
         original = getattr(inspect.getattr_static(type(call.module), "expand_kv", None), _ADAPTED, None)
         if original is None:
             return
-        nope, rot = recorded.kv_nope, recorded.k_rot
+        nope, rot = recorded[:2]
         if nope.dim() != 4 or rot.dim() != 4 or nope.shape[1] != 1 or rot.shape[1] != 1 or \
                 nope.shape[2] != call.key.shape[2] or rot.shape[2] != call.key.shape[2]:
             return
