@@ -359,15 +359,9 @@ MODEL_CASES = [
 
 
 def mla_config():
-    import transformers as tf
+    import latent_cases
 
-    # every layer dense (first_k_dense_replace = layers): the attention is what is tested
-    return tf.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                               num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=4,
-                               num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                               n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16,
-                               qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256, attention_dropout=0.0,
-                               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return latent_cases.dense_v3_config(layers=2, hidden=32, heads=4, kv_lora_rank=16, nope=16, rope=8, v=16)
 
 
 def mla_model(attn_implementation: str):

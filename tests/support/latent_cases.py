@@ -188,29 +188,28 @@ def run_training_stacks(rank: int, world_size: int, lora_ref: dict, plain_ref: d
 # DeepSeek-V3's real attention shapes; a config whose heads are smaller than its latent
 
 
+def dense_v3_config(*, layers: int, hidden: int, heads: int, kv_lora_rank: int, nope: int, rope: int, v: int):
+    """A DeepSeek-V3 config whose every layer is dense (the attention is what is tested), with these attention
+    shapes: ``heads`` heads of q/k head dim ``nope + rope`` and v head dim ``v``, a latent of ``kv_lora_rank``."""
+    import transformers as tf
+
+    return tf.DeepseekV3Config(vocab_size=64, hidden_size=hidden, intermediate_size=64, moe_intermediate_size=16,
+                               num_hidden_layers=layers, first_k_dense_replace=layers, num_attention_heads=heads,
+                               num_key_value_heads=heads, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                               n_group=1, topk_group=1, kv_lora_rank=kv_lora_rank, q_lora_rank=None,
+                               qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v, max_position_embeddings=256,
+                               attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
 def v3_shaped_config():
     """One DeepSeek-V3 layer with the real attention shapes (128 heads, q/k head dim 128 + 64, v head dim 128,
     kv_lora_rank 512), a narrow model around it."""
-    import transformers as tf
-
-    return tf.DeepseekV3Config(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
-                               num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=128,
-                               num_key_value_heads=128, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                               n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-                               qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=256,
-                               attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return dense_v3_config(layers=1, hidden=64, heads=128, kv_lora_rank=512, nope=128, rope=64, v=128)
 
 
 def small_heads_config():
     """A DeepSeek-V3 whose one head's keys and values (8 + 8 and 8 numbers) are smaller than its latent (32 + 8)."""
-    import transformers as tf
-
-    return tf.DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                               num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=1,
-                               num_key_value_heads=1, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-                               n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=8,
-                               qk_rope_head_dim=8, v_head_dim=8, max_position_embeddings=256, attention_dropout=0.0,
-                               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return dense_v3_config(layers=1, hidden=32, heads=1, kv_lora_rank=32, nope=8, rope=8, v=8)
 
 
 def run_shapes(rank: int, world_size: int, refs: dict) -> dict:
