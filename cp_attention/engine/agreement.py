@@ -98,7 +98,7 @@ class Header:
     strategy: int = -1             # index in STRATEGIES
     ulysses_size: int = -1         # strategy "usp": ranks per head group
     cost_model_crc: int = -1       # strategy "auto": the cost model's checksum
-    latent_dim: int = -1           # a multi-head latent attention layer's latent width (-1: none)
+    latent_dim: int = -1           # a multi-head latent attention layer's latent width (-1: none, or declined)
 
     PER_RANK: ClassVar[frozenset] = frozenset({"error", "local_len", "plan_cached", "meta_cached",
                                                "cached_seq_len", "cached_meta_crc"})

@@ -148,12 +148,19 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
     else:
         how = planning.how_of(strategy, ulysses_size, cost_model) if error is None else \
             ("ring", None, None)
+        # whether the latent may travel is agreed with the header (a rank that declined meets the others' error)
         plan = _plan_agreed(res, q, k, v, spec, position_ids, cu_seqlens, sinks, batch, error, model_crc, how,
-                            -1 if latent is None else latent.latent.shape[-1])
+                            -1 if latent is None or latent.declined is not None else latent.latent.shape[-1])
     if spec.selection:
+        form, why = _latent_form(latent, k, v, cost_model, None) if latent is not None and comm.world_size > 1 \
+            else ("heads", None)
         out, call_stats = select_attention(q, k, v, key_select, sinks, plan, comm, impl,
                                            scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap,
-                                           extra_kv=extra_kv)
+                                           extra_kv=extra_kv, latent=latent if form == "latent" else None)
+        if why is not None:
+            heads = {} if form == "latent" else dict(heads_kv_bytes_recv=call_stats.kv_bytes_recv,
+                                                     heads_kv_bytes_sent=call_stats.kv_bytes_sent)
+            call_stats = dataclasses.replace(call_stats, kv_form_reason=why, **heads)
         stats.note_stats(call_stats, layer, in_model=layer is not None or batch is not None)
         return out
     in_model = layer is not None or batch is not None
@@ -166,20 +173,27 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
                                        softcap=spec.softcap)
 
 
+def _latent_form(latent: LatentKV, k, v, cost_model, ruled_out: str | None) -> tuple[str, str]:
+    """("latent" or "heads", why) for a multi-head latent attention layer's call: the heads when the
+    integration declined its expansion or ``ruled_out`` says why the strategy cannot move latent rows, else
+    the cost model's choice (:func:`~cp_attention.strategies.latent.latent_form`)."""
+    if latent.declined is not None:
+        return "heads", f"the layer's expansion was declined: {latent.declined}"
+    if ruled_out is not None:
+        return "heads", ruled_out
+    return latent_form(kv_heads=k.shape[2], head_dim=k.shape[3], head_dim_v=v.shape[3],
+                       latent_dim=latent.latent.shape[-1], cost_model=cost_model)
+
+
 def _latent_layer(q, k, v, sinks, latent: LatentKV, plan, comm: Comm, impl, spec: MaskSpec, cost_model, run, layer,
                   in_model: bool) -> torch.Tensor:
     """A multi-head latent attention layer's call on several ranks: the ring moves its latent rows when
     the plan is a ring run eagerly and :func:`~cp_attention.strategies.latent.latent_form` prefers them,
     else the heads as every other layer; the call's PlanStats says which, why, and what each took."""
     ring = run is None and executor_of(plan).attention is ring_attention
-    if latent.declined is not None:
-        form, why = "heads", f"the layer's expansion was declined: {latent.declined}"
-    elif ring:
-        form, why = latent_form(kv_heads=k.shape[2], head_dim=k.shape[3], head_dim_v=v.shape[3],
-                                latent_dim=latent.latent.shape[-1], cost_model=cost_model)
-    else:
-        form, why = "heads", ("compiled: the multi-rank op moves the heads" if run is not None else
-                              f"the {plan.stats.strategy} strategy moves heads, not token rows")
+    form, why = _latent_form(latent, k, v, cost_model, None if ring else (
+        "compiled: the multi-rank op moves the heads" if run is not None else
+        f"the {plan.stats.strategy} strategy moves heads, not token rows"))
     heads = dict(heads_kv_bytes_recv=plan.stats.kv_bytes_recv, heads_kv_bytes_sent=plan.stats.kv_bytes_sent,
                  kv_form_reason=why)
     if form == "heads":

@@ -103,12 +103,13 @@ def attend_layer(q, k, v, spec: MaskSpec, *, position_ids=None, docs: LayerDocs 
     parallelism). ``key_select`` (B, Lq, k) integer: the global keys each query selected, for a
     ``spec`` with ``selection`` (index-sparse attention; run eagerly, also under torch.compile). ``latent``: a
     :class:`~cp_attention.strategies.latent.LatentKV` whose expansion k and v are (multi-head latent
-    attention): under context parallelism, run eagerly, the ring may move it instead of the heads."""
+    attention): under context parallelism, run eagerly, the ring (or the selected keys' exchange) may move it
+    instead of the heads."""
     if torch_context_parallel_active():
         raise refuse("torch_context_parallel")
     if spec.selection:  # eager: a graph break under torch.compile
         return _bound_attention(q, k, v, spec, position_ids, docs, sinks, layer, model_crc, adjust_q,
-                                key_select=key_select, extra_kv=extra_kv)
+                                key_select=key_select, extra_kv=extra_kv, latent=latent)
     if compiling_outside_cp():  # traced outside context parallelism: straight to the op
         batch = batch_of(position_ids) or (docs.batch if docs.mask else None)
         if batch is None:

@@ -61,15 +61,15 @@ def latent_form(*, kv_heads: int, head_dim: int, head_dim_v: int, latent_dim: in
     """("latent" or "heads", why) for a layer whose tokens' keys and values take ``kv_heads * (head_dim +
     head_dim_v)`` numbers and whose latent takes ``latent_dim``: the latent travels when it is smaller and
     the receiver's expansion (a ``latent_dim`` x ``kv_heads * (head_dim + head_dim_v)`` matrix product per
-    row, in the forward and twice more in the backward) costs less time under ``cost_model`` than the bytes
-    it saves (forward and backward K/V in the inputs' dtype, the gradients in float32). Per token, so every
-    rank decides alike."""
+    row, in the forward, again in the backward and its two products there) costs less time under
+    ``cost_model`` than the bytes it saves (forward and backward K/V in the inputs' dtype, the gradients in
+    float32). Per token, so every rank decides alike."""
     heads = kv_heads * (head_dim + head_dim_v)
     if latent_dim >= heads:
         return "heads", (f"the latent ({latent_dim} numbers a token) is no smaller than the K/V heads "
                          f"({kv_heads} x ({head_dim} + {head_dim_v}) = {heads})")
     saved = (heads - latent_dim) * (2 * 2 + 4)  # K/V twice in 16-bit at most, their gradients in float32
-    flops = 2 * latent_dim * heads * 3  # forward expansion, its recomputation and its backward (x2 counted once)
+    flops = 2 * latent_dim * heads * 4  # the forward's expansion, its recomputation, the backward's two products
     t_saved, t_flops = saved / cost_model.bandwidth, flops / cost_model.throughput
     if t_flops >= t_saved:
         return "heads", (f"expanding a received latent ({flops} FLOPs a token, {1e9 * t_flops:.3g} ns) costs more "

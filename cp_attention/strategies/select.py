@@ -89,6 +89,18 @@ class _Fetch(torch.autograd.Function):
         return grad_RKE.to(grad_NKE.dtype), None, None, None
 
 
+def _fetch_latent(latent, send_rows, recv_counts: list[int], comm: Comm, K: int, E: int) -> torch.Tensor:
+    """The selected keys' K/V rows (N, K, E) from their latent rows, fetched from their owners (:class:`_Fetch`)
+    and expanded here with the layer's own expansion (autograd: its weights' gradient of these rows stays with
+    this rank, the rows' gradient returns to their owners)."""
+    R = latent.latent.shape[-1]
+    fetched_N1R = _Fetch.apply(latent.latent.reshape(-1, 1, R), send_rows, recv_counts, comm)
+    if fetched_N1R.shape[0] == 0:  # still a node of the graph: the exchange's backward runs on every rank
+        return fetched_N1R.reshape(0, K, E)
+    k_1NKD, v_1NKDv = latent.expand(fetched_N1R.reshape(1, -1, R))
+    return torch.cat([k_1NKD, v_1NKDv], dim=-1).reshape(-1, K, E)
+
+
 def _exchange_counts(comm: Comm, counts: list[int], device) -> list[int]:
     """Every peer's count for this rank (an all-to-all of one int64 each)."""
     sends = [torch.tensor([n], dtype=torch.int64, device=device) for n in counts]
@@ -176,14 +188,17 @@ def _gathered(pool_RKE, rows_N, bounds: list[int], a: int, b: int, D: int):
 
 
 def select_attention(q, k, v, key_select, sinks, plan: SelectPlan, comm: Comm, backend, *, scale: float,
-                     softcap: float | None, extra_kv=None):
+                     softcap: float | None, extra_kv=None, latent=None):
     """Attention of this rank's queries over the keys they selected: q (B, L, H, D), k (B, L, K, D),
     v (B, L, K, Dv), key_select (B, L, S) integer global key indices (``-1``: none), sinks (H,) or None
     -> (out (B, L, H, Dv), the call's :class:`~cp_attention.plan.PlanStats` with the bytes it moved).
     ``extra_kv``: (k (B, E, K, D), v (B, E, K, Dv)) keys every rank holds whole, beyond the row's ``T``
     tokens (DeepSeek-V4's compressed entries): index ``T + e`` selects entry ``e`` of the query's row;
     they do not move. Differentiable w.r.t. q, k, v, sinks and the extra keys (each rank's part of
-    their gradient: the caller sums it over the ranks). Every rank of ``comm`` calls it together."""
+    their gradient: the caller sums it over the ranks). ``latent``: a multi-head latent attention layer's
+    :class:`~cp_attention.strategies.latent.LatentKV` of k and v: the selected keys' latent rows move instead
+    of their heads and are expanded where they arrive (the stats' ``kv_form`` "latent"). Every rank of
+    ``comm`` calls it together."""
     B, L, H, D = q.shape
     K, Dv = k.shape[2], v.shape[3]
     P, rank, device, T = plan.world_size, plan.rank, q.device, plan.seq_len
@@ -213,7 +228,10 @@ def select_attention(q, k, v, key_select, sinks, plan: SelectPlan, comm: Comm, b
         requests = [packed_BLS.new_empty(n) for n in asked]
         comm.all_to_all([w.contiguous() for w in wanted], requests, "the selected keys' indices")
         send_rows = requests
-        fetched_NKE = _Fetch.apply(kv_RKE, send_rows, [w.numel() for w in wanted], comm)
+        if latent is None:
+            fetched_NKE = _Fetch.apply(kv_RKE, send_rows, [w.numel() for w in wanted], comm)
+        else:
+            fetched_NKE = _fetch_latent(latent, send_rows, [w.numel() for w in wanted], comm, K, D + Dv)
         base = B * L
         for p in range(P):
             theirs = ok_BLS & (owner_BLS == p)
@@ -235,10 +253,15 @@ def select_attention(q, k, v, key_select, sinks, plan: SelectPlan, comm: Comm, b
     # the pool (this rank's K/V and the fetched rows) is an input: its backward reaches the exchange's on
     # every rank, also one that fetched nothing (a peer waits for the gradients of what it sent)
     out = _SelectedAttention.apply(q.reshape(B * L, H, D), pool_RKE, sinks, rows_N, cu_k, D, backend, scale, softcap)
-    row_bytes = K * (D + Dv) * k.element_size()
+    width = K * (D + Dv) if latent is None else latent.latent.shape[-1]
+    row_bytes = width * k.element_size()
     got = sum(w.numel() for w in wanted)
     gave = sum(r.numel() for r in send_rows) if P > 1 else 0
-    grad_row_bytes = K * (D + Dv) * torch.finfo(accumulation_dtype(k.dtype)).bits // 8
+    grad_row_bytes = width * torch.finfo(accumulation_dtype(k.dtype)).bits // 8
+    if latent is not None:
+        heads_bytes = K * (D + Dv) * k.element_size()
+        plan = dataclasses.replace(plan, stats=dataclasses.replace(
+            plan.stats, kv_form="latent", heads_kv_bytes_recv=got * heads_bytes, heads_kv_bytes_sent=gave * heads_bytes))
     stats = dataclasses.replace(
         plan.stats, peers_recv=tuple(p for p in range(P) if p != rank and wanted[p].numel()),
         peers_send=tuple(p for p in range(P) if p != rank and P > 1 and send_rows[p].numel()),

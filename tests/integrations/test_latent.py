@@ -3,7 +3,7 @@
 * The MLA families of transformers (DeepSeek-V2, V3, V3.2, GLM-4-MoE-Lite, MiniCPM3, LongCat-Flash, Youtu) at
   CP = 2 and 4, zigzag, contiguous and balanced, on a packed row whose documents cross every rank and a row of
   one document: logits and every gradient (the up-projection ``kv_b_proj`` named) against each document alone
-  under eager on one device.
+  under eager on one device; every layer moved the latent (DeepSeek-V3.2's on its selected keys' exchange).
 * The bytes each rank's comm really receives in the forward equal the latent formula, tokens received x
   (kv_lora_rank + qk_rope_head_dim) x itemsize, with the tokens from the plan's count of the heads' bytes and the
   widths from the model's configuration; for DeepSeek-V3's real attention shapes (128 heads) at most 1/8 of what
@@ -78,11 +78,12 @@ def _check_families(per_rank: list[list[dict]], world_size: int) -> None:
             where = f"{r['family']} {r['layout']} CP={world_size} rank={r['rank']}"
             _check_exact(where, r["errs"], fails)
             forms = {c["form"] for c in r["calls"]}
-            want = {"heads"} if r["family"] in latent_cases.SELECTING else {"latent"}
-            if not r["calls"] or forms != want:
-                fails.append(f"{where}: the layers moved {forms or 'nothing'}, expected {want}")
-            if r["family"] not in latent_cases.SELECTING:  # the selected keys' traffic: test_index_sparse.py
-                _check_bytes(where, r["calls"], r["received"], r["dims"], r["itemsize"], fails)
+            strategies = {c["strategy"] for c in r["calls"]}
+            want = {"select"} if r["family"] in latent_cases.SELECTING else {"ring"}
+            if not r["calls"] or forms != {"latent"} or strategies != want:
+                fails.append(f"{where}: the layers moved {forms or 'nothing'} with {strategies}, expected the latent "
+                             f"with {want}")
+            _check_bytes(where, r["calls"], r["received"], r["dims"], r["itemsize"], fails)
     assert not fails, "\n".join(fails[:40])
 
 
@@ -93,6 +94,22 @@ def test_mla_families_exact_at_cp2(family_refs):
 @pytest.mark.slow
 def test_mla_families_exact_at_cp4(family_refs):
     _check_families(run_ranks(4, latent_cases.run_families, family_refs, timeout=1800), 4)
+
+
+def test_head_parallel_strategies_move_the_heads_and_say_so(family_refs):
+    """Under strategy="ulysses" the layers move heads (exact) and their PlanStats say why; under "auto" a layer
+    the cost model gives to the ring moves the latent, one it gives to head parallelism the heads."""
+    fails = []
+    for rank, out in enumerate(run_ranks(2, latent_cases.run_strategies, family_refs["deepseek_v3"], timeout=900)):
+        for strategy, r in out.items():
+            _check_exact(f"{strategy} rank={rank}", r["errs"], fails)
+            for call in r["calls"]:
+                want = "latent" if call["strategy"] == "ring" else "heads"
+                if call["form"] != want or (want == "heads" and "strategy moves heads" not in call["reason"]):
+                    fails.append(f"{strategy} rank={rank}: {call}")
+            if strategy == "ulysses" and {c["strategy"] for c in r["calls"]} != {"ulysses"}:
+                fails.append(f"ulysses rank={rank}: {r['calls']}")
+    assert not fails, "\n".join(fails)
 
 
 def test_lora_and_checkpointing_exact_at_cp2():

@@ -23,7 +23,7 @@ from cp_attention.tools.sweeps.configs import build_model, tiny_config
 FAMILIES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "minicpm3", "longcat_flash", "youtu")
 SELECTING = ("deepseek_v32",)
 """Families whose attention layers select keys per query (DeepSeek Sparse Attention): their calls run the
-engine's selected-keys strategy, which moves the selected heads' rows (the latent is not used there yet)."""
+engine's selected-keys strategy, whose exchange moves the selected keys' latent rows (an all-to-all)."""
 LAYOUTS = ("zigzag", "contiguous", "balanced")
 DOCS = ([17, 30, 17], [64])
 """Documents per row: a packed row whose middle document crosses every rank at world size 4, and a row of one
@@ -70,20 +70,30 @@ def _documents_alone(model, ids, R) -> list:
     return rows
 
 
+SELECTED_ROWS = "the selected keys' exchange"
+"""What the selected-keys strategy names its K/V rows' all-to-all (its indices and gradients travel under other names)."""
+
+
 def _counting(comm, world_size: int, received: list):
-    """Count the bytes of every receive the forward's exchanges post (tags below the world size)."""
-    recv = comm.recv
+    """Count the bytes of every K/V receive the forward's exchanges post: the ring's (tags below the world size)
+    and the selected keys' rows (their all-to-all). Returns the originals (recv, all_to_all)."""
+    recv, all_to_all = comm.recv, comm.all_to_all
 
     def counting_recv(tensor, src, tag=0):
         if tag < world_size:
             received.append(tensor.numel() * tensor.element_size())
         recv(tensor, src, tag)
 
-    comm.recv = counting_recv
-    return recv
+    def counting_all_to_all(sends, recvs, what, *args, **kwargs):
+        if what == SELECTED_ROWS:
+            received.append(sum(t.numel() * t.element_size() for t in recvs))
+        return all_to_all(sends, recvs, what, *args, **kwargs)
+
+    comm.recv, comm.all_to_all = counting_recv, counting_all_to_all
+    return recv, all_to_all
 
 
-def run_model(model, layout: str, world_size: int, *, checkpointing: bool = False) -> dict:
+def run_model(model, layout: str, world_size: int, *, checkpointing: bool = False, strategy: str = "ring") -> dict:
     """One forward and backward of the batch under context parallelism: gathered logits, gradients summed
     over the ranks, each layer call's PlanStats and the K/V bytes this rank's comm received in the forward."""
     import torch.distributed as dist
@@ -91,15 +101,15 @@ def run_model(model, layout: str, world_size: int, *, checkpointing: bool = Fals
     ids, pos, R = inputs(model.config.vocab_size)
     model.zero_grad(set_to_none=True)
     received: list = []
-    with cp_attention.context_parallel(layout=layout) as cp:
-        recv = _counting(cp.comm, world_size, received)
+    with cp_attention.context_parallel(layout=layout, strategy=strategy) as cp:
+        originals = _counting(cp.comm, world_size, received)
         batch = cp.shard_batch(input_ids=ids, position_ids=pos)
         if checkpointing:
             model.train()
         out = model(**batch, use_cache=False)
         calls = [s for _, s in cp_attention.forward_plan_stats()]
         forward_received = sum(received)
-        cp.comm.recv = recv
+        cp.comm.recv, cp.comm.all_to_all = originals
         (out.logits * cp.shard(R, dim=1)).sum().backward()
         logits = cp.gather(out.logits.detach(), dim=1)
     model.eval()
@@ -246,4 +256,14 @@ def run_stacks(rank: int, world_size: int) -> dict:
         errs = tw.run_setups(rank, world_size, (setup,), 1)[setup[0]]
         forms = {s.kv_form for _, s in cp_attention.forward_plan_stats()} | {cp_attention.last_plan_stats().kv_form}
         out[setup[0]] = dict(errs, forms=sorted(forms))
+    return out
+
+
+def run_strategies(rank: int, world_size: int, ref: dict) -> dict:
+    """Rank worker: DeepSeek-V3 under strategy "ulysses" and "auto": errors and what each layer moved."""
+    model = build_model(family_config("deepseek_v3"), "cp_flash", state_dict=ref["state"])
+    out = {}
+    for strategy in ("ulysses", "auto"):
+        run = run_model(model, "zigzag", world_size, strategy=strategy)
+        out[strategy] = dict(errs=errors(model, run, ref, "kv_b_proj"), calls=call_summary(run["calls"]))
     return out

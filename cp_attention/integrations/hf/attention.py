@@ -182,5 +182,5 @@ def cp_flash_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                        position_ids=position_ids, docs=docs, sinks=s_aux,
                        layer=getattr(module, "layer_idx", None), model_crc=lambda: config_crc(module),
                        adjust_q=_llama4_adjust(module), key_select=key_select, extra_kv=extra_kv,
-                       latent=latent if key_select is None else None)
+                       latent=latent)
     return out, None

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 import weakref
 
 import torch
@@ -38,9 +37,6 @@ from .base import Adapter
 __all__ = ["ADAPTER", "adapt_module", "adapted_expansion"]
 
 _ADAPTED = "_cp_attention_latent"
-_CHECKED: dict = {}
-"""(module, qualname) of an MLA class -> None (admitted) or why not; guarded by ``_LOCK``."""
-_LOCK = threading.Lock()
 
 
 class _Recorded:
@@ -65,14 +61,14 @@ def _cp_flash(module) -> bool:
 
 def _wrap(original):
     @functools.wraps(original)
-    def expand_kv(self, kv_nope, k_rot, *args, **kwargs):
+    def wrapper(self, kv_nope, k_rot, *args, **kwargs):
         key, value = original(self, kv_nope, k_rot, *args, **kwargs)
         if not args and not kwargs and not torch.compiler.is_compiling() and _cp_flash(self):
             state.LATENTS[self] = _Recorded(kv_nope, k_rot, key, value)
         return key, value
 
-    setattr(expand_kv, _ADAPTED, original)
-    return expand_kv
+    setattr(wrapper, _ADAPTED, True)  # functools.wraps keeps the original as __wrapped__
+    return wrapper
 
 
 def _rows(nope: torch.Tensor, rot: torch.Tensor, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,14 +107,16 @@ def _deterministic(original, module, nope, rot) -> bool:
 
 
 def _reason(module, original, nope, rot) -> str | None:
-    key = (type(module).__module__, type(module).__qualname__)
-    with _LOCK:
-        known = key in _CHECKED
-        why = _CHECKED.get(key)
+    """Why ``module``'s expansion must not be used on latent rows (None: it may): the class's check, run at its
+    first call and remembered for the process (``state.INTEGRATIONS["classes"]``), then this call's."""
+    key = (type(module).__module__, f"{type(module).__qualname__}.expand_kv")
+    with state.INTEGRATIONS_LOCK:
+        known = key in state.INTEGRATIONS["classes"]
+        why = state.INTEGRATIONS["classes"].get(key)
     if not known:
         why = _expansion_reason(original, module, nope, rot)
-        with _LOCK:
-            _CHECKED[key] = why
+        with state.INTEGRATIONS_LOCK:
+            state.INTEGRATIONS["classes"][key] = why
     if why is None and nope.dtype != rot.dtype:
         why = f"its latent's parts differ in dtype ({nope.dtype}, {rot.dtype})"
     if why is None and not _deterministic(original, module, nope, rot):
@@ -135,9 +133,15 @@ def _expansion(original, module, latent_dim: int):
     return expand
 
 
+def _original(cls: type):
+    """The original ``expand_kv`` of a class whose method this module adapted (None: not adapted)."""
+    method = inspect.getattr_static(cls, "expand_kv", None)
+    return getattr(method, "__wrapped__", None) if getattr(method, _ADAPTED, False) else None
+
+
 def adapted_expansion(cls: type) -> bool:
     """Whether ``cls`` has an ``expand_kv`` this module adapted."""
-    return getattr(inspect.getattr_static(cls, "expand_kv", None), _ADAPTED, None) is not None
+    return _original(cls) is not None
 
 
 def adapt_module(mod) -> bool:
@@ -148,7 +152,7 @@ def adapt_module(mod) -> bool:
         if method is None or not callable(method):
             continue
         found = True
-        if getattr(method, _ADAPTED, None) is None:
+        if not getattr(method, _ADAPTED, False):
             patch(cls, "expand_kv", _wrap(method), site="latent_kv",
                   admitted="a class defining expand_kv; its behaviour checked at its first cp_flash call")
     return found
@@ -174,7 +178,7 @@ class LatentKVAdapter(Adapter):
         recorded = None if recorded is None else recorded.tensors()
         if recorded is None or recorded[2] is not call.key or recorded[3] is not call.value:
             return
-        original = getattr(inspect.getattr_static(type(call.module), "expand_kv", None), _ADAPTED, None)
+        original = _original(type(call.module))
         if original is None:
             return
         nope, rot = recorded[:2]
