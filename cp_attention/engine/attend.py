@@ -28,8 +28,7 @@ from ..comm import Comm
 from ..masks import MaskSpec, SequenceMeta
 from ..plan import RankPlan
 from ..strategies import CostModel, executor_of, fixed_candidate
-from ..strategies.latent import LatentKV, latent_form, latent_ring_attention, latent_stats
-from ..strategies.ring import ring_attention
+from ..strategies.latent import LatentKV, latent_form
 from ..strategies.select import select_attention, selected_call_spec
 from . import context, planning, stats
 from .agreement import check_strategy, collective_error, exchange_headers, make_header, meta_crc, signature
@@ -173,41 +172,44 @@ def attend(q, k, v, mask: MaskSpec | dict, *, position_ids=None, cu_seqlens=None
                                        softcap=spec.softcap)
 
 
-def _latent_form(latent: LatentKV, k, v, cost_model, ruled_out: str | None) -> tuple[str, str]:
+def _latent_form(latent: LatentKV, k, v, cost_model, ruled_out: str | None, plan=None) -> tuple[str, str]:
     """("latent" or "heads", why) for a multi-head latent attention layer's call: the heads when the
-    integration declined its expansion or ``ruled_out`` says why the strategy cannot move latent rows, else
-    the cost model's choice (:func:`~cp_attention.strategies.latent.latent_form`)."""
+    integration declined its expansion or ``ruled_out`` says why the call cannot move latent rows, else the
+    cost model's choice for the plan's strategy (its executor's ``latent_form``; the selected keys' exchange
+    weighs as the ring does)."""
     if latent.declined is not None:
         return "heads", f"the layer's expansion was declined: {latent.declined}"
     if ruled_out is not None:
         return "heads", ruled_out
-    return latent_form(kv_heads=k.shape[2], head_dim=k.shape[3], head_dim_v=v.shape[3],
-                       latent_dim=latent.latent.shape[-1], cost_model=cost_model)
+    if plan is None:
+        return latent_form(kv_heads=k.shape[2], head_dim=k.shape[3], head_dim_v=v.shape[3],
+                           latent_dim=latent.latent.shape[-1], cost_model=cost_model)
+    return executor_of(plan).latent_form(plan, k, v, latent.latent.shape[-1], cost_model)
 
 
 def _latent_layer(q, k, v, sinks, latent: LatentKV, plan, comm: Comm, impl, spec: MaskSpec, cost_model, run, layer,
                   in_model: bool) -> torch.Tensor:
-    """A multi-head latent attention layer's call on several ranks: the ring moves its latent rows when
-    the plan is a ring run eagerly and :func:`~cp_attention.strategies.latent.latent_form` prefers them,
-    else the heads as every other layer; the call's PlanStats says which, why, and what each took."""
-    ring = run is None and executor_of(plan).attention is ring_attention
-    form, why = _latent_form(latent, k, v, cost_model, None if ring else (
-        "compiled: the multi-rank op moves the heads" if run is not None else
-        f"the {plan.stats.strategy} strategy moves heads, not token rows"))
-    heads = dict(heads_kv_bytes_recv=plan.stats.kv_bytes_recv, heads_kv_bytes_sent=plan.stats.kv_bytes_sent,
-                 kv_form_reason=why)
-    if form == "heads":
-        stats.note_stats(dataclasses.replace(plan.stats, **heads), layer, in_model=in_model)
-        if run is not None:
-            return run(q, k, v, sinks, plan, comm, impl, spec)
-        return executor_of(plan).attention(q, k, v, sinks, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]),
-                                           softcap=spec.softcap)
-    counts: dict = {}
-    out = latent_ring_attention(q, k, v, sinks, latent, plan, comm, impl, scale=spec.resolved_scale(q.shape[3]),
-                                softcap=spec.softcap, counts=counts)
-    stats.note_stats(latent_stats(plan.stats, plan, latent.latent.shape[-1], latent.latent.element_size(),
-                                  counts["sent"], counts["received"], why), layer, in_model=in_model)
-    return out
+    """A multi-head latent attention layer's call on several ranks: its latent rows travel when the call runs
+    eagerly and the cost model prefers them for the plan's strategy (the ring's spans, or head parallelism's
+    exchange), else the heads as every other layer; the call's PlanStats says which, why, and what each took."""
+    ruled_out = None
+    if run is not None:
+        ruled_out = "compiled: the multi-rank op moves the heads"
+    elif latent.latent.dtype != q.dtype:
+        ruled_out = f"the latent ({latent.latent.dtype}) and the queries ({q.dtype}) differ in dtype"
+    form, why = _latent_form(latent, k, v, cost_model, ruled_out, plan)
+    executor = executor_of(plan)
+    kw = dict(scale=spec.resolved_scale(q.shape[3]), softcap=spec.softcap)
+    if form == "latent":
+        out, call_stats = executor.latent(q, k, v, sinks, latent, plan, comm, impl, **kw)
+        stats.note_stats(dataclasses.replace(call_stats, kv_form_reason=why), layer, in_model=in_model)
+        return out
+    stats.note_stats(dataclasses.replace(plan.stats, heads_kv_bytes_recv=plan.stats.kv_bytes_recv,
+                                         heads_kv_bytes_sent=plan.stats.kv_bytes_sent, kv_form_reason=why),
+                     layer, in_model=in_model)
+    if run is not None:
+        return run(q, k, v, sinks, plan, comm, impl, spec)
+    return executor.attention(q, k, v, sinks, plan, comm, impl, **kw)
 
 
 def passes(dout=None, out=None, lse=None, need_dsinks: bool = False):

@@ -53,8 +53,10 @@ from ..quiet_gc import paused_gc
 from ..plan import PlanStats, RankPlan, build_plan
 from ..plan.ranks import rank_runs
 from .pricing import candidate_time
+from .latent import head_parallel_latent_form, latent_form, latent_ring_attention, latent_stats
 from .ring import ring_attention, ring_backward, ring_forward
-from .ulysses import Grid, UlyssesPlan, build_ulysses_plan, ulysses_attention, ulysses_backward, ulysses_forward
+from .ulysses import (Grid, UlyssesPlan, build_ulysses_plan, latent_exchange_bytes, ulysses_attention,
+                      ulysses_backward, ulysses_forward, ulysses_latent_attention)
 
 __all__ = ["CostModel", "Candidate", "candidates", "fixed_candidate", "price", "rank_plans", "exchange_parts", "layer_time",
            "choose", "Executor", "EXECUTORS", "executor_of"]
@@ -274,16 +276,60 @@ class Executor:
     """What runs a plan of one strategy, all with the arguments ``(q, k, v, sinks, plan, comm, backend,
     *, scale, softcap)``: ``attention`` (differentiable), ``forward`` -> (out, lse) and
     ``backward(dout, q, k, v, out, lse, sinks, plan, comm, backend, *, scale, softcap, need_dsinks)``
-    -> (dq, dk, dv, dsinks), the passes without autograd (the compiled multi-rank op's)."""
+    -> (dq, dk, dv, dsinks), the passes without autograd (the compiled multi-rank op's). For a multi-head
+    latent attention layer (:mod:`.latent`): ``latent_form(plan, k, v, latent_dim, cost_model)`` -> ("latent"
+    or "heads", why), the same on every rank, and ``latent(q, k, v, sinks, latent, plan, comm, backend, *,
+    scale, softcap)`` -> (out, the call's PlanStats), differentiable, with the latent rows travelling."""
 
     attention: Callable
     forward: Callable
     backward: Callable
+    latent_form: Callable
+    latent: Callable
+
+
+def _ring_latent_form(plan: RankPlan, k, v, latent_dim: int, cost_model) -> tuple[str, str]:
+    return latent_form(kv_heads=k.shape[2], head_dim=k.shape[3], head_dim_v=v.shape[3], latent_dim=latent_dim,
+                       cost_model=cost_model)
+
+
+def _ring_latent(q, k, v, sinks, latent, plan: RankPlan, comm, backend, *, scale, softcap):
+    counts: dict = {}
+    out = latent_ring_attention(q, k, v, sinks, latent, plan, comm, backend, scale=scale, softcap=softcap,
+                                counts=counts)
+    return out, latent_stats(plan.stats, plan, latent.latent.shape[-1], latent.latent.element_size(),
+                             counts["sent"], counts["received"])
+
+
+def _ulysses_latent_form(plan: UlyssesPlan, k, v, latent_dim: int, cost_model) -> tuple[str, str]:
+    u = plan.grid.ulysses  # the fewest K/V heads a member receives: every member of a head group decides alike
+    return head_parallel_latent_form(
+        kv_heads=k.shape[2], kv_received=min(plan.split.kv_count(j) for j in range(u)), head_dim=k.shape[3],
+        head_dim_v=v.shape[3], latent_dim=latent_dim, ulysses=u, cost_model=cost_model)
+
+
+def _ulysses_latent(q, k, v, sinks, latent, plan: UlyssesPlan, comm, backend, *, scale, softcap):
+    counts: dict = {}
+    out = ulysses_latent_attention(q, latent, sinks, plan, comm, backend, scale=scale, softcap=softcap,
+                                   counts=counts)
+    R, itemsize = latent.latent.shape[-1], latent.latent.element_size()
+    sent, received = latent_exchange_bytes(plan.split, plan.tokens, plan.rank % plan.grid.ulysses, q.shape[0],
+                                           q.shape[3], R, itemsize)
+    out_sent, out_received = sum(x[2] for x in plan.exchanges), sum(x[3] for x in plan.exchanges)
+    ring = plan.ring.stats
+    if counts:  # "usp": the ring over the head groups moved their latent rows
+        ring = latent_stats(ring, plan.ring, R, itemsize, counts["sent"], counts["received"])
+    return out, dataclasses.replace(
+        plan.stats, kv_bytes_recv=received + out_received + ring.kv_bytes_recv,
+        kv_bytes_sent=sent + out_sent + ring.kv_bytes_sent, grad_bytes_recv=sent + out_sent + ring.grad_bytes_recv,
+        grad_bytes_sent=received + out_received + ring.grad_bytes_sent, kv_form="latent",
+        heads_kv_bytes_recv=plan.stats.kv_bytes_recv, heads_kv_bytes_sent=plan.stats.kv_bytes_sent)
 
 
 EXECUTORS: Mapping[type, Executor] = MappingProxyType({
-    RankPlan: Executor(ring_attention, ring_forward, ring_backward),  # "ring"
-    UlyssesPlan: Executor(ulysses_attention, ulysses_forward, ulysses_backward),  # "ulysses", "usp"
+    RankPlan: Executor(ring_attention, ring_forward, ring_backward, _ring_latent_form, _ring_latent),  # "ring"
+    UlyssesPlan: Executor(ulysses_attention, ulysses_forward, ulysses_backward,  # "ulysses", "usp"
+                          _ulysses_latent_form, _ulysses_latent),
 })
 """The one table from the type of a plan (what :func:`choose` / :func:`rank_plans` build) to its executor."""
 

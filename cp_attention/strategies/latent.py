@@ -36,7 +36,7 @@ from ..masks import accumulation_dtype
 from ..plan import RankPlan
 from .ring import GradSum, copy_spans, pack_tokens, ring_backward, ring_forward
 
-__all__ = ["LatentKV", "latent_form", "latent_ring_attention", "latent_stats"]
+__all__ = ["LatentKV", "latent_form", "head_parallel_latent_form", "latent_ring_attention", "latent_stats"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,30 @@ def latent_form(*, kv_heads: int, head_dim: int, head_dim_v: int, latent_dim: in
                       f"expanding costs {1e9 * t_flops:.3g} ns a token against {1e9 * t_saved:.3g} ns saved")
 
 
-def latent_stats(stats, plan: RankPlan, latent_dim: int, itemsize: int, sent: int, received: int, reason: str):
+def head_parallel_latent_form(*, kv_heads: int, kv_received: int, head_dim: int, head_dim_v: int, latent_dim: int,
+                              ulysses: int, cost_model) -> tuple[str, str]:
+    """:func:`latent_form` for head parallelism over head groups of ``ulysses`` ranks: a rank receives every
+    other member's tokens of the ``kv_received`` K/V heads its query heads use, or their latent rows once
+    (every head reads them); with the latent it expands every row of the head group for all ``kv_heads`` (the
+    layer's expansion makes them all) and keeps its own, so the expansion of ``ulysses / (ulysses - 1)`` rows
+    (forward and the backward's two products) is weighed against the bytes one received row saves (the
+    exchange and its gradient back, 16-bit at most)."""
+    heads = kv_received * (head_dim + head_dim_v)
+    if latent_dim >= heads:
+        return "heads", (f"the latent ({latent_dim} numbers a token) is no smaller than the K/V heads a rank "
+                         f"receives ({kv_received} x ({head_dim} + {head_dim_v}) = {heads})")
+    saved = (heads - latent_dim) * (2 + 2)
+    flops = 2 * latent_dim * kv_heads * (head_dim + head_dim_v) * 3 * ulysses / (ulysses - 1)
+    t_saved, t_flops = saved / cost_model.bandwidth, flops / cost_model.throughput
+    if t_flops >= t_saved:
+        return "heads", (f"expanding every head of the head group's latent rows ({flops:.3g} FLOPs a received token, "
+                         f"{1e9 * t_flops:.3g} ns) costs more than the {saved} bytes it saves ({1e9 * t_saved:.3g} ns)")
+    return "latent", (f"{latent_dim} numbers a token instead of {heads} ({heads / latent_dim:.3g}x fewer), gathered "
+                      f"once for every head; expanding costs {1e9 * t_flops:.3g} ns a received token against "
+                      f"{1e9 * t_saved:.3g} ns saved")
+
+
+def latent_stats(stats, plan: RankPlan, latent_dim: int, itemsize: int, sent: int, received: int):
     """``stats`` (the plan's, counted for the heads) of a call whose ring moved latent rows: the K/V bytes
     ``sent``/``received`` as counted when posted, the gradients' (float32 latent rows, the same rows back),
     and what the heads would have taken (``heads_kv_bytes_*``: the plan's own count)."""
@@ -87,7 +110,7 @@ def latent_stats(stats, plan: RankPlan, latent_dim: int, itemsize: int, sent: in
     rows_out = sum(b - a for r in plan.rounds if r.send_to is not None for a, b in r.send_spans) * plan.batch
     return dataclasses.replace(
         stats, kv_bytes_recv=received, kv_bytes_sent=sent, grad_bytes_recv=rows_out * latent_dim * acc_itemsize,
-        grad_bytes_sent=rows_in * latent_dim * acc_itemsize, kv_form="latent", kv_form_reason=reason,
+        grad_bytes_sent=rows_in * latent_dim * acc_itemsize, kv_form="latent",
         heads_kv_bytes_recv=stats.kv_bytes_recv, heads_kv_bytes_sent=stats.kv_bytes_sent)
 
 
@@ -164,7 +187,8 @@ class _LatentRingAttention(torch.autograd.Function):
                                        source=source)
         counts.update(sent=source.sent, received=source.received)
         ctx.save_for_backward(q, k, v, out, lse_HT, sinks, latent_BLR)
-        ctx.plan, ctx.comm, ctx.backend, ctx.scale, ctx.softcap, ctx.latent = plan, comm, backend, scale, softcap, latent
+        ctx.plan, ctx.comm, ctx.backend, ctx.scale, ctx.softcap = plan, comm, backend, scale, softcap
+        ctx.latent = latent
         return out
 
     @staticmethod

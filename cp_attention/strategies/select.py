@@ -261,7 +261,8 @@ def select_attention(q, k, v, key_select, sinks, plan: SelectPlan, comm: Comm, b
     if latent is not None:
         heads_bytes = K * (D + Dv) * k.element_size()
         plan = dataclasses.replace(plan, stats=dataclasses.replace(
-            plan.stats, kv_form="latent", heads_kv_bytes_recv=got * heads_bytes, heads_kv_bytes_sent=gave * heads_bytes))
+            plan.stats, kv_form="latent", heads_kv_bytes_recv=got * heads_bytes,
+            heads_kv_bytes_sent=gave * heads_bytes))
     stats = dataclasses.replace(
         plan.stats, peers_recv=tuple(p for p in range(P) if p != rank and wanted[p].numel()),
         peers_send=tuple(p for p in range(P) if p != rank and P > 1 and send_rows[p].numel()),

@@ -47,10 +47,11 @@ from ..comm import Comm, SubComm
 from ..masks import accumulation_dtype
 from ..plan import PlanStats, RankPlan, build_plan
 from ..plan.ranks import RankRuns, rank_runs
+from .latent import LatentKV, latent_ring_attention
 from .ring import ring_attention, ring_backward, ring_forward
 
 __all__ = ["Grid", "HeadSplit", "head_split", "UlyssesPlan", "build_ulysses_plan", "ulysses_attention",
-           "ulysses_stats", "exchange_bytes"]
+           "ulysses_latent_attention", "latent_exchange_bytes", "ulysses_stats", "exchange_bytes"]
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,20 @@ def exchange_bytes(split: HeadSplit, tokens: _TokenMap, me: int, batch: int, hea
                  for j in range(len(sizes)))
 
 
+def latent_exchange_bytes(split: HeadSplit, tokens: _TokenMap, me: int, batch: int, head_dim: int, latent_dim: int,
+                          itemsize: int) -> tuple[int, int]:
+    """(sent, received) by member ``me`` in the forward's exchange of q and latent rows
+    (:func:`ulysses_latent_attention`): each member's tokens of the query heads of ``j`` and their latent rows
+    (the backward moves as many the other way)."""
+    sizes, h = tokens.sizes, split.q_per_rank
+
+    def row(n: int) -> int:
+        return n * batch * (h * head_dim + latent_dim) * itemsize
+
+    others = [j for j in range(len(sizes)) if j != me]
+    return sum(row(sizes[me]) for _ in others), sum(row(sizes[j]) for j in others)
+
+
 def ulysses_stats(grid: Grid, split: HeadSplit, tokens: _TokenMap, ring: RankPlan, rank: int, batch: int,
                   head_dim: int, head_dim_v: int, itemsize: int) -> PlanStats:
     """This rank's traffic (the two exchanges with its head group, then its ring's K/V; the
@@ -415,6 +430,65 @@ class _ToTokens(torch.autograd.Function):
         with ex.comm.reporting("head-parallel attention backward"):
             full = _to_heads(ex.comm, ex.plan.tokens, [dout.contiguous()], lambda i, j: ex.q_pick[j])
             return full[0], None
+
+
+class _LatentToHeads(torch.autograd.Function):
+    """q of this rank's tokens, all heads, and its latent rows (B, L_r, R) -> the head group's tokens of this
+    rank's query heads, and every member's latent rows (B, L_g, R), gathered once (every head reads them);
+    backward: dq back to the tokens' ranks, each row's gradient summed over the members that read it."""
+
+    @staticmethod
+    def forward(ctx, q, latent_BLR, ex: _Exchange):
+        with ex.comm.reporting("head-parallel attention forward"):
+            ctx.ex = ex
+            q_g, latent_g = _to_heads(ex.comm, ex.plan.tokens, [q, latent_BLR.unsqueeze(2)],
+                                      lambda i, j: ex.q_pick[j] if i == 0 else slice(0, 1))
+            return q_g, latent_g.squeeze(2)
+
+    @staticmethod
+    def backward(ctx, dq_g, dlatent_g):
+        ex = ctx.ex
+        with ex.comm.reporting("head-parallel attention backward"):
+            dq_parts, dlatent_parts = _to_tokens(
+                ex.comm, ex.plan.tokens, [dq_g.contiguous(), dlatent_g.unsqueeze(2).contiguous()],
+                lambda i, j: ex.plan.split.q_per_rank if i == 0 else 1)
+            acc = accumulation_dtype(dlatent_g.dtype)
+            dlatent = torch.stack([p.to(acc) for p in dlatent_parts]).sum(0)  # every member read every row
+            return torch.cat(dq_parts, dim=2), dlatent.squeeze(2).to(dlatent_g.dtype), None
+
+
+def ulysses_latent_attention(q, latent: LatentKV, sinks, plan: UlyssesPlan, comm: Comm, backend, *, scale: float,
+                             softcap: float | None, counts: dict | None = None) -> torch.Tensor:
+    """:func:`ulysses_attention` of a multi-head latent attention layer whose latent rows travel instead of its
+    K/V heads: q (B, L_r, H, D) and ``latent.latent`` (B, L_r, R) of this rank's tokens, sinks (H,) or None ->
+    out (B, L_r, H, Dv). One all-to-all gives each rank its head group's tokens of its query heads and every
+    member's latent rows; it expands them with the layer's expansion and keeps the K/V heads its query heads
+    use; under "usp" the ring over the head groups moves the groups' latent rows too
+    (:func:`~cp_attention.strategies.latent.latent_ring_attention`; ``counts``: its bytes). Differentiable
+    w.r.t. q, sinks, the latent rows and the expansion's parameters (the layer's own k and v are not read)."""
+    grid = plan.grid
+    one_group = grid.ring == 1
+    heads = comm if one_group else SubComm(comm, grid.head_group(comm.rank))
+    ex = _Exchange(plan, heads)
+    q_g, latent_g = _LatentToHeads.apply(q, latent.latent, ex)
+    mine = slice(*plan.split.kv_range(heads.rank))
+
+    def expand_mine(rows_BWR: torch.Tensor):
+        k_all, v_all = latent.expand(rows_BWR)  # copies: the other heads' keys and values are not kept
+        return k_all[:, :, mine].contiguous(), v_all[:, :, mine].contiguous()
+
+    k_g, v_g = expand_mine(latent_g)
+    repeats = plan.split.repeats(heads.rank)
+    lo, hi = plan.split.q_range(heads.rank)
+    sinks_g = None if sinks is None else sinks[lo:hi]
+    ring_comm = comm if one_group else SubComm(comm, grid.ring_group(comm.rank))
+    if one_group or repeats is not None:
+        out_g = ring_attention(q_g, _expand(k_g, repeats), _expand(v_g, repeats), sinks_g, plan.ring, ring_comm,
+                               backend, scale=scale, softcap=softcap)
+    else:
+        out_g = latent_ring_attention(q_g, k_g, v_g, sinks_g, LatentKV(latent_g, expand_mine, latent.params),
+                                      plan.ring, ring_comm, backend, scale=scale, softcap=softcap, counts=counts)
+    return _ToTokens.apply(out_g, ex)
 
 
 def _expand(x: torch.Tensor, repeats: tuple[int, ...] | None) -> torch.Tensor:

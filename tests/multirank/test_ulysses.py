@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import cp_attention
 from cp_attention.comm import Comm
+from cp_attention.engine.agreement import Header
 from cp_attention.tools.launch import run_ranks
 from cp_attention.strategies.ulysses import head_split
 from oracle import oracle_attention, oracle_mask
@@ -270,7 +271,7 @@ def _exchanges_worker(rank: int, world_size: int) -> dict:
 
 
 def test_exchanges_per_call_and_indivisible_heads():
-    header = 27 * 8 * 3  # the agreement's header (27 int64) to each of the 3 other ranks
+    header = len(Header.names()) * 8 * 3  # the agreement's header (one int64 a field) to each of the 3 other ranks
     for found in run_ranks(4, _exchanges_worker, timeout=300):
         measured, forward, backward = found["sent"]
         assert measured - header == forward, found  # the statistics are the bytes actually sent
@@ -315,7 +316,7 @@ def test_usp_exchanges_are_its_own():
     """usp at P = 4 in head groups of 2: per call the agreement's header (one post), the two
     all-to-alls within the head group and the ring's rounds over the two head groups, nothing else;
     the bytes posted are the statistics' (the ring's backward sends its K/V again)."""
-    header = 27 * 8 * 3
+    header = len(Header.names()) * 8 * 3
     for rank, found in enumerate(run_ranks(4, _usp_exchanges_worker, timeout=300)):
         assert "ranks disagree on cost_model_crc" in found.pop("models"), found
         assert tuple(found.pop("after")) == (2, 10, 4, 8)

@@ -72,6 +72,8 @@ def _documents_alone(model, ids, R) -> list:
 
 SELECTED_ROWS = "the selected keys' exchange"
 """What the selected-keys strategy names its K/V rows' all-to-all (its indices and gradients travel under other names)."""
+HEADS_EXCHANGE = "an all-to-all of q, k, v (head parallelism)"
+"""What head parallelism names its exchange of q and K/V (or latent rows) to the heads."""
 
 
 def _counting(comm, world_size: int, received: list):
@@ -85,15 +87,16 @@ def _counting(comm, world_size: int, received: list):
         recv(tensor, src, tag)
 
     def counting_all_to_all(sends, recvs, what, *args, **kwargs):
-        if what == SELECTED_ROWS:
-            received.append(sum(t.numel() * t.element_size() for t in recvs))
+        if what in (SELECTED_ROWS, HEADS_EXCHANGE):
+            received.append(sum(t.numel() * t.element_size() for t in recvs if t is not None))
         return all_to_all(sends, recvs, what, *args, **kwargs)
 
     comm.recv, comm.all_to_all = counting_recv, counting_all_to_all
     return recv, all_to_all
 
 
-def run_model(model, layout: str, world_size: int, *, checkpointing: bool = False, strategy: str = "ring") -> dict:
+def run_model(model, layout: str, world_size: int, *, checkpointing: bool = False, strategy: str = "ring",
+              **options) -> dict:
     """One forward and backward of the batch under context parallelism: gathered logits, gradients summed
     over the ranks, each layer call's PlanStats and the K/V bytes this rank's comm received in the forward."""
     import torch.distributed as dist
@@ -101,7 +104,7 @@ def run_model(model, layout: str, world_size: int, *, checkpointing: bool = Fals
     ids, pos, R = inputs(model.config.vocab_size)
     model.zero_grad(set_to_none=True)
     received: list = []
-    with cp_attention.context_parallel(layout=layout, strategy=strategy) as cp:
+    with cp_attention.context_parallel(layout=layout, strategy=strategy, **options) as cp:
         originals = _counting(cp.comm, world_size, received)
         batch = cp.shard_batch(input_ids=ids, position_ids=pos)
         if checkpointing:
@@ -259,11 +262,17 @@ def run_stacks(rank: int, world_size: int) -> dict:
     return out
 
 
-def run_strategies(rank: int, world_size: int, ref: dict) -> dict:
-    """Rank worker: DeepSeek-V3 under strategy "ulysses" and "auto": errors and what each layer moved."""
+def run_strategies(rank: int, world_size: int, ref: dict, strategies) -> dict:
+    """Rank worker: DeepSeek-V3 under each of ``strategies`` ((strategy, ulysses_size, cost model keywords)):
+    errors, what each layer moved and the bytes this rank's comm received in the forward."""
+    from cp_attention.strategies import CostModel
+
     model = build_model(family_config("deepseek_v3"), "cp_flash", state_dict=ref["state"])
     out = {}
-    for strategy in ("ulysses", "auto"):
-        run = run_model(model, "zigzag", world_size, strategy=strategy)
-        out[strategy] = dict(errs=errors(model, run, ref, "kv_b_proj"), calls=call_summary(run["calls"]))
+    for strategy, size, cost in strategies:
+        options = dict(ulysses_size=size, cost_model=CostModel(**cost))
+        run = run_model(model, "zigzag", world_size, strategy=strategy, **options)
+        out[f"{strategy}{size or ''}{'-slow' if cost else ''}"] = dict(
+            errs=errors(model, run, ref, "kv_b_proj"), calls=call_summary(run["calls"]), received=run["received"],
+            dims=_dims(_first_attention(model)))
     return out

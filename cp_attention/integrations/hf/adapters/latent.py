@@ -4,9 +4,9 @@ transformers' MLA layers (DeepSeek-V2/V3/V3.2, GLM-4-MoE-Lite, MiniCPM3, LongCat
 MLA layers, ...) compute their keys and values in one method, ``expand_kv(kv_nope, k_rot)``: the normalised
 compressed K/V (B, 1, L, kv_lora_rank) and the rotated shared RoPE key (B, 1, L, qk_rope_head_dim) in, keys
 (B, H, L, D) and values (B, H, L, Dv) out, which the layer hands to the attention function. Here that method
-is wrapped: in a cp_flash forward it records its inputs and outputs for the module, and the layer's cp_flash
-call, finding that its key and value are the very tensors the method returned, hands the engine the latent
-rows (``kv_nope`` then ``k_rot``, ``kv_lora_rank + qk_rope_head_dim`` numbers a token) and the method itself as
+is wrapped: in a cp_flash forward of a job of several processes it records its inputs and outputs for the
+module, and the layer's cp_flash call, finding that its key and value are the very tensors the method returned,
+hands the engine the latent rows (``kv_nope`` then ``k_rot``, ``kv_lora_rank + qk_rope_head_dim`` numbers a token) and the method itself as
 the receiver's expansion (:class:`~cp_attention.strategies.latent.LatentKV`). Whether the ring then moves the
 latent or the heads is the engine's choice (the cost model), stated in the call's PlanStats.
 
@@ -29,6 +29,7 @@ import weakref
 
 import torch
 
+from ....comm import process_count
 from ....strategies.latent import LatentKV
 from .. import state
 from ...patches import patch
@@ -63,7 +64,7 @@ def _wrap(original):
     @functools.wraps(original)
     def wrapper(self, kv_nope, k_rot, *args, **kwargs):
         key, value = original(self, kv_nope, k_rot, *args, **kwargs)
-        if not args and not kwargs and not torch.compiler.is_compiling() and _cp_flash(self):
+        if not args and not kwargs and not torch.compiler.is_compiling() and process_count() > 1 and _cp_flash(self):
             state.LATENTS[self] = _Recorded(kv_nope, k_rot, key, value)
         return key, value
 
@@ -172,8 +173,8 @@ class LatentKVAdapter(Adapter):
         return adapt_module(mod)
 
     def layer_call(self, call) -> None:
-        if torch.compiler.is_compiling():  # nothing recorded while tracing: the compiled op moves the heads
-            return
+        if torch.compiler.is_compiling() or process_count() < 2:  # nothing recorded while tracing (the compiled
+            return                                                  # op moves the heads) or in one process
         recorded = state.LATENTS.pop(call.module, None)
         recorded = None if recorded is None else recorded.tensors()
         if recorded is None or recorded[2] is not call.key or recorded[3] is not call.value:
