@@ -364,7 +364,10 @@ MUTANTS = (
            "self.dparams[i] = g if self.dparams[i] is None else self.dparams[i] + g",
            "self.dparams[i] = 2 * g if self.dparams[i] is None else self.dparams[i] + 2 * g", (_LATENT_CP2,)),
     Mutant("MLA: every layer's heads moved (the latent never chosen)", "latent", "cp_attention/strategies/latent.py",
-           '    if latent_dim >= heads:', '    if True:', (_LATENT_CP2,)),
+           '    if latent_dim >= heads:\n        return "heads", (f"the latent ({latent_dim} numbers a token) is no '
+           'smaller than the K/V heads "\n',
+           '    if True:\n        return "heads", (f"the latent ({latent_dim} numbers a token) is no '
+           'smaller than the K/V heads "\n', (_LATENT_CP2,)),
     Mutant("MLA: DeepSeek-V3.2's selected keys fetched as heads while counted as latent rows", "latent",
            "cp_attention/strategies/select.py",
            "fetched_NKE = _fetch_latent(latent, send_rows, [w.numel() for w in wanted], comm, K, D + Dv)",
