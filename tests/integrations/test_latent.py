@@ -148,6 +148,8 @@ def test_usp_moves_the_latent_at_cp4(family_refs):
 
 
 def test_lora_and_checkpointing_exact_at_cp2():
+    """LoRA on the projections and gradient checkpointing, exact with the latent moving; LoRA dropout on the
+    up-projection in training mode declines the expansion (the heads move, and PlanStats says why)."""
     pytest.importorskip("peft")
     with single_thread():
         lora_ref = latent_cases.ground_truth(latent_cases.lora_model("eager"))
@@ -159,6 +161,10 @@ def test_lora_and_checkpointing_exact_at_cp2():
         for name in ("lora_calls", "ckpt_calls"):
             if not r[name] or {c["form"] for c in r[name]} != {"latent"}:
                 fails.append(f"{name} rank={rank}: {[c['form'] for c in r[name]]}")
+        # LoRA dropout in training mode: the expansion is declined, the heads move, and the reason says why
+        if not r["dropout_calls"] or any(c["form"] != "heads" or "not deterministic" not in c["reason"] or
+                                         c["recv"] != c["heads_recv"] for c in r["dropout_calls"]):
+            fails.append(f"LoRA dropout rank={rank}: {r['dropout_calls']}")
     assert not fails, "\n".join(fails)
 
 

@@ -173,14 +173,15 @@ def _dims(attn) -> dict:
 LORA_TARGETS = ["kv_b_proj", "q_proj", "kv_a_proj_with_mqa", "o_proj"]
 
 
-def lora_model(impl: str, state: dict | None = None):
-    """A tiny DeepSeek-V3 with LoRA adapters on its attention projections (the up-projection included)."""
+def lora_model(impl: str, state: dict | None = None, dropout: float = 0.0):
+    """A tiny DeepSeek-V3 with LoRA adapters on its attention projections (the up-projection included), both
+    adapter matrices random (a zero B, PEFT's default, would hide what the adapters and their dropout do)."""
     from peft import LoraConfig, get_peft_model
 
     model = build_model(family_config("deepseek_v3"), impl)
     torch.manual_seed(7)
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                                            init_lora_weights="gaussian"))
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=LORA_TARGETS,
+                                            init_lora_weights=False))
     if state is not None:
         peft.load_state_dict(state)
     return peft.eval()
@@ -193,8 +194,15 @@ def run_training_stacks(rank: int, world_size: int, lora_ref: dict, plain_ref: d
     model = build_model(family_config("deepseek_v3"), "cp_flash", state_dict=plain_ref["state"])
     model.gradient_checkpointing_enable()
     ckpt = run_model(model, "zigzag", world_size, checkpointing=True)
+    # LoRA dropout on the up-projection in training mode: the receiver could not repeat the expansion
+    noisy = lora_model("cp_flash", dropout=0.5).train()
+    ids, pos, _ = inputs(noisy.config.vocab_size)
+    with cp_attention.context_parallel() as cp:
+        noisy(**cp.shard_batch(input_ids=ids, position_ids=pos), use_cache=False)
+        dropout_calls = call_summary([s for _, s in cp_attention.forward_plan_stats()])
     return dict(lora=errors(peft, lora, lora_ref, "lora_"), lora_calls=call_summary(lora["calls"]),
-                ckpt=errors(model, ckpt, plain_ref, "kv_b_proj"), ckpt_calls=call_summary(ckpt["calls"]))
+                ckpt=errors(model, ckpt, plain_ref, "kv_b_proj"), ckpt_calls=call_summary(ckpt["calls"]),
+                dropout_calls=dropout_calls)
 
 
 # --------------------------------------------------------------------------------------------------

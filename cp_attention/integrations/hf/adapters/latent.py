@@ -14,7 +14,8 @@ Admitted by behaviour: at the class's first call in a cp_flash forward (:func:`_
 on synthetic rows must be row-wise (a token's keys and values depend on its own row only: rows expanded
 together equal rows expanded apart) and return (B, H, W, D) and (B, H, W, Dv) keys and values; at every call,
 it must give the same result twice on two rows (no dropout, no randomness: the receiver expands again in the
-backward), and the attention's key and value must be its outputs (no change between the method and the
+backward; checked at every call because a LoRA adapter's dropout shows only once its weights are not zero), and
+the attention's key and value must be its outputs (no change between the method and the
 attention). Whatever fails, the heads move as for every other layer (exact either way); a declined class is
 named in the call's PlanStats (``kv_form_reason``).
 
