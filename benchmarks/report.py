@@ -23,7 +23,7 @@ sys.path.insert(0, HERE)
 from report_attention import (attention_section, cp_section, intro, model_section, must_show_section,  # noqa: E402
                               peers_section)
 from report_scaling import (generate_section, hybrids_section, layouts_section, mla_section,  # noqa: E402
-                            planning_scale_section, planning_section, strategies_section)
+                            planning_scale_section, planning_section, strategies_section, trainer_memory_section)
 from report_tables import attention_table, cp_tables, model_table  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
@@ -52,6 +52,7 @@ def render_page(folder: str, page: str) -> str:
                 ("hybrids", "hybrid-models-traffic-and-step-time", hybrids_section(folder_abs)),
                 ("MLA", "multi-head-latent-attention-the-latent-moves", mla_section(folder_abs)),
                 ("generation", "generation-with-a-sharded-kv-cache", generate_section(folder_abs)),
+                ("trainer memory", "trainer-memory-a-distillation-step", trainer_memory_section(folder_abs)),
                 ("layouts", "layouts", anchored("layouts", layouts_section(folder_abs, page_dir))),
                 ("planning", "planning-time", planning_section(folder_abs) + planning_scale_section(folder_abs, page_dir))]
     present = [(title, anchor) for title, anchor, lines in sections if lines]

@@ -32,6 +32,16 @@ TRAINING = (
                "holds a shard of it and its span logits are not per-token outputs of a qa_outputs module that "
                "cp_attention can gather. Compute the span loss from the gathered logits, or run without "
                "context_parallel"),
+    dict(key="qa_span_padding", exception=NotImplementedError, area="heads",
+       what="start_positions/end_positions of a QA head on rows with padding (an attention_mask with zeros)",
+       why="the span loss is a softmax over every position, padding included, and what attention computes at a "
+           "padding position is each implementation's own (eager attends to the row, cp_flash to the token alone)",
+       fix="rows without padding (windows of one length), or the loss over the gathered logits with padding masked",
+       message="cp_flash: {name}'s span loss is a softmax over every position of the row, padding included, and "
+               "the batch has padding: the logits at padding positions are each attention implementation's own "
+               "(eager attends to the row's tokens, cp_flash to the padding token alone), so the loss would not be "
+               "one device's. Use rows without padding (windows of one length), or compute the span loss from the "
+               "gathered start/end logits with the padding masked"),
     dict(key="token_mean_loss", exception=NotImplementedError, area="heads",
        what="labels for a head whose loss is a mean over the tokens it is given",
        why="the ranks' means are not the batch's",
@@ -107,12 +117,11 @@ TRAINING = (
        fix="load the model with attn_implementation='cp_flash'",
        message="{name} trains models loaded with attn_implementation='cp_flash', this one uses {implementation!r}"),
     dict(key="trainer_row_head", exception=ValueError, area="trainer",
-       what="CPTrainer on a model whose head reads one output per row (a pooled token or a span)",
-       why="the trainer joins the ranks' micro-batches along the sequence",
-       fix="cp.shard_batch and the model's forward, or train it without CPTrainer",
-       message="{name} joins the ranks' micro-batches along the sequence, but {model} reads one output per row (a "
-               "pooled token or a span): run it with cp.shard_batch and the model's forward (exact under context "
-               "parallelism), or train it without {name}"),
+       what="a CP post-training trainer (GRPO, RLOO, DPO, KTO) on a model whose head reads one output per row",
+       why="these trainers score every token with the causal LM head; a pooled or span head has none",
+       fix="CPTrainer (sequence classification, QA) or CPRewardTrainer (reward models)",
+       message="{name} scores every token with a causal language-model head, but {model} reads one output per "
+               "row (a pooled token or a span): train it with CPTrainer, or CPRewardTrainer for a reward model"),
     dict(key="trainer_z_loss", exception=ValueError, area="trainer",
        what="CPTrainer on a model with a z-loss (z_loss_coefficient > 0)",
        why="a mean over each rank's tokens, which Trainer's loss scaling multiplies by the processes",

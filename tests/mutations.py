@@ -52,6 +52,8 @@ class Mutant:
 _GRPO_RUNS = "tests/integrations/test_trl_rl.py::test_cp_grpo_and_rloo_equal_one_process"
 _DPO_RUNS = "tests/integrations/test_trl_rl.py::test_cp_dpo_equals_one_process"
 _SCORING = "tests/integrations/test_packed_rows.py::test_packed_fused_forward_equals_the_padded_call"
+_ROW_HEADS = "tests/integrations/test_training.py::test_trainer_with_row_heads_under_torchrun_equals_single_device"
+_MORE = "tests/integrations/test_trl_more_trainers.py::"
 _PACKED = "tests/integrations/test_packed_rows.py::"
 _LATENT_CP2 = "tests/integrations/test_latent.py::test_mla_families_exact_at_cp2"
 _SELECTION = "tests/multirank/test_selection.py"
@@ -279,13 +281,41 @@ MUTANTS = (
     Mutant("scoring: the router loss's value this rank's share", "trl",
            "cp_attention/integrations/trainers/packed_rows.py", "aux = _group_value(cp, out.aux_loss)", "aux = out.aux_loss",
            (_SCORING,)),
-    Mutant("joins: prompts padded on the right", "trl", "cp_attention/integrations/trainers/trl.py",
-           "left = key in _LEFT_PADDED", "left = False",
+    Mutant("joins: prompts padded on the right", "trl", "cp_attention/integrations/trainers/trainer.py",
+           "on_left = left or key in left_keys", "on_left = left",
            (_PACKED + "test_join_rows_equals_padding_every_row_at_once", _GRPO_RUNS)),
     Mutant("DPO join: each rank's chosen and rejected rows kept together", "trl",
            "cp_attention/integrations/trainers/trl.py", "torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)",
            "torch.cat(padded, dim=0)",
            (_PACKED + "test_join_pairs_equals_the_collator_on_every_pair", _DPO_RUNS)),
+    Mutant("CPTrainer rows: a pooled head's loss not divided by the CP size Trainer multiplied in", "trl",
+           "cp_attention/integrations/trainers/trainer.py", "return float(cp_size) if multiplied else 1.0",
+           "return 1.0", (_ROW_HEADS + "[sequence]",)),
+    Mutant("QA span positions on padded rows not refused", "heads", "cp_attention/integrations/hf/heads.py",
+           'if kind == "qa" and record is not None and record.extras.get(HAS_PADDING)',
+           'if kind == "qa" and record is not None and False',
+           ("tests/integrations/test_heads.py::test_heads_refused_or_exact_under_cp",)),
+    Mutant("reward join: each rank's chosen and rejected rows kept together", "trl",
+           "cp_attention/integrations/trainers/trl.py", "        return join_pairs(parts, pad_token_id)\n",
+           "        return join_row_batches(parts, pad_token_id=pad_token_id)\n",
+           (_MORE + "test_cp_reward_trainer_equals_one_process",)),
+    Mutant("KTO: the KL completions rotated within each rank's micro-batch", "trl",
+           "cp_attention/integrations/trainers/trl.py",
+           "args.per_device_train_batch_size = per_device * size", "args.per_device_train_batch_size = per_device",
+           (_MORE + "test_cp_kto_trainer_equals_one_process",)),
+    Mutant("KTO join: unpaired rows joined as preference pairs", "trl", "cp_attention/integrations/trainers/trl.py",
+           'return join_row_batches(parts, pad_token_id=self._cp_pad_id(), what="unpaired preference batches")',
+           "return join_pairs(parts, self._cp_pad_id())", (_MORE + "test_cp_kto_trainer_equals_one_process",)),
+    Mutant("distillation: each rank's loss its share of the divergence, not P times it", "trl",
+           "cp_attention/integrations/trainers/trl.py",
+           "super()._compute_loss(unwrapped_student, shard, num_items_in_batch / cp.world_size)",
+           "super()._compute_loss(unwrapped_student, shard, num_items_in_batch)",
+           (_MORE + "test_cp_distillation_trainer_equals_one_process",)),
+    Mutant("distillation: the hidden state scored at the completion token, not the one before it", "trl",
+           "cp_attention/integrations/trainers/trl.py",
+           'scored = (local.pop("cp_targets") != -100).to(inputs["completion_mask"].dtype)',
+           'scored = (local.pop("cp_targets") != -100).roll(1, -1).to(inputs["completion_mask"].dtype)',
+           (_MORE + "test_cp_distillation_trainer_equals_one_process",)),
     Mutant("mixers: the running forward's own batch ignored when several are alive", "trl",
            "cp_attention/integrations/hf/mixing.py",
            '        record = getattr(FORWARD, "record", None)  # the running model forward\'s own batch',

@@ -186,6 +186,11 @@ def _worker(rank: int, world_size: int):
                                                 labels=torch.tensor([1])))
     qa, _ = _mistral("MistralForQuestionAnswering")
     out["qa logits"] = _outcome(lambda: run(qa, dict(input_ids=ids)))
+    spans = dict(start_positions=torch.tensor([3]), end_positions=torch.tensor([9]))
+    padding = torch.ones_like(ids)
+    out["qa spans, no padding"] = _outcome(lambda: run(qa, dict(input_ids=ids, attention_mask=padding), **spans))
+    out["qa spans, padding"] = _outcome(lambda: run(qa, dict(input_ids=ids, attention_mask=padding.masked_fill(
+        torch.arange(L) >= L - 4, 0)), **spans))
     out["deberta token labels"] = _outcome(lambda: run(_deberta_tokens(), dict(input_ids=ids, labels=ids % 3,
                                                                               shift_labels=False)))
     lm, _ = _mistral("MistralForCausalLM")
@@ -217,7 +222,9 @@ def test_heads_refused_or_exact_under_cp():
         "modernbert mlm loss": per_rank[0]["modernbert mlm loss"]}  # every refusal alike on both ranks
     r = per_rank[0]
     assert r["bert sequence"].startswith("NotImplementedError") and "[CLS] pooler" in r["bert sequence"], r
-    assert r["qa logits"] == "ran", r
+    assert r["qa logits"] == "ran" and r["qa spans, no padding"] == "ran", r
+    # a span loss is a softmax over every position: padding positions' logits are each attention's own
+    assert r["qa spans, padding"].startswith("NotImplementedError") and "padding" in r["qa spans, padding"], r
     assert r["deberta token labels"].startswith("NotImplementedError"), r
     assert r["bert mlm labels"].startswith("NotImplementedError") and "mean of its loss" in r["bert mlm labels"], r
     assert r["logits_to_keep labels"].startswith("NotImplementedError") and "line up" in r["logits_to_keep labels"], r

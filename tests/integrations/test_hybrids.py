@@ -66,6 +66,7 @@ def test_hybrid_training_ddp_fsdp2_checkpointing_cp2():
             assert e["grad_err"] <= tw.REL_TOL, f"rank {rank} {name}: gradient error {e['grad_err']:.2e}"
 
 
+@pytest.mark.slow  # 26 s: the hybrids' training stacks are also trained by the TRL trainers' hybrid cases
 def test_more_mixers_training_ddp_fsdp2_checkpointing_cp2():
     """Issue 39's mixers through the training stack: lightning attention (DDP, reentrant checkpointing),
     KDA (FSDP2, non-reentrant), RG-LRU (the whole model checkpointed), RWKV and a pure Mamba (forwards

@@ -129,15 +129,31 @@ def test_trainer_under_torchrun_equals_single_device(tmp_path, reentrant, model,
     checkpointing) against a plain single-process Trainer (eager) on the same global batches; Qwen2-MoE
     with its router's load-balancing loss in the model's loss (Trainer scales it with the token loss); a
     PEFT model (LoRA, DoRA) handed to CPTrainer as Trainer takes it."""
-    script = os.path.join(ROOT, "examples", "train_trainer.py")
     extra = (["--reentrant"] if reentrant else []) + ["--model", model] + (["--peft", peft] if peft else [])
+    _compare_trainer_runs(tmp_path, extra)
+
+
+@pytest.mark.parametrize("extra", [["--head", "sequence"],
+                                   pytest.param(["--head", "sequence", "--left"], marks=pytest.mark.slow),
+                                   ["--head", "qa"]], ids=["sequence", "sequence-left-padded", "qa"])
+def test_trainer_with_row_heads_under_torchrun_equals_single_device(tmp_path, extra):
+    """CPTrainer with a head that reads one output per row: a sequence classifier (pooled at each row's
+    last non-padding token; rows of 5-60 tokens padded on the right, or on the left) and a QA head (span
+    positions into windows of 48 tokens); 2 accumulation steps, gradient checkpointing. The group's rows
+    stay rows and each is sharded along the sequence: every logged loss and the final weights equal
+    plain Trainer on one process (eager) holding both ranks' rows."""
+    _compare_trainer_runs(tmp_path, [*extra, "--accumulation", "2", "--steps", "3"], steps=3)
+
+
+def _compare_trainer_runs(tmp_path, extra: list, steps: int = 4) -> None:
+    script = os.path.join(ROOT, "examples", "train_trainer.py")
     cp = _torchrun(script, "--out", str(tmp_path / "cp"), *extra)
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
     single = subprocess.run([sys.executable, script, "--single", "--out", str(tmp_path / "single"), *extra],
                             env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert single.returncode == 0, single.stderr[-3000:]
     losses = [json.load(open(tmp_path / run / "losses.json")) for run in ("cp", "single")]
-    assert len(losses[0]) == len(losses[1]) == 4
+    assert len(losses[0]) == len(losses[1]) == steps
     for step, (a, b) in enumerate(zip(*losses)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step + 1}: CP loss {a} vs single-device {b}"
     params = [torch.load(tmp_path / run / "params.pt") for run in ("cp", "single")]

@@ -97,7 +97,8 @@ def test_cp_flash_matches_docs_alone_eager(world_size: int, refs):
 
 
 @pytest.mark.parametrize("world_size, layout, strategy", [
-    (2, "contiguous", "ulysses"), pytest.param(4, "zigzag", "ulysses", marks=pytest.mark.slow), (2, "zigzag", "auto"),
+    pytest.param(2, "contiguous", "ulysses", marks=pytest.mark.slow),
+    pytest.param(4, "zigzag", "ulysses", marks=pytest.mark.slow), (2, "zigzag", "auto"),
     pytest.param(4, "contiguous", "auto", marks=pytest.mark.strategies)])
 def test_cp_flash_under_ulysses_and_auto_matches_docs_alone_eager(world_size: int, layout: str, strategy: str, refs):
     """Every family under strategy="ulysses" (all-to-all head parallelism: 4 query heads, 2 K/V

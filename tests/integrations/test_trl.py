@@ -135,13 +135,24 @@ def _sequence_classifier():
     return tf.MistralForSequenceClassification._from_config(config, attn_implementation="cp_flash")
 
 
-def test_cp_trainer_refuses_heads_that_read_one_output_per_row(tmp_path):
-    """The CP trainers join the ranks' rows along the sequence: a pooled or span head is refused at
-    construction (it runs exactly through cp.shard_batch, tests/integrations/test_heads.py)."""
+def test_cp_trainer_keeps_the_rows_of_heads_that_read_one_output_per_row(tmp_path):
+    """CPTrainer takes a pooled head (its rows stay rows, tests/integrations/test_training.py trains one);
+    the post-training trainers, which score tokens with a fused LM head, refuse it."""
     from cp_attention.integrations.trainers.trainer import CPTrainer
+    from cp_attention.integrations.trainers.trl import CPRLTrainerMixin
 
+    assert CPTrainer(model=_sequence_classifier(), args=_sft_args(tmp_path))._cp_head == "sequence"
+    trainer = CPRLTrainerMixin.__new__(CPRLTrainerMixin)
+    trainer._cp_checked, trainer.model, trainer.args = False, _sequence_classifier(), _sft_args(tmp_path)
+
+    class Unwrap:
+        @staticmethod
+        def unwrap_model(model):
+            return model
+
+    trainer.accelerator = Unwrap()
     with pytest.raises(ValueError, match="one output per row"):
-        CPTrainer(model=_sequence_classifier(), args=_sft_args(tmp_path))
+        trainer._cp_ready()
 
 
 @pytest.mark.parametrize("order", ["CPSFTTrainer", "mixin first", "mixin last"])

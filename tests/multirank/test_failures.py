@@ -191,6 +191,7 @@ def test_rank_raising_inside_attention_is_named_by_the_others(phase, strategy):
         assert name2 == "RankFailedError" and took2 < NOTICED, per_rank[rank]
 
 
+@pytest.mark.slow  # waits out a timeout; the real-fault grid hangs ranks in CI
 def test_silent_hang_raises_after_the_timeout():
     per_rank = run_ranks(3, _failure_worker, "forward", "stall", 2.0, timeout=120)
     assert not multiprocessing.active_children()

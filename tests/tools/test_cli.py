@@ -153,6 +153,7 @@ def test_bench_prints_speedups_and_agrees_with_sdpa(mask, capsys):
     assert diff < 1e-5, out  # the dense baseline mask is the same mask
 
 
+@pytest.mark.slow  # 28 s: compiles flex attention
 def test_bench_times_compiled_flex_forward_only_on_cpu(capsys):
     """The flex peer: compiled before the timing, forward only on CPU (FlexAttention has no CPU backward)."""
     assert cli.main([*TINY_BENCH[:-1], "flex", "--mask", "window:8", "--backward"]) == 0

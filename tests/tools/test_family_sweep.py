@@ -78,6 +78,7 @@ def _sweep(families, tmp_path, timeout: float) -> list[dict]:
     return json.loads(path.read_text())["results"]
 
 
+@pytest.mark.slow  # 50 s: every family is exact or refused in its own tests; the sweep itself is the subset
 def test_fast_subset_exact_or_refused(tmp_path):
     results = _sweep(FAST, tmp_path, timeout=240)
     assert sorted(r["family"] for r in results) == sorted(FAST)

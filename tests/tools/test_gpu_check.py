@@ -285,6 +285,7 @@ def test_flash_skipped_on_sm80_for_another_reason_fails():
     assert status == 1 and "causal/flash" in line
 
 
+@pytest.mark.slow  # 18 s
 @pytest.mark.multirank  # starts a Python child process: out of the inner loop (tests/conftest.py)
 def test_runs_from_a_checkout_without_install(tmp_path):
     """``python benchmarks/gpu_check.py`` finds the package of its own checkout (the GPU machine

@@ -128,6 +128,7 @@ def test_stream_does_not_cut_a_long_document_in_slivers():
     assert spread <= 25, spread
 
 
+@pytest.mark.slow  # 30 s
 def test_stream_reads_a_windowed_document_back_in_contiguous_pieces():
     """One document over 128 ranks under a window of 256: every rank holds one run and receives at
     most one window's K/V (255 keys; the planner's count), and the ranks' costs are balanced."""

@@ -15,6 +15,7 @@ import torch
 
 from ...engine.batch import batch_of
 from ...refusals import refuse
+from .heads import HAS_PADDING
 from .models import unwrap_adapters
 from .positions import default_position_start
 from .models import attention_shapes, model_masks
@@ -120,7 +121,9 @@ def shard_batch(cp, *, shift_labels: bool = True, document_starts: torch.Tensor 
                              num_items=num_items, bind_also=scaled, positions_given=positions_given,
                              span_next=span_next, spans_read=spans_read, derived=derived)
     # the largest position the text decoder gets, for a rope that depends on it (.rope)
-    batch_of(*out.values()).extras["position_max"] = int(largest.max())
+    record = batch_of(*out.values())
+    record.extras["position_max"] = int(largest.max())
+    record.extras[HAS_PADDING] = valid is not None and not bool(valid.bool().all())
     if media:
         out.pop("input_ids", None)  # the model gets inputs_embeds (ids and embeddings are exclusive)
     return out

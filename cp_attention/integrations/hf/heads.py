@@ -13,7 +13,8 @@ a multi-rank forward, :func:`prepare_call` makes each of these exact or refuses 
   poolers);
 * question answering takes ``start_positions``/``end_positions`` as indices into the sequence: the
   start/end logits are gathered the same way (exact; the logits the forward returns are the whole
-  sequence's, on every rank);
+  sequence's, on every rank). Refused on rows with padding: the span loss is a softmax over every
+  position, and a padding position's logits are each attention implementation's own;
 * ``logits_to_keep=k`` (or a 1-D tensor of positions) keeps the last ``k`` tokens of the sequence:
   each rank computes the logits of the kept tokens it holds and the group gathers them (exact; with
   ``labels`` refused, as the logits no longer match them);
@@ -52,7 +53,11 @@ from . import source
 from ...engine.batch import AMBIGUOUS, batch_of
 from ...refusals import refuse
 
-__all__ = ["HeadCall", "LOSS_SCALE", "gather_rows", "prepare_call"]
+__all__ = ["HAS_PADDING", "HeadCall", "LOSS_SCALE", "gather_rows", "prepare_call"]
+
+HAS_PADDING = "has_padding"
+"""Key of a batch record's ``extras``: whether the batch's ``attention_mask`` has a zero (set by
+``shard_batch``)."""
 
 LOSS_SCALE = "aux_loss_scale"
 """Key of a batch record's ``extras``: the factor ``s`` of a rank's share of an auxiliary loss (P when
@@ -242,6 +247,9 @@ def prepare_call(model, args: tuple, kwargs: dict | None, cp, *, compiled: bool 
         raise refuse("sequence_pooling", name=name)
     if kind == "qa" and not _spans_scores(cls) and (_given(kwargs, "start_positions") or _given(kwargs, "end_positions")):
         raise refuse("qa_span_positions", name=name)
+    if kind == "qa" and record is not None and record.extras.get(HAS_PADDING) \
+            and (_given(kwargs, "start_positions") or _given(kwargs, "end_positions")):
+        raise refuse("qa_span_padding", name=name)
     if _given(kwargs, "labels") and name not in heads["causal"] and kind != "token" and \
             (name in heads["token"] or name in heads["masked"]) and not _loss_takes_num_items(cls):
         raise refuse("token_mean_loss", name=name)

@@ -1,5 +1,6 @@
 """The trainers under context parallelism: ``CPTrainer`` (transformers' ``Trainer``) and the TRL trainers
-(``CPSFTTrainer``, ``CPDPOTrainer``, ``CPGRPOTrainer``, ``CPRLOOTrainer``), with the packed rows they share.
+(``CPSFTTrainer``, ``CPDPOTrainer``, ``CPGRPOTrainer``, ``CPRLOOTrainer``, ``CPRewardTrainer``, ``CPKTOTrainer``,
+``CPDistillationTrainer``), with the packed rows they share.
 
 Imported on first use of a name (``from cp_attention.integrations.trainers import CPTrainer``): the TRL
 trainers import TRL, which a user of ``CPTrainer`` alone need not have installed."""
@@ -9,8 +10,10 @@ from __future__ import annotations
 import importlib
 from types import MappingProxyType
 
-_WHERE = MappingProxyType({"CPTrainer": "trainer", "CPTrainerMixin": "trainer", "CPSFTTrainer": "trl", "CPDPOTrainer": "trl",
-                         "CPGRPOTrainer": "trl", "CPRLOOTrainer": "trl", "CPRLTrainerMixin": "trl"})
+_WHERE = MappingProxyType({
+    "CPTrainer": "trainer", "CPTrainerMixin": "trainer", "CPSFTTrainer": "trl", "CPDPOTrainer": "trl",
+    "CPGRPOTrainer": "trl", "CPRLOOTrainer": "trl", "CPRewardTrainer": "trl", "CPKTOTrainer": "trl",
+    "CPDistillationTrainer": "trl", "CPRLTrainerMixin": "trl"})
 
 __all__ = sorted(_WHERE)
 

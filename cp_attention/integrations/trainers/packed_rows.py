@@ -43,7 +43,7 @@ from ...refusals import refuse
 from ..hf.heads import gather_rows
 from ..hf.models import unwrap_adapters
 
-__all__ = ["FIELDS", "PackedRows", "pack_rows", "packed_fused_forward", "unpack_rows"]
+__all__ = ["FIELDS", "PackedRows", "pack_rows", "packed_fused_forward", "shard_packed", "unpack_rows"]
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 """The per-token fields of TRL's fused output, in the order they are gathered."""
@@ -144,6 +144,25 @@ def _own_rows(cp, input_ids, attention_mask, labels, position_ids) -> tuple[list
     return joined, sum(int(p[0].shape[0]) for p in parts[:cp.rank])
 
 
+def shard_packed(cp, packed: PackedRows, device, model) -> tuple[dict, object]:
+    """This rank's shard of ``packed`` (one row, sharded by :meth:`~cp_attention.ContextParallel.shard_batch`
+    with ``model``): ``input_ids``, ``position_ids`` and ``cp_targets`` (1, n_r) on ``device``, and the
+    batch's record. Fewer tokens than ranks get a filler document of pad tokens, scored nowhere, so
+    every rank holds a token."""
+    N = packed.input_ids.numel()
+    tokens = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "cp_targets": packed.targets}
+    starts = packed.starts
+    if N < cp.world_size:
+        extra = cp.world_size - N
+        tokens = {k: torch.cat([v, torch.zeros(extra, dtype=torch.int64) if k != "cp_targets"
+                                else torch.full((extra,), -100, dtype=torch.int64)]) for k, v in tokens.items()}
+        tokens["position_ids"][N:] = torch.arange(extra)
+        starts = torch.cat([starts, torch.arange(extra) == 0])
+    local = cp.shard_batch(**{k: v[None].to(device) for k, v in tokens.items()}, document_starts=starts[None],
+                           model=unwrap_adapters(model))
+    return local, batch_of(*local.values())
+
+
 def packed_fused_forward(forward, model, cp, kwargs: dict, *, rows: str = "shared", name: str = "the fused forward"):
     """``forward(**kwargs, fused_lm_head=True)`` (TRL's fused LM head of ``model``, the transformers
     model it patched) computed under the context ``cp``; returns TRL's ``FusedCausalLMOutput`` in the
@@ -173,17 +192,7 @@ def packed_fused_forward(forward, model, cp, kwargs: dict, *, rows: str = "share
         raise ValueError(f"rows must be 'shared' or 'own', got {rows!r}")
     packed = pack_rows(ids, mask_all, lab, pos, name=name)
     N = packed.input_ids.numel()
-    tokens = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "cp_targets": packed.targets}
-    starts = packed.starts
-    if N < cp.world_size:  # a filler document of pad tokens, scored nowhere, so every rank holds a token
-        extra = cp.world_size - N
-        tokens = {k: torch.cat([v, torch.zeros(extra, dtype=torch.int64) if k != "cp_targets"
-                                else torch.full((extra,), -100, dtype=torch.int64)]) for k, v in tokens.items()}
-        tokens["position_ids"][N:] = torch.arange(extra)
-        starts = torch.cat([starts, torch.arange(extra) == 0])
-    local = cp.shard_batch(**{k: v[None].to(device) for k, v in tokens.items()}, document_starts=starts[None],
-                           model=unwrap_adapters(model))
-    record = batch_of(*local.values())
+    local, record = shard_packed(cp, packed, device, model)
     targets = local.pop("cp_targets")
     extra_kwargs = {k: v for k, v in kwargs.items()
                     if k in ("use_cache", "output_router_logits", "return_dict") and v is not None}

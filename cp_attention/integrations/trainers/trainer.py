@@ -46,7 +46,8 @@ from ..hf.heads import head_kind
 from ..hf.check import check_model
 from ..hf.models import unwrap_adapters
 
-__all__ = ["CPTrainer", "CPTrainerMixin", "MixinBeforeTrainer", "check_cp_options", "join_micro_batches", "to_cpu"]
+__all__ = ["CPTrainer", "CPTrainerMixin", "MixinBeforeTrainer", "ROW_TARGETS", "check_cp_options", "join_micro_batches",
+           "join_row_batches", "to_cpu"]
 
 
 def _segments(part: dict, B: int, L: int) -> torch.Tensor:
@@ -196,12 +197,11 @@ class CPTrainerMixin(metaclass=MixinBeforeTrainer):
         inner = unwrap_adapters(self.accelerator.unwrap_model(self.model))
         if self.args.world_size > 1:  # the model check, at construction rather than at the first step
             check_model(inner)
-        if head_kind(inner) is not None:
-            raise refuse("trainer_row_head", name=name, model=type(inner).__name__)
+        self._cp_head = head_kind(inner)  # "sequence" / "qa": the group's rows stay rows (join_row_batches)
         if (getattr(inner, "z_loss_coefficient", 0) or 0) > 0:
             raise refuse("trainer_z_loss", name=name, model=type(inner).__name__)
         self._cp_aux_loss_scale = _aux_loss_scale(self)
-        if self._cp_aux_loss_scale is _UNKNOWN and _router_aux_loss(config):
+        if self._cp_aux_loss_scale is _UNKNOWN and _router_aux_loss(config) and self._cp_head is None:
             raise refuse("trainer_router_loss", name=name)
         self.cp_group, self.cp_mesh_dim, self.cp_layout, self.cp_timeout = cp_group, cp_mesh_dim, cp_layout, cp_timeout
         self.cp_strategy, self.cp_ulysses_size, self.cp_cost_model = cp_strategy, cp_ulysses_size, cp_cost_model
@@ -212,6 +212,8 @@ class CPTrainerMixin(metaclass=MixinBeforeTrainer):
                               strategy=self.cp_strategy, ulysses_size=self.cp_ulysses_size,
                               cost_model=self.cp_cost_model) as cp:
             parts = [inputs] if cp.world_size == 1 else cp.comm.all_gather_object(to_cpu(inputs))
+            if self._cp_head is not None:
+                return self._cp_row_step(cp, model, inputs, parts, num_items_in_batch)
             joined, starts = join_micro_batches([inputs if r == cp.rank else p for r, p in enumerate(parts)])
             local = cp.shard_batch(**joined, document_starts=starts, model=self.accelerator.unwrap_model(model))
             if self._cp_aux_loss_scale is not None and self._cp_aux_loss_scale is not _UNKNOWN:
@@ -219,6 +221,101 @@ class CPTrainerMixin(metaclass=MixinBeforeTrainer):
             if num_items_in_batch is not None:  # Trainer's count over every rank's micro-batch
                 local.pop("num_items_in_batch", None)
             return super().training_step(model, local, num_items_in_batch)
+
+    def _cp_row_step(self, cp, model, inputs, parts, num_items_in_batch):
+        """A pooled or span head's step (``self._cp_head``): the group's micro-batches joined along the
+        rows (:func:`join_row_batches`), every row sharded along the sequence, the per-row targets
+        (``labels``, ``start_positions``, ``end_positions``) handed to the head whole."""
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        unwrapped = self.accelerator.unwrap_model(model)
+        pad = getattr(getattr(unwrap_adapters(unwrapped), "config", None), "pad_token_id", None)
+        joined = self._cp_join_rows([inputs if r == cp.rank else p for r, p in enumerate(parts)],
+                                    pad_token_id=0 if pad is None else int(pad),
+                                    left=getattr(tokenizer, "padding_side", "right") == "left")
+        device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
+        per_row = {k: joined.pop(k).to(device) for k in ROW_TARGETS if k in joined}
+        local = cp.shard_batch(**{k: v.to(device) for k, v in joined.items()}, model=unwrapped)
+        local.pop("num_items_in_batch", None)
+        self._cp_row_scale = _row_loss_scale(self, num_items_in_batch, cp.world_size)
+        try:
+            return super().training_step(model, {**local, **per_row}, num_items_in_batch)
+        finally:
+            self._cp_row_scale = None
+
+    def _cp_join_rows(self, parts: list[dict], *, pad_token_id: int, left: bool) -> dict:
+        """The group's micro-batches of rows (rank order) as one process holding them would batch them."""
+        return join_row_batches(parts, pad_token_id=pad_token_id, left=left)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The trainer's own loss; for a pooled or span head divided by the CP size where Trainer multiplied
+        it by the processes (:func:`_row_loss_scale`)."""
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        scale = getattr(self, "_cp_row_scale", None)
+        if scale is None:
+            return result
+        if return_outputs:
+            return result[0] / scale, result[1]
+        return result / scale
+
+
+ROW_TARGETS = ("labels", "start_positions", "end_positions", "margin")
+"""The per-row targets of a pooled (sequence classification, a reward model's ``margin``) or span
+(question answering) head: handed to the head's loss whole, never sharded."""
+
+
+def _row_loss_scale(trainer, num_items_in_batch, cp_size: int) -> float:
+    """What a pooled or span head's loss is divided by on a rank: the CP size where Trainer's
+    ``compute_loss`` multiplies the model's loss by the number of processes (a model that takes loss
+    keywords, a ``num_items_in_batch``, ``average_tokens_across_devices``), 1 otherwise. Every rank
+    of the group computes the group's whole loss (the heads gather the pooled scores) and the gather's
+    backward sums the group's gradients, so DDP's mean over the group's ranks is then the gradient of
+    one process holding the group's rows."""
+    multiplied = (trainer.args.average_tokens_across_devices and num_items_in_batch is not None
+                  and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func is not None))
+    return float(cp_size) if multiplied else 1.0
+
+
+def join_row_batches(parts: list[dict], *, pad_token_id: int, left: bool = False,
+                     left_keys: tuple = (), pad_values: dict | None = None, what: str = "micro-batches") -> dict:
+    """The CP group's batches of rows (in rank order) as the one batch a single process holding all
+    their rows builds: (B_r, ...) tensors concatenated along the rows, (B_r, T_r, ...) ones padded to
+    the widest first (on the left where ``left`` or the key is in ``left_keys``, else on the right;
+    ``*_ids`` with ``pad_token_id``, the keys of ``pad_values`` with theirs, the rest with 0), 0-d
+    tensors (the same on every rank) and None kept."""
+    keys = [sorted(p) for p in parts]
+    if any(k != keys[0] for k in keys):
+        raise ValueError(f"the ranks of a context-parallel group got {what} with different keys {keys}; use one "
+                         f"collator on every rank")
+    joined: dict = {}
+    for key in keys[0]:
+        values = [p[key] for p in parts]
+        first = values[0]
+        if first is None:
+            joined[key] = None
+        elif not isinstance(first, torch.Tensor):
+            raise ValueError(f"cannot join the {what}' {key!r} ({type(first).__name__}): only tensors are joined "
+                             f"along the rows")
+        elif first.dim() == 0:
+            if any(not torch.equal(v.cpu(), first.cpu()) for v in values):
+                raise ValueError(f"the ranks' {what} disagree on {key!r}: {[float(v) for v in values]}")
+            joined[key] = first
+        else:
+            device = first.device
+            width = max(int(v.shape[1]) for v in values) if first.dim() >= 2 else None
+            fill = pad_token_id if key.endswith("_ids") else (pad_values or {}).get(key, 0)
+            on_left = left or key in left_keys
+            padded = []
+            for v in values:
+                v = v.to(device)
+                if width is not None and v.shape[1] < width:
+                    shape = list(v.shape)
+                    shape[1] = width - v.shape[1]
+                    pad = v.new_full(shape, fill)
+                    v = torch.cat([pad, v] if on_left else [v, pad], dim=1)
+                padded.append(v)
+            joined[key] = torch.cat(padded, dim=0)
+    return joined
 
 
 class CPTrainer(CPTrainerMixin, Trainer):
@@ -236,7 +333,8 @@ def _aux_loss_scale(trainer):
     process count (Trainer's ``compute_loss``); None (the batch's default, the CP size) where the trainer
     adds the auxiliary loss to the scaled token loss itself, unscaled (TRL's ``SFTTrainer``); ``_UNKNOWN``
     for any other ``compute_loss``."""
-    owner = next(c for c in type(trainer).__mro__ if "compute_loss" in c.__dict__)
+    owner = next(c for c in type(trainer).__mro__
+                 if "compute_loss" in c.__dict__ and not c.__dict__.get("_cp_trainer_mixin"))  # past our own
     if owner is Trainer:
         return 1.0
     if owner.__name__ == "SFTTrainer" and owner.__module__.startswith("trl."):

@@ -57,22 +57,24 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+
+import torch.distributed as dist
 from types import MappingProxyType
 
 import torch
-from trl import DPOTrainer, GRPOTrainer, RLOOTrainer, SFTTrainer
+from trl import DistillationTrainer, DPOTrainer, GRPOTrainer, KTOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 
-from ...engine.context import active_context, context_parallel, outside_context
+from ...engine.context import active_context, as_group, context_parallel, outside_context
 from ...refusals import refuse
 from ..hf.heads import head_kind
 from ..hf.check import check_model
 from ..hf.models import unwrap_adapters
-from .packed_rows import packed_fused_forward
+from .packed_rows import pack_rows, packed_fused_forward, shard_packed
 from ..patches import patch
-from .trainer import CPTrainerMixin, MixinBeforeTrainer, check_cp_options, to_cpu
+from .trainer import CPTrainerMixin, MixinBeforeTrainer, check_cp_options, join_row_batches, to_cpu
 
-__all__ = ["CPDPOTrainer", "CPGRPOTrainer", "CPRLOOTrainer", "CPRLTrainerMixin", "CPSFTTrainer", "join_pairs",
-           "join_rows"]
+__all__ = ["CPDPOTrainer", "CPDistillationTrainer", "CPGRPOTrainer", "CPKTOTrainer", "CPRLOOTrainer",
+           "CPRLTrainerMixin", "CPRewardTrainer", "CPSFTTrainer", "join_pairs", "join_rows"]
 
 
 class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
@@ -85,46 +87,40 @@ class CPSFTTrainer(CPTrainerMixin, SFTTrainer):
     """
 
 
+class CPRewardTrainer(CPTrainerMixin, RewardTrainer):
+    """TRL's :class:`trl.RewardTrainer` whose training steps run under context parallelism.
+
+    Takes RewardTrainer's arguments and ``cp_group``, ``cp_mesh_dim``, ``cp_layout``, ``cp_timeout``,
+    ``cp_strategy``, ``cp_ulysses_size``, ``cp_cost_model`` (see
+    :class:`~cp_attention.integrations.trainers.trainer.CPTrainerMixin`); the model (a sequence
+    classifier with one label) must use ``attn_implementation="cp_flash"``.
+
+    A step joins the CP group's preference micro-batches into the batch one process holding all their
+    pairs builds (:func:`join_pairs`: every rank's chosen rows, then every rank's rejected rows, and
+    their ``margin``), shards every row along the sequence and runs RewardTrainer's own step on the
+    shard: the reward head pools each row's last non-padding token from the gathered per-token scores
+    (:mod:`~cp_attention.integrations.hf.heads`), so the rewards, the loss (``margin``,
+    ``center_rewards_coefficient``) and every metric are the group's on every rank; the gather's
+    backward sums the group's gradients, so DDP / FSDP2's mean over the processes is the gradient of
+    one process holding the group's pairs (on a dp x cp mesh each group is one data-parallel process).
+    Evaluation runs without context parallelism, each process on its own batch, as for ``CPTrainer``.
+    """
+
+    def _cp_join_rows(self, parts: list[dict], *, pad_token_id: int, left: bool) -> dict:
+        return join_pairs(parts, pad_token_id)
+
+
 _LEFT_PADDED = ("prompt_ids", "prompt_mask")
 _PAD_VALUES = MappingProxyType({"tool_mask": 1, "importance_sampling_ratio": 1.0})  # TRL's; else 0 / the pad id
 
 
 def join_rows(parts: list[dict], pad_token_id: int) -> dict:
     """The CP group's generation batches (TRL's ``_generate_and_score_completions`` outputs, in rank
-    order) as the one batch a single process holding all their rows builds: (B_r, ...) tensors
-    concatenated along the rows, (B_r, T_r) ones padded to the widest first (prompts on the left,
-    everything else on the right, as TRL pads them; ids with ``pad_token_id``, masks with 0), 0-d
-    tensors (``num_items_in_batch``, the same on every rank) kept."""
-    keys = [sorted(p) for p in parts]
-    if any(k != keys[0] for k in keys):
-        raise ValueError(f"the ranks of a context-parallel group built generation batches with different keys {keys}")
-    joined: dict = {}
-    for key in keys[0]:
-        values = [p[key] for p in parts]
-        first = values[0]
-        if first is None:
-            joined[key] = None
-        elif not isinstance(first, torch.Tensor):
-            raise ValueError(f"cannot join the generation batches' {key!r} ({type(first).__name__}): only tensors "
-                             f"are joined along the rows")
-        elif first.dim() == 0:
-            if any(not torch.equal(v.cpu(), first.cpu()) for v in values):
-                raise ValueError(f"the ranks' generation batches disagree on {key!r}: {[float(v) for v in values]}")
-            joined[key] = first
-        else:
-            width = max(int(v.shape[1]) for v in values) if first.dim() >= 2 else None
-            fill = pad_token_id if key.endswith("_ids") else _PAD_VALUES.get(key, 0)
-            left = key in _LEFT_PADDED
-            padded = []
-            for v in values:
-                if width is not None and v.shape[1] < width:
-                    shape = list(v.shape)
-                    shape[1] = width - v.shape[1]
-                    pad = v.new_full(shape, fill)
-                    v = torch.cat([pad, v] if left else [v, pad], dim=1)
-                padded.append(v)
-            joined[key] = torch.cat(padded, dim=0)
-    return joined
+    order) as the one batch a single process holding all their rows builds
+    (:func:`~.trainer.join_row_batches`: prompts padded on the left, everything else on the right, as
+    TRL pads them; ids with ``pad_token_id``, masks with 0, ``num_items_in_batch`` kept)."""
+    return join_row_batches(parts, pad_token_id=pad_token_id, left_keys=_LEFT_PADDED, pad_values=_PAD_VALUES,
+                            what="generation batches")
 
 
 def join_pairs(parts: list[dict], pad_token_id: int) -> dict:
@@ -196,6 +192,7 @@ class CPRLTrainerMixin(metaclass=MixinBeforeTrainer):
 
     _cp_trainer_mixin = True
     _cp_rows = "shared"  # the rows a fused forward scores: "shared" (the joined batch) or "own"
+    _cp_fused_head = True  # the trainer scores tokens with TRL's fused LM head (routed to the packed rows)
 
     def __init__(self, *args, cp_group=None, cp_mesh_dim: str | None = None, cp_layout: str = "zigzag",
                  cp_timeout: float | None = None, cp_strategy: str = "ring", cp_ulysses_size: int | None = None,
@@ -224,6 +221,8 @@ class CPRLTrainerMixin(metaclass=MixinBeforeTrainer):
         models = [("policy", self.model)]
         if getattr(self, "ref_model", None) is not None:
             models.append(("reference model", self.ref_model))
+        if getattr(self, "teacher_model", None) is not None:
+            models.append(("teacher", self.teacher_model))
         for role, model in models:
             inner = unwrap_adapters(self.accelerator.unwrap_model(model))
             config = getattr(inner, "config", None)
@@ -234,6 +233,8 @@ class CPRLTrainerMixin(metaclass=MixinBeforeTrainer):
                 check_model(inner)
             if head_kind(inner) is not None:
                 raise refuse("trainer_row_head", name=name, model=type(inner).__name__)
+            if not self._cp_fused_head:
+                continue
             owners = _fused_owners(self.accelerator.unwrap_model(model))
             if not owners:
                 raise refuse("rl_no_fused_head", name=name, role=role, model=type(inner).__name__)
@@ -277,8 +278,18 @@ class CPRLTrainerMixin(metaclass=MixinBeforeTrainer):
             self._tp_size = self._cp_tp_size * cp.world_size
         parts = cp.comm.all_gather_object(to_cpu(inputs), "the ranks' preference batches")
         device = next(v.device for v in inputs.values() if isinstance(v, torch.Tensor))
-        joined = join_pairs([inputs if r == cp.rank else p for r, p in enumerate(parts)], self._cp_pad_id())
-        return {k: v.to(device) for k, v in joined.items()}
+        joined = self._cp_join([inputs if r == cp.rank else p for r, p in enumerate(parts)])
+        return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in joined.items()}
+
+    def _cp_join(self, parts: list[dict]) -> dict:
+        """The group's preference micro-batches (rank order) as one process holding them batches them."""
+        return join_pairs(parts, self._cp_pad_id())
+
+    def _cp_size(self) -> int:
+        """The CP group's size (1 outside a job of several processes), known before the first step."""
+        if not dist.is_available() or not dist.is_initialized():
+            return 1
+        return dist.get_world_size(as_group(self.cp_group, self.cp_mesh_dim))
 
     def _cp_pad_id(self) -> int:
         tokenizer = getattr(self, "_tokenizer", None) or getattr(self, "processing_class", None)
@@ -372,6 +383,90 @@ class CPGRPOTrainer(CPRLTrainerMixin, GRPOTrainer):
 class CPRLOOTrainer(CPRLTrainerMixin, RLOOTrainer):
     """TRL's :class:`trl.RLOOTrainer` with its scoring and training forwards under context parallelism
     (:class:`CPRLTrainerMixin`; module docstring)."""
+
+
+class CPKTOTrainer(CPRLTrainerMixin, KTOTrainer):
+    """TRL's :class:`trl.KTOTrainer` with its policy, reference and KL forwards under context parallelism
+    (:class:`CPRLTrainerMixin`; module docstring).
+
+    A step joins the CP group's unpaired micro-batches along the rows (:func:`~.trainer.join_row_batches`,
+    the desirable and undesirable labels, the KL rows and precomputed reference log-probabilities with
+    them) into the batch one process holding them builds; KTO's KL term, estimated from each batch's
+    mismatched (prompt, completion) pairs, therefore pairs within the group's batch: the dataset's KL
+    completions are rotated within batches of ``per_device_train_batch_size x`` the CP size, as one
+    process holding the group's rows rotates them."""
+
+    def _cp_join(self, parts: list[dict]) -> dict:
+        return join_row_batches(parts, pad_token_id=self._cp_pad_id(), what="unpaired preference batches")
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        size = self._cp_size()
+        if size == 1:
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        per_device = args.per_device_train_batch_size
+        args.per_device_train_batch_size = per_device * size  # the KL rotation's batch: the group's
+        try:
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        finally:
+            args.per_device_train_batch_size = per_device
+
+
+class CPDistillationTrainer(CPRLTrainerMixin, DistillationTrainer):
+    """TRL's :class:`trl.DistillationTrainer` with the student's and the teacher's forwards under context
+    parallelism (:class:`CPRLTrainerMixin`: generation outside the block, each process its own prompts;
+    the group's generation batches joined).
+
+    The divergence is TRL's own chunked one (forward KL, reverse KL or the generalised JSD, ``beta``),
+    computed on this rank's shard only: the joined rows' sequences are packed as the documents of one
+    row and sharded, the student's and the teacher's backbones run on the shard, and each rank projects
+    its own tokens' hidden states through both LM heads in TRL's chunks, so no rank holds more than its
+    shard's hidden states and one chunk's logits. Each rank's loss is P times its tokens' share of the
+    divergence (TRL's normaliser: the generation batch's completion tokens), so DDP / FSDP2's mean over
+    the processes is one process's gradient; the entropy metric sums the ranks' tokens. The teacher,
+    like the student, must use ``attn_implementation="cp_flash"``."""
+
+    _cp_fused_head = False
+    _cp_local = None  # this rank's shard while the loss runs (the hidden states' forwards read it)
+
+    def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
+        cp = active_context()
+        if cp is None:
+            return super()._compute_loss(unwrapped_student, inputs, num_items_in_batch)
+        extra = sorted(k for k in inputs if k not in _DISTILLATION_KEYS)
+        if extra:
+            raise refuse("packed_rows_inputs", name=type(self).__name__, keys=", ".join(extra))
+        prompt, completion = inputs["prompt_ids"], inputs["completion_ids"]
+        loss_mask = inputs["completion_mask"] if "tool_mask" not in inputs else \
+            inputs["completion_mask"] * inputs["tool_mask"]
+        ids = torch.cat([prompt, completion], dim=1)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        # a completion token's label is itself where the loss counts it: the hidden state before it is scored
+        labels = torch.cat([torch.full_like(prompt, -100), completion.masked_fill(loss_mask == 0, -100)], dim=1)
+        packed = pack_rows(ids, mask, labels, name=type(self).__name__)
+        local, _ = shard_packed(cp, packed, ids.device, unwrapped_student)
+        scored = (local.pop("cp_targets") != -100).to(inputs["completion_mask"].dtype)  # (1, n_r)
+        if num_items_in_batch is None:  # evaluation: TRL's mean over the batch's scored tokens
+            num_items_in_batch = loss_mask.sum().clamp(min=1)
+        empty = prompt.new_zeros(1, 0)
+        shard = {"prompt_ids": empty, "prompt_mask": empty, "completion_ids": local["input_ids"],
+                 "completion_mask": scored}
+        self._cp_local = local
+        try:  # TRL's loss on the shard: its tokens' hidden states (below) against their scored flags
+            return super()._compute_loss(unwrapped_student, shard, num_items_in_batch / cp.world_size)
+        finally:
+            self._cp_local = None
+
+    def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep, **multimodal):
+        local = self._cp_local
+        if local is None:
+            return super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask, logits_to_keep,
+                                                  **multimodal)
+        backbone = unwrap_adapters(unwrapped_model).base_model
+        return backbone(**local, use_cache=False).last_hidden_state  # (1, n_r, H): every token of the shard
+
+
+_DISTILLATION_KEYS = frozenset({"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask",
+                                "num_items_in_batch"})
 
 
 class CPDPOTrainer(CPRLTrainerMixin, DPOTrainer):
