@@ -35,7 +35,7 @@ from trl import DistillationConfig, DistillationTrainer
 from cp_attention.integrations.trainers import CPDistillationTrainer  # CP
 from cp_attention.tools.tiny_models import tiny_model
 from train_grpo import (EOS, Logs, _place, cases, common_arguments, completion, cp_group, evaluation, finish, prompts,
-                        tokenizer, train)
+                        settings, tokenizer, train)
 
 
 def teacher_dir(out: str, rank: int) -> str:
@@ -80,16 +80,11 @@ def run(options, out: str) -> None:
     os.makedirs(out, exist_ok=True)
     attention = "eager" if options.single else "cp_flash"  # CP
     init = {"attn_implementation": attention, "dtype": torch.float32}
-    settings = dict(
-        output_dir=out, per_device_train_batch_size=options.batch * (options.world if options.single else 1),
-        gradient_accumulation_steps=options.accumulation, max_steps=options.steps, max_completion_length=12,
-        learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, seed=0, bf16=False, ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
-        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, disable_dropout=True,
-        model_init_kwargs=init, teacher_model_init_kwargs={**init, "dtype": "float32"})  # TRL reads a name
     fields, held_out = evaluation(options, prompts(8, seed=1))
-    settings.update(fields)
-    settings.update(options.set)
+    config = settings(options, out, DistillationConfig,  # the prompts' sampler is TRL's own
+                      {"max_completion_length": 12, "disable_dropout": True, "model_init_kwargs": init,
+                       "teacher_model_init_kwargs": {**init, "dtype": "float32"}},  # the teacher's dtype: a name
+                      fields, options.set, sequential=False)
     logs = Logs()
     if options.generate:
         trainer_class = DistillationTrainer if options.single else CPDistillationTrainer  # CP
@@ -97,7 +92,7 @@ def run(options, out: str) -> None:
         trainer_class = FixedDistillationTrainer if options.single else FixedCPDistillationTrainer  # CP
     rank = int(os.environ.get("RANK", 0))
     trainer = trainer_class(model=options.path, teacher_model=teacher_dir(options.data, rank),
-                            args=DistillationConfig(**settings), train_dataset=prompts(), processing_class=tokenizer(),
+                            args=DistillationConfig(**config), train_dataset=prompts(), processing_class=tokenizer(),
                             callbacks=[logs], **held_out, **lora(options), **cp_group(options))
     train(trainer, logs, out)
 

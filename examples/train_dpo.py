@@ -33,7 +33,8 @@ from datasets import Dataset, load_from_disk
 from trl import DPOConfig, DPOTrainer
 
 from cp_attention.integrations.trainers import CPDPOTrainer  # CP
-from train_grpo import VOCAB, Logs, cases, common_arguments, cp_group, evaluation, finish, lora, tokenizer, train
+from train_grpo import (VOCAB, Logs, cases, common_arguments, cp_group, evaluation, finish, lora, settings, tokenizer,
+                        train)
 
 
 def pairs(n: int = 32, seed: int = 0) -> Dataset:
@@ -67,22 +68,13 @@ def run(options, out: str) -> None:
     """One DPO training run."""
     os.makedirs(out, exist_ok=True)
     attention = "eager" if options.single else "cp_flash"  # CP
-    settings = dict(
-        output_dir=out, per_device_train_batch_size=options.batch * (options.world if options.single else 1),
-        gradient_accumulation_steps=options.accumulation, max_steps=options.steps, learning_rate=0.5, optim="sgd",
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-        bf16=False, ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, beta=0.1,
-        model_init_kwargs={"attn_implementation": attention, "dtype": torch.float32},
-        # the same batches in both runs (transformers >= 5.24; older releases sample at random)
-        **({"train_sampling_strategy": "sequential"} if "train_sampling_strategy" in DPOConfig.__dataclass_fields__
-           else {}))
     fields, held_out = evaluation(options, pairs(8, seed=1))
-    settings.update(fields)
-    settings.update(options.set)
+    config = settings(options, out, DPOConfig,
+                      {"beta": 0.1, "model_init_kwargs": {"attn_implementation": attention, "dtype": torch.float32}},
+                      fields, options.set)
     logs = Logs()
     trainer_class = DPOTrainer if options.single else CPDPOTrainer  # CP
-    trainer = trainer_class(model=options.path, args=DPOConfig(**settings), train_dataset=pairs_on_disk(options.data),
+    trainer = trainer_class(model=options.path, args=DPOConfig(**config), train_dataset=pairs_on_disk(options.data),
                             processing_class=tokenizer(), callbacks=[logs], **held_out, **lora(options),
                             **cp_group(options))
     train(trainer, logs, out)

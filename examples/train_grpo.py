@@ -211,6 +211,24 @@ def cp_group(options) -> dict:
     return {"cp_group": mesh["cp"]}
 
 
+def settings(options, out: str, config_class, *layers: dict, sequential: bool = True) -> dict:
+    """The config fields the preference, reward and distillation scripts' runs share: SGD at a constant
+    learning rate, gradient checkpointing, logging every step, no saving, the per-device batch (the
+    single run's: the CP run's times its ranks) and, with ``sequential``, the same batches in both runs
+    (sequential sampling, transformers >= 5.24; older releases sample at random); then each of
+    ``layers`` in turn (the script's fields, the evaluation's, --set)."""
+    base = dict(output_dir=out, per_device_train_batch_size=options.batch * (options.world if options.single else 1),
+                gradient_accumulation_steps=options.accumulation, max_steps=options.steps, learning_rate=0.5,
+                optim="sgd", lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
+                use_cpu=True, seed=0, bf16=False, ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
+                gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    if sequential and "train_sampling_strategy" in config_class.__dataclass_fields__:
+        base["train_sampling_strategy"] = "sequential"
+    for layer in layers:
+        base = base | layer
+    return base
+
+
 def train(trainer, logs: Logs, out: str) -> None:
     """Train, then (rank 0) write the logs, the weights before and after, and the CP world size."""
     rank = int(os.environ.get("RANK", 0))

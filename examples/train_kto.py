@@ -30,7 +30,8 @@ from datasets import Dataset
 from trl import KTOConfig, KTOTrainer
 
 from cp_attention.integrations.trainers import CPKTOTrainer  # CP
-from train_grpo import VOCAB, Logs, cases, common_arguments, cp_group, evaluation, finish, lora, tokenizer, train
+from train_grpo import (VOCAB, Logs, cases, common_arguments, cp_group, evaluation, finish, lora, settings, tokenizer,
+                        train)
 
 
 def examples(n: int = 32, seed: int = 0) -> Dataset:
@@ -50,22 +51,13 @@ def run(options, out: str) -> None:
     """One KTO training run."""
     os.makedirs(out, exist_ok=True)
     attention = "eager" if options.single else "cp_flash"  # CP
-    settings = dict(
-        output_dir=out, per_device_train_batch_size=options.batch * (options.world if options.single else 1),
-        gradient_accumulation_steps=options.accumulation, max_steps=options.steps, learning_rate=0.5, optim="sgd",
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-        bf16=False, ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, beta=0.1,
-        model_init_kwargs={"attn_implementation": attention, "dtype": torch.float32},
-        # the KL term's pairs are fixed in dataset order (KTO requires it)
-        **({"train_sampling_strategy": "sequential"} if "train_sampling_strategy" in KTOConfig.__dataclass_fields__
-           else {}))
-    fields, held_out = evaluation(options, examples(8, seed=1))
-    settings.update(fields)
-    settings.update(options.set)
+    fields, held_out = evaluation(options, examples(8, seed=1))  # sequential sampling: KTO's KL pairs need it
+    config = settings(options, out, KTOConfig,
+                      {"beta": 0.1, "model_init_kwargs": {"attn_implementation": attention, "dtype": torch.float32}},
+                      fields, options.set)
     logs = Logs()
     trainer_class = KTOTrainer if options.single else CPKTOTrainer  # CP
-    trainer = trainer_class(model=options.path, args=KTOConfig(**settings), train_dataset=examples(),
+    trainer = trainer_class(model=options.path, args=KTOConfig(**config), train_dataset=examples(),
                             processing_class=tokenizer(), callbacks=[logs], **held_out, **lora(options),
                             **cp_group(options))
     train(trainer, logs, out)

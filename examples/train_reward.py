@@ -32,7 +32,8 @@ from trl import RewardConfig, RewardTrainer
 
 from cp_attention.integrations.trainers import CPRewardTrainer  # CP
 from cp_attention.tools.tiny_models import tiny_config
-from train_grpo import EOS, VOCAB, Logs, cases, common_arguments, cp_group, evaluation, finish, tokenizer, train
+from train_grpo import (EOS, VOCAB, Logs, cases, common_arguments, cp_group, evaluation, finish, settings, tokenizer,
+                        train)
 
 
 def pairs(n: int = 32, seed: int = 0, margin: bool = False) -> Dataset:
@@ -68,18 +69,8 @@ def run(options, out: str) -> None:
     """One reward-model training run."""
     os.makedirs(out, exist_ok=True)
     attention = "eager" if options.single else "cp_flash"  # CP
-    settings = dict(
-        output_dir=out, per_device_train_batch_size=options.batch * (options.world if options.single else 1),
-        gradient_accumulation_steps=options.accumulation, max_steps=options.steps, learning_rate=0.5, optim="sgd",
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-        bf16=False, ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None, gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        # the same batches in both runs (transformers >= 5.24; older releases sample at random)
-        **({"train_sampling_strategy": "sequential"} if "train_sampling_strategy" in RewardConfig.__dataclass_fields__
-           else {}))
     fields, held_out = evaluation(options, pairs(8, seed=1, margin=options.margin))
-    settings.update(fields)
-    settings.update(options.set)
+    config = settings(options, out, RewardConfig, fields, options.set)
     logs = Logs()
     peft = {}
     if options.peft:
@@ -88,7 +79,7 @@ def run(options, out: str) -> None:
         peft = {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                                           task_type="SEQ_CLS", init_lora_weights=False)}
     trainer_class = RewardTrainer if options.single else CPRewardTrainer  # CP
-    trainer = trainer_class(model=reward_model(attention), args=RewardConfig(**settings),
+    trainer = trainer_class(model=reward_model(attention), args=RewardConfig(**config),
                             train_dataset=pairs(margin=options.margin), processing_class=tokenizer(),
                             callbacks=[logs], **held_out, **peft, **cp_group(options))
     train(trainer, logs, out)
