@@ -38,7 +38,8 @@ def refs() -> dict:
 
 
 @pytest.mark.parametrize("world_size, families", [
-    pytest.param(1, "HYBRIDS", marks=pytest.mark.slow), (1, "MORE_MIXERS"), (2, "HYBRIDS"), (2, "MORE_MIXERS"),
+    pytest.param(1, "HYBRIDS", marks=pytest.mark.slow), pytest.param(1, "MORE_MIXERS", marks=pytest.mark.slow),
+    (2, "HYBRIDS"), (2, "MORE_MIXERS"),
     pytest.param(4, "HYBRIDS", marks=pytest.mark.slow), pytest.param(4, "MORE_MIXERS", marks=pytest.mark.slow)])
 def test_hybrid_families_match_docs_alone_eager(world_size, families, refs):
     """World size 1 (a one-rank block: the documents kept apart on one device), CP = 2 and 4."""

@@ -253,6 +253,7 @@ def test_shard_batch_takes_the_flattening_collator_output_whole():
             cp.shard_batch(**bad)
 
 
+@pytest.mark.slow  # 17 s: balanced layouts of models are also exact in test_latent.py's families at CP = 2
 def test_cp_flash_models_under_balanced_layouts():
     """context_parallel(layout="balanced"): shard_batch(model=...) lays each batch out by its documents
     and the model's layers; logits, loss and DDP gradients equal each document alone under eager."""

@@ -65,7 +65,8 @@ def _depth_worker(rank, world_size, strategy="ring"):
     return result
 
 
-@pytest.mark.parametrize("strategy", ["ring", pytest.param("ulysses", marks=pytest.mark.strategies), "auto"])
+@pytest.mark.parametrize("strategy", ["ring", pytest.param("ulysses", marks=pytest.mark.strategies),
+                                      pytest.param("auto", marks=pytest.mark.slow)])
 def test_collectives_per_forward_backward_do_not_depend_on_depth(strategy):
     per_rank = run_ranks(2, _depth_worker, strategy, timeout=240)
     for counts in per_rank:

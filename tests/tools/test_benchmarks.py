@@ -512,6 +512,7 @@ def test_strategies_smoke(tmp_path):
     assert os.path.getsize(written) > 5000
 
 
+@pytest.mark.slow  # 8 s
 def test_hybrids_smoke(tmp_path):
     """``bench_hybrids.py --smoke``: a hybrid model on 2 gloo ranks equals itself on one rank, its
     mixers moved halos and states (bytes > 0, far below what head parallelism would move), and the
