@@ -55,6 +55,7 @@ def worker(args) -> None:
     from trl import DistillationConfig, DistillationTrainer
 
     from cp_attention.integrations.trainers import CPDistillationTrainer
+    from cp_attention.tools.launch import leave_together
     from cp_attention.tools.tiny_models import tiny_config, tiny_model
 
     torch.set_num_threads(1)
@@ -97,9 +98,7 @@ def worker(args) -> None:
     trainer.train()
     with open(os.path.join(args.out_dir, f"peak-{world}-{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": world, "peaks": peaks}, f)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave_together()
 
 
 def measure(world: int, vocab: int, grid: dict, folder: str, timeout: float) -> dict:

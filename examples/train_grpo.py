@@ -41,6 +41,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 import cp_attention
 from cp_attention.integrations.trainers import CPGRPOTrainer, CPRLOOTrainer  # CP
+from cp_attention.tools.launch import leave_together
 from cp_attention.tools.tiny_models import tiny_model
 from train_sft import VOCAB
 from train_sft import tokenizer as word_tokenizer
@@ -248,9 +249,7 @@ def train(trainer, logs: Logs, out: str) -> None:
 
 
 def finish() -> None:
-    if torch.distributed.is_initialized():  # torchrun hygiene: the ranks leave together, the group torn down
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave_together()  # torchrun hygiene: the ranks leave together, past the interpreter's teardown of gloo
 
 
 def run(options, out: str) -> None:

@@ -32,6 +32,7 @@ from trl import SFTConfig, SFTTrainer
 
 import cp_attention
 from cp_attention.integrations.trainers import CPSFTTrainer  # CP
+from cp_attention.tools.launch import leave_together
 from cp_attention.tools.tiny_models import tiny_model
 
 VOCAB = 128
@@ -106,9 +107,7 @@ def main(argv=None) -> None:
         stats = cp_attention.last_plan_stats()  # the last cp_flash layer call: how many ranks shared its sequence
         with open(os.path.join(args.out, "cp.json"), "w") as f:
             json.dump({"world_size": None if stats is None else stats.world_size}, f)
-    if torch.distributed.is_initialized():  # torchrun hygiene: the ranks leave together, the group torn down
-        torch.distributed.barrier()         # (gloo left to the interpreter's exit can abort the process)
-        torch.distributed.destroy_process_group()
+    leave_together()  # torchrun hygiene: the ranks leave together, past the interpreter's teardown of gloo
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch
 from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from cp_attention.integrations.trainers import CPTrainer  # CP
+from cp_attention.tools.launch import leave_together
 from cp_attention.tools.tiny_models import tiny_config, tiny_model
 
 
@@ -155,9 +156,7 @@ def main(argv=None) -> None:
             json.dump(losses, f)
         torch.save({k: v.detach().cpu() for k, v in trainer.model.state_dict().items()},
                    os.path.join(args.out, "params.pt"))
-    if torch.distributed.is_initialized():  # torchrun hygiene: the ranks leave together, the group torn down
-        torch.distributed.barrier()         # (gloo left to the interpreter's exit can abort the process)
-        torch.distributed.destroy_process_group()
+    leave_together()  # torchrun hygiene: the ranks leave together, past the interpreter's teardown of gloo
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import queue as queue_mod
 import signal
 import socket
 import subprocess
+import sys
 import time
 import traceback
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_ranks", "run_command"]
+__all__ = ["free_port", "leave_together", "run_ranks", "run_command"]
 
 
 def free_port() -> int:
@@ -85,6 +86,44 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
     return [results[r][1] for r in range(world_size)]
 
 
+def _descendants(root: int) -> list[int]:
+    """The pids of every process below ``root`` (read from /proc; empty where there is none)."""
+    parents: dict[int, list[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(name))
+    found, todo = [], [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def leave_together(code: int = 0) -> None:
+    """The end of a torchrun script (a no-op without a process group): the ranks wait for each other (a
+    barrier), then each process exits at once with ``code`` (``os._exit``, its output flushed), skipping
+    the interpreter's teardown. There a DDP model's last reference to a gloo process group can be dropped
+    while that group's worker thread waits for the GIL the dropping thread holds (torch's
+    ``~ProcessGroupGloo`` joins the thread): a hang seen in CI after training had finished."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_command(cmd: list[str], *, timeout: float, env=None, cwd=None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True)`` in a session of its own: on ``timeout``
     the whole process group is killed (torchrun's workers with it, not only torchrun) before
@@ -94,10 +133,16 @@ def run_command(cmd: list[str], *, timeout: float, env=None, cwd=None) -> subpro
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stray = _descendants(proc.pid)  # torchrun starts its workers in sessions of their own
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in stray:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.communicate()
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -198,10 +198,8 @@ trainer = SFTTrainer(model=tiny_model("mistral", "cp_flash", window=8), args=con
                      train_dataset=train_sft.dataset(), processing_class=train_sft.tokenizer())
 trainer.train()
 print("TRAINED", flush=True)
-import torch.distributed as dist
-if dist.is_initialized():  # torn down here, not by the interpreter (gloo's threads then abort the exit)
-    dist.barrier()
-    dist.destroy_process_group()
+from cp_attention.tools.launch import leave_together
+leave_together()  # the ranks leave together, past the interpreter's teardown of gloo
 """
 
 
